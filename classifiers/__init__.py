@@ -1,0 +1,1 @@
+"""Request classification: features, domain, output-length prediction and shapes."""

@@ -1,0 +1,1 @@
+"""The fleet: pools, replicas, routing, health, drift, repartitioning, actuators and the emulated replica."""

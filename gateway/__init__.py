@@ -1,0 +1,1 @@
+"""Polymorph gateway: the aiohttp front door, tenants, admission, metrics and the CLI."""

@@ -1,0 +1,56 @@
+"""The one `polymorph` command.
+
+Each package owns its subcommands in its own ``cli.py``: ``register(subparsers)`` adds top-level
+commands and ``register_bench(bench_subparsers)`` adds ``polymorph bench <name>`` entries. Handlers
+import their heavy modules lazily so that ``polymorph --help`` stays instant.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Sequence
+
+from classifiers import cli as classifiers_cli
+from fleet import cli as fleet_cli
+from gateway import serve_cli
+from kernels import cli as kernels_cli
+from loadtest import cli as loadtest_cli
+
+_PACKAGES = (serve_cli, classifiers_cli, kernels_cli, fleet_cli, loadtest_cli)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="polymorph",
+        description=(
+            "Polymorph: a workload-aware, OpenAI-compatible gateway that classifies requests, "
+            "routes them to the pool compiled for their shape, and retunes the fleet as traffic drifts."
+        ),
+        epilog="Run `polymorph <command> --help` for each command's options.",
+    )
+    commands = parser.add_subparsers(dest="command", metavar="<command>", required=True)
+    bench = commands.add_parser(
+        "bench",
+        help="benchmarks that print one JSON line of side-by-side ratios",
+        description="Benchmarks. Each prints a table and, last, one JSON line.",
+    )
+    benches = bench.add_subparsers(dest="bench", metavar="<benchmark>", required=True)
+    for package in _PACKAGES:
+        package.register(commands)
+        package.register_bench(benches)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        code = args.handler(args)
+    except KeyboardInterrupt:
+        code = 130
+    return int(code or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

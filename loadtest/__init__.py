@@ -1,0 +1,1 @@
+"""Production-shaped workloads, the live load generator, reports and plots."""
