@@ -1,0 +1,113 @@
+"""Predicted output tokens (p50, p90) that learn online from finished responses.
+
+Each (tenant, domain) key, and each domain across tenants, keeps a log-binned histogram of the
+``usage.completion_tokens`` it saw, with exponential decay so it tracks drift and its memory is a
+fixed array whatever the traffic. Quantiles are recomputed when a response is observed, so the
+hot path (``predict``) is two dict look-ups. A key with few observations blends towards the
+domain-wide sketch, then towards a per-domain prior; ``max_tokens`` caps both quantiles.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+
+# Bins are powers of GAMMA: a quantile is off by at most ~GAMMA/2 relative (4%), up to MAX_TOKENS.
+GAMMA = 1.08
+MAX_TOKENS = 1 << 17
+NUM_BINS = int(math.log(MAX_TOKENS) / math.log(GAMMA)) + 2
+_BIN_UPPER = np.power(GAMMA, np.arange(NUM_BINS, dtype=np.float64))
+_LOG_GAMMA = math.log(GAMMA)
+
+# Rough per-domain priors (p50, p90) for a chat model answering with no max_tokens pressure;
+# used only until a key has history, and pulled towards it after a handful of responses.
+DOMAIN_PRIORS: dict[str, tuple[int, int]] = {
+    "code": (320, 900),
+    "math": (260, 650),
+    "summarization": (140, 350),
+    "extraction": (90, 300),
+    "classification": (8, 60),
+    "creative_writing": (420, 950),
+    "brainstorming": (350, 800),
+    "qa": (90, 400),
+    "chat": (160, 500),
+}
+_FALLBACK_PRIOR = (200, 600)
+PRIOR_WEIGHT = 8.0  # observations that weigh as much as the prior
+DEFAULT_MAX_HISTORY_PER_KEY = 512
+DEFAULT_MAX_KEYS = 10_000
+
+
+@dataclass(slots=True)
+class QuantileSketch:
+    """Exponentially decayed log histogram: effective memory ``1 / (1 - decay)`` observations."""
+
+    counts: np.ndarray
+    decay: float
+    weight: float = 0.0
+    p50: float = 0.0
+    p90: float = 0.0
+
+    @classmethod
+    def empty(cls, max_history: int) -> QuantileSketch:
+        return cls(np.zeros(NUM_BINS), 1.0 - 1.0 / max(1, max_history))
+
+    def add(self, value: int) -> None:
+        index = min(NUM_BINS - 1, max(0, math.ceil(math.log(max(1, value)) / _LOG_GAMMA)))
+        self.counts *= self.decay
+        self.counts[index] += 1.0
+        self.weight = self.weight * self.decay + 1.0
+        cumulative = np.cumsum(self.counts)
+        p50_i, p90_i = np.searchsorted(cumulative, (0.5 * cumulative[-1], 0.9 * cumulative[-1]))
+        self.p50, self.p90 = float(_BIN_UPPER[p50_i]), float(_BIN_UPPER[p90_i])
+
+
+class OutputPredictor:
+    """Per (tenant, domain) output-length quantiles with bounded memory (LRU over keys)."""
+
+    __slots__ = ("_sketches", "_max_history", "_max_keys")
+
+    def __init__(self, max_history_per_key: int = DEFAULT_MAX_HISTORY_PER_KEY, max_keys: int = DEFAULT_MAX_KEYS):
+        if max_history_per_key < 1 or max_keys < 1:
+            raise ValueError("max_history_per_key and max_keys must be >= 1")
+        self._sketches: dict[tuple[str, str], QuantileSketch] = {}
+        self._max_history = max_history_per_key
+        self._max_keys = max_keys
+
+    @property
+    def num_keys(self) -> int:
+        return len(self._sketches)
+
+    def predict(self, tenant: str, domain: str, prompt_tokens: int, max_tokens: int | None) -> tuple[int, int]:
+        """(p50, p90) completion tokens for a request; never above ``max_tokens``."""
+        prior_p50, prior_p90 = DOMAIN_PRIORS.get(domain, _FALLBACK_PRIOR)
+        if domain in ("summarization", "extraction"):
+            # outputs of these grow with the input, sublinearly
+            scale = min(4.0, max(0.5, math.sqrt(prompt_tokens / 1000.0)))
+            prior_p50, prior_p90 = prior_p50 * scale, prior_p90 * scale
+        p50, p90 = float(prior_p50), float(prior_p90)
+        for key in (("*", domain), (tenant, domain)):
+            sketch = self._sketches.get(key)
+            if sketch is not None:
+                trust = sketch.weight / (sketch.weight + PRIOR_WEIGHT)
+                p50 += trust * (sketch.p50 - p50)
+                p90 += trust * (sketch.p90 - p90)
+        if max_tokens is not None and max_tokens > 0:
+            p50, p90 = min(p50, max_tokens), min(p90, max_tokens)
+        p50_int = max(1, round(p50))
+        return p50_int, max(p50_int, round(p90))
+
+    def observe(self, tenant: str, domain: str, completion_tokens: int) -> None:
+        """Learn from one finished response's ``usage.completion_tokens``."""
+        if completion_tokens < 0:
+            return
+        for key in (("*", domain), (tenant, domain)):
+            sketch = self._sketches.pop(key, None)  # re-insert: dict order is the LRU order
+            if sketch is None:
+                sketch = QuantileSketch.empty(self._max_history)
+                if len(self._sketches) >= self._max_keys:
+                    del self._sketches[next(iter(self._sketches))]
+            sketch.add(completion_tokens)
+            self._sketches[key] = sketch

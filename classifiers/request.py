@@ -1,0 +1,148 @@
+"""The gateway's classifier: one OpenAI request body in, one :class:`Shape` out, on the hot path.
+
+Everything that can fail (model files, tokenizer file, rules) fails in :meth:`RequestClassifier.load`
+with a :class:`ClassifierLoadError`; :meth:`RequestClassifier.classify` never raises on a body the
+gateway has validated.
+"""
+
+from __future__ import annotations
+
+import zlib
+from collections.abc import Callable, Mapping
+from typing import Any
+
+from classifiers.domain import DomainModel, ModelFileError, builtin_model_dir, load_domain_model
+from classifiers.output_predictor import DEFAULT_MAX_HISTORY_PER_KEY, OutputPredictor
+from classifiers.shape import DOMAINS, Shape, ShapeRules, default_shape_rules
+from classifiers.tokens import ExactTokenCounter, content_text, count_chat_tokens, estimate_tokens
+
+class ClassifierLoadError(Exception):
+    """The classifier cannot start: the message says which file or setting and why."""
+
+
+def prefix_fingerprint(messages: list) -> int:
+    """Stable 32-bit hash of the system prompt(s) leading a chat (0 when there is none).
+
+    crc32 rather than ``hash()``: it must agree across processes and restarts for prefix affinity.
+    """
+    crc = 0
+    for message in messages:
+        if not isinstance(message, Mapping) or message.get("role") not in ("system", "developer"):
+            break
+        text, _ = content_text(message.get("content"))
+        crc = zlib.crc32(text.encode("utf-8", "surrogatepass"), crc)
+    return crc
+
+
+def _chat_text(messages: list) -> str:
+    """The text the domain model reads: the last user turn (what is asked now), else the last turn."""
+    for message in reversed(messages):
+        if isinstance(message, Mapping) and message.get("role") == "user":
+            return content_text(message.get("content"))[0]
+    if messages and isinstance(messages[-1], Mapping):
+        return content_text(messages[-1].get("content"))[0]
+    return ""
+
+
+def _prompt_text(prompt: Any) -> tuple[str, int]:
+    """(text, pre-tokenized count) of a completion ``prompt``: str, list of str, or token ids."""
+    if isinstance(prompt, str):
+        return prompt, 0
+    if isinstance(prompt, list) and prompt:
+        if all(isinstance(item, int) for item in prompt):
+            return "", len(prompt)
+        if isinstance(prompt[0], list):  # a batch of token-id lists
+            return "", sum(len(item) for item in prompt if isinstance(item, list))
+        return "\n".join(item for item in prompt if isinstance(item, str)), 0
+    return "", 0
+
+
+def _max_tokens(body: Mapping) -> int | None:
+    value = body.get("max_completion_tokens", body.get("max_tokens"))
+    return value if isinstance(value, int) and not isinstance(value, bool) else None
+
+
+class RequestClassifier:
+    """Features, domain, predicted output and shape of each request; learns from finished ones."""
+
+    __slots__ = ("domain_model", "rules", "predictor", "_count_text", "tokenizer_path")
+
+    def __init__(self, domain_model: DomainModel, rules: ShapeRules, predictor: OutputPredictor,
+                 count_text: Callable[[str], int] = estimate_tokens, tokenizer_path: str | None = None) -> None:
+        self.domain_model = domain_model
+        self.rules = rules
+        self.predictor = predictor
+        self._count_text = count_text
+        self.tokenizer_path = tokenizer_path
+
+    @classmethod
+    def load(cls, model: str = "builtin", tokenizer: str | None = None, rules: ShapeRules | None = None,
+             max_history_per_key: int = DEFAULT_MAX_HISTORY_PER_KEY) -> RequestClassifier:
+        """Load the domain model (``builtin`` or a directory) and optional ``tokenizer.json``."""
+        model_dir = builtin_model_dir() if model == "builtin" else model
+        try:
+            domain_model = load_domain_model(model_dir)
+        except ModelFileError as exc:
+            raise ClassifierLoadError(f"classifier.model={model!r}: {exc}") from exc
+        unknown = sorted(set(domain_model.classes) - set(DOMAINS))
+        if unknown:
+            raise ClassifierLoadError(f"classifier.model={model!r}: unknown domains {unknown}; expected {DOMAINS}")
+        count_text: Callable[[str], int] = estimate_tokens
+        if tokenizer is not None:
+            try:
+                count_text = ExactTokenCounter(tokenizer).count
+            except (FileNotFoundError, ValueError) as exc:
+                raise ClassifierLoadError(f"classifier.tokenizer={tokenizer!r}: {exc}") from exc
+        try:
+            predictor = OutputPredictor(max_history_per_key)
+        except ValueError as exc:
+            raise ClassifierLoadError(str(exc)) from exc
+        return cls(domain_model, rules or default_shape_rules(), predictor, count_text, tokenizer)
+
+    def classify(self, body: Mapping, *, chat: bool, tenant: str, tier: str) -> Shape:
+        """Classify one parsed OpenAI chat (``chat=True``) or completion request body."""
+        num_messages = 0
+        prefix_fp = 0
+        if chat:
+            messages = body.get("messages")
+            if not isinstance(messages, list):
+                messages = []
+            num_messages = len(messages)
+            prefix_fp = prefix_fingerprint(messages)
+            prompt_tokens = count_chat_tokens(messages, self._count_text)
+            text = _chat_text(messages)
+        else:
+            text, num_token_ids = _prompt_text(body.get("prompt"))
+            prompt_tokens = num_token_ids or self._count_text(text)
+        tools = body.get("tools") or body.get("functions")
+        if tools:
+            prompt_tokens += self._count_text(repr(tools))  # tool schemas are part of the prompt
+        domain, confidence = self.domain_model.predict(text)  # reads a bounded head and tail only
+        max_tokens = _max_tokens(body)
+        p50, p90 = self.predictor.predict(tenant, domain, prompt_tokens, max_tokens)
+        response_format = body.get("response_format")
+        return Shape(
+            name=self.rules.select(tier, domain, tenant, prompt_tokens, p50),  # rules read the median
+            domain=domain,
+            domain_confidence=confidence,
+            prompt_tokens=prompt_tokens,
+            predicted_output_p50=p50,
+            predicted_output_p90=p90,
+            tier=tier,
+            tenant=tenant,
+            prefix_fp=prefix_fp,
+            max_tokens=max_tokens,
+            stream=body.get("stream") is True,
+            num_messages=num_messages,
+            has_tools=bool(tools),
+            json_mode=isinstance(response_format, Mapping)
+            and response_format.get("type") in ("json_object", "json_schema"),
+        )
+
+    def with_rules(self, rules: ShapeRules) -> RequestClassifier:
+        """The same model and learned history under new shape rules (a config reload)."""
+        return RequestClassifier(self.domain_model, rules, self.predictor, self._count_text, self.tokenizer_path)
+
+    def observe(self, shape: Shape, completion_tokens: int) -> None:
+        """Learn from a finished response's ``usage.completion_tokens``."""
+        self.predictor.observe(shape.tenant, shape.domain, completion_tokens)

@@ -1,0 +1,219 @@
+"""Train, score and export the domain model.
+
+Rebuild the shipped artefact with one command (reads ../shared/data, writes classifiers/model/):
+
+    python -m classifiers.train --shared ../shared/data --out classifiers/model
+
+``polymorph classifiers train --data FILE.jsonl --out DIR`` runs the same code on a user's set.
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import sys
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from classifiers.datasets import (
+    Example,
+    cap_per_class,
+    digest_files,
+    load_jsonl_examples,
+    load_shared_examples,
+    split_by_group,
+)
+from classifiers.domain import DomainModel, analyze
+from classifiers.shape import DOMAINS
+
+MODEL_VERSION = "domain-1.0"
+MAX_FEATURES = 40_000
+MAX_TRAIN_PER_CLASS = 1500
+REGULARIZATION_C = 20.0
+
+TRAINING_SETS_ATTRIBUTION = [
+    {"set": "gsm8k", "source": "openai/grade-school-math", "licence": "MIT", "used_as": "math"},
+    {"set": "mbpp", "source": "google-research/google-research mbpp", "licence": "CC BY 4.0", "used_as": "code"},
+    {
+        "set": "t0",
+        "source": "BigScience P3 / PromptSource templates via yizhongw/self-instruct",
+        "licence": "templates Apache-2.0; each underlying dataset keeps its own licence (mostly research use)",
+        "used_as": "summarization, extraction, classification, creative_writing, brainstorming, qa",
+    },
+    {
+        "set": "alpaca seed tasks",
+        "source": "tatsu-lab/stanford_alpaca (= self-instruct seed tasks)",
+        "licence": "CC BY-NC 4.0 (data), Apache-2.0 (code)",
+        "used_as": "classification (is_classification rows)",
+    },
+    {
+        "set": "alpaca_eval helpful_base",
+        "source": "tatsu-lab/alpaca_eval (Anthropic HH helpful-base first turns)",
+        "licence": "Apache-2.0 (repo); HH-RLHF is MIT",
+        "used_as": "chat (weak label by source rule)",
+    },
+]
+
+
+@dataclass(frozen=True, slots=True)
+class Scores:
+    """Held-out scores of one trained model."""
+
+    macro_f1: float
+    accuracy: float
+    per_class_f1: dict[str, float]
+    per_class_accuracy: dict[str, float]  # recall: share of a class's rows labelled right
+    per_class_support: dict[str, int]
+    num_train: int
+    num_test: int
+
+    def as_dict(self) -> dict:
+        return {
+            "macro_f1": round(self.macro_f1, 4),
+            "accuracy": round(self.accuracy, 4),
+            "per_class_f1": {k: round(v, 4) for k, v in self.per_class_f1.items()},
+            "per_class_accuracy": {k: round(v, 4) for k, v in self.per_class_accuracy.items()},
+            "per_class_support": self.per_class_support,
+            "num_train": self.num_train,
+            "num_test": self.num_test,
+        }
+
+
+def build_pipeline(max_features: int = MAX_FEATURES, c: float = REGULARIZATION_C):  # -> sklearn Pipeline
+    from sklearn.feature_extraction.text import TfidfVectorizer
+    from sklearn.linear_model import LogisticRegression
+    from sklearn.pipeline import Pipeline
+
+    vectorizer = TfidfVectorizer(
+        analyzer=analyze, binary=True, min_df=2, max_features=max_features, norm="l2", dtype=np.float64
+    )
+    model = LogisticRegression(C=c, class_weight="balanced", max_iter=2000)
+    return Pipeline([("features", vectorizer), ("linear", model)])
+
+
+def fit_pipeline(examples: Sequence[Example], max_features: int = MAX_FEATURES, c: float = REGULARIZATION_C):
+    if len({example.label for example in examples}) < 2:
+        raise ValueError("training needs at least two distinct labels")
+    pipeline = build_pipeline(max_features, c)
+    pipeline.fit([example.text for example in examples], [example.label for example in examples])
+    return pipeline
+
+
+def export_pipeline(pipeline, metadata: dict) -> DomainModel:
+    """The pipeline's weights as a DomainModel (scikit-learn is not needed to serve it)."""
+    vectorizer, linear = pipeline.named_steps["features"], pipeline.named_steps["linear"]
+    coef, intercept = linear.coef_, linear.intercept_
+    classes = tuple(str(name) for name in linear.classes_)
+    if len(classes) == 2:  # binary LogisticRegression keeps one row: expand to a score per class
+        coef, intercept = np.vstack([-coef[0] / 2, coef[0] / 2]), np.array([-intercept[0] / 2, intercept[0] / 2])
+    return DomainModel(
+        classes=classes,
+        vocabulary={str(term): int(i) for term, i in vectorizer.vocabulary_.items()},
+        idf=np.asarray(vectorizer.idf_, dtype=np.float64),
+        coef=np.ascontiguousarray(coef.T, dtype=np.float64),
+        intercept=np.asarray(intercept, dtype=np.float64),
+        metadata=metadata,
+    )
+
+
+def score(model: DomainModel, test: Sequence[Example], num_train: int) -> Scores:
+    from sklearn.metrics import f1_score
+
+    truth = [example.label for example in test]
+    predicted = [model.predict(example.text)[0] for example in test]
+    labels = [name for name in DOMAINS if name in set(truth)]
+    f1s = f1_score(truth, predicted, labels=labels, average=None, zero_division=0)
+    support = {label: truth.count(label) for label in labels}
+    correct = {label: sum(1 for t, p in zip(truth, predicted) if t == label and p == label) for label in labels}
+    return Scores(
+        macro_f1=float(np.mean(f1s)),
+        accuracy=sum(t == p for t, p in zip(truth, predicted)) / len(truth),
+        per_class_f1={label: float(f1) for label, f1 in zip(labels, f1s)},
+        per_class_accuracy={label: correct[label] / support[label] for label in labels},
+        per_class_support=support,
+        num_train=num_train,
+        num_test=len(test),
+    )
+
+
+def train_and_score(
+    examples: Sequence[Example], seed: int = 0, max_per_class: int = MAX_TRAIN_PER_CLASS
+) -> tuple[DomainModel, Scores]:
+    """Fit on the train side of a group split, score on the held-out side, then refit on everything.
+
+    The shipped model is the refit (it has seen every group); its metadata carries the held-out
+    scores of the model fitted without the test groups.
+    """
+    rng = random.Random(seed)
+    train, test = split_by_group(examples, seed)
+    if not train or not test:
+        raise ValueError("the group split left one side empty: add more rows or groups")
+    held_out = export_pipeline(fit_pipeline(cap_per_class(train, max_per_class, rng)), {})
+    scores = score(held_out, test, len(train))
+    final = export_pipeline(fit_pipeline(cap_per_class(list(examples), max_per_class, rng)), {})
+    return final, scores
+
+
+def _metadata(scores: Scores, data_digest: str, data_desc: str, attribution: list[dict]) -> dict:
+    import sklearn
+
+    return {
+        "model_version": MODEL_VERSION,
+        "sklearn_version": sklearn.__version__,
+        "numpy_version": np.__version__,
+        "training_data": data_desc,
+        "training_data_sha256": data_digest,
+        "held_out_scores": scores.as_dict(),
+        "attribution": attribution,
+    }
+
+
+def print_scores(scores: Scores, out=sys.stdout) -> None:
+    print(f"held-out rows {scores.num_test} (trained on {scores.num_train})", file=out)
+    print(f"{'domain':<18}{'support':>8}{'F1':>8}{'acc':>8}", file=out)
+    for label, f1 in scores.per_class_f1.items():
+        print(
+            f"{label:<18}{scores.per_class_support[label]:>8}{f1:>8.3f}{scores.per_class_accuracy[label]:>8.3f}",
+            file=out,
+        )
+    print(f"{'macro-F1':<18}{'':>8}{scores.macro_f1:>8.3f}{scores.accuracy:>8.3f}", file=out)
+
+
+def train_to_dir(examples: Sequence[Example], out_dir: Path, data_digest: str, data_desc: str,
+                 attribution: list[dict]) -> Scores:
+    model, scores = train_and_score(examples)
+    model = DomainModel(
+        model.classes, model.vocabulary, model.idf, model.coef, model.intercept,
+        _metadata(scores, data_digest, data_desc, attribution),
+    )
+    model.save(out_dir)
+    return scores
+
+
+def main_train(args: argparse.Namespace) -> int:
+    """`polymorph classifiers train`: from a user's JSONL (--data) or the shared sets (--shared)."""
+    if args.data is not None:
+        data_path = Path(args.data)
+        examples = load_jsonl_examples(data_path)
+        digest, desc, attribution = digest_files([data_path]), str(data_path.name), []
+    else:
+        shared = Path(args.shared)
+        examples = load_shared_examples(shared)
+        files = sorted((shared / "prompts" if (shared / "prompts").is_dir() else shared).glob("*/prompts.jsonl*"))
+        digest, desc, attribution = digest_files(files), "shared prompt sets: " + ", ".join(
+            f.parent.name for f in files), TRAINING_SETS_ATTRIBUTION
+    scores = train_to_dir(examples, Path(args.out), digest, desc, attribution)
+    print_scores(scores)
+    print(f"model written to {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    _parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    from classifiers.cli import add_train_arguments
+
+    add_train_arguments(_parser)
+    sys.exit(main_train(_parser.parse_args()))

@@ -1,0 +1,1 @@
+"""Actuators start, stop and move replicas: on this host (local) or on a Ray cluster."""

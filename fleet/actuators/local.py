@@ -1,0 +1,114 @@
+"""The local actuator: replicas as child processes on this host.
+
+It starts whatever command the caller names (an emulated replica by default, or a real
+``python -m sglang.launch_server`` rendered from a compiled configuration), on a free loopback port,
+waits for ``/health``, and stops it by PID. Children are tied to this process's life (Linux
+``PR_SET_PDEATHSIG``), so a killed gateway leaves no orphaned replica behind.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+_PR_SET_PDEATHSIG = 1
+
+
+def _die_with_parent() -> None:
+    try:
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+    except OSError:
+        pass  # not Linux: the gateway's shutdown hook still stops its children
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket() as sock:
+        sock.bind((host, 0))
+        return int(sock.getsockname()[1])
+
+
+@dataclass(frozen=True, slots=True)
+class LaunchSpec:
+    """One replica to start: its name and the command line (the port is appended as ``--port N``)."""
+
+    name: str
+    argv: tuple[str, ...]
+
+
+@dataclass(slots=True)
+class LocalReplica:
+    spec: LaunchSpec
+    url: str
+    process: subprocess.Popen[bytes]
+    log_path: Path
+
+
+class LocalActuator:
+    def __init__(self, log_dir: Path, host: str = "127.0.0.1") -> None:
+        self.log_dir = log_dir
+        self.host = host
+        self.replicas: list[LocalReplica] = []
+
+    def start(self, spec: LaunchSpec) -> LocalReplica:
+        port = free_port(self.host)
+        self.log_dir.mkdir(parents=True, exist_ok=True)
+        log_path = self.log_dir / f"{spec.name}.log"
+        with open(log_path, "ab") as log:
+            process = subprocess.Popen(
+                [*spec.argv, "--host", self.host, "--port", str(port)],
+                stdin=subprocess.DEVNULL,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                preexec_fn=_die_with_parent if sys.platform.startswith("linux") else None,
+            )
+        replica = LocalReplica(spec, f"http://{self.host}:{port}", process, log_path)
+        self.replicas.append(replica)
+        return replica
+
+    def wait_healthy(self, replicas: Sequence[LocalReplica], timeout_s: float) -> list[LocalReplica]:
+        """Block until each replica answers ``/health`` with 200; return those that never did."""
+        deadline = time.monotonic() + timeout_s
+        pending = list(replicas)
+        while pending and time.monotonic() < deadline:
+            for replica in list(pending):
+                if replica.process.poll() is not None:
+                    continue
+                try:
+                    with urllib.request.urlopen(replica.url + "/health", timeout=1.0) as resp:
+                        if resp.status == 200:
+                            pending.remove(replica)
+                except (urllib.error.URLError, OSError):
+                    pass
+            if pending:
+                time.sleep(0.1)
+        return pending
+
+    def stop(self, replica: LocalReplica, grace_s: float = 5.0) -> None:
+        if replica.process.poll() is None:
+            replica.process.terminate()
+            try:
+                replica.process.wait(grace_s)
+            except subprocess.TimeoutExpired:
+                replica.process.kill()
+                replica.process.wait()
+        if replica in self.replicas:
+            self.replicas.remove(replica)
+
+    def stop_all(self) -> None:
+        for replica in list(self.replicas):
+            self.stop(replica)
+
+
+def emulated_replica_argv(command: Sequence[str], model: str, gpu: str, engine_json: str, speed: float) -> tuple[str, ...]:
+    """The command line of an emulated replica; ``command`` is how to invoke ``polymorph emulate``."""
+    return (*command, "--model", model, "--gpu", gpu, "--config", engine_json, "--speed", f"{speed:g}", "--served-model-name", model)
+

@@ -1,0 +1,98 @@
+"""Per-tenant limits: token buckets for requests and tokens per minute, and a concurrency cap.
+
+Decisions take the clock as an argument, so the same objects are exact under test.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from gateway.config import Tenant
+
+
+class TokenBucket:
+    """Refills ``rate_per_s`` up to ``burst``; ``take`` spends or says how long until it could."""
+
+    __slots__ = ("rate_per_s", "burst", "level", "updated_at")
+
+    def __init__(self, rate_per_s: float, burst: float, now: float) -> None:
+        self.rate_per_s = rate_per_s
+        self.burst = burst
+        self.level = burst
+        self.updated_at = now
+
+    def _refill(self, now: float) -> None:
+        if now > self.updated_at:
+            self.level = min(self.burst, self.level + (now - self.updated_at) * self.rate_per_s)
+            self.updated_at = now
+
+    def wait_s(self, amount: float, now: float) -> float:
+        """Seconds until ``amount`` could be taken (0 when it can be now)."""
+        self._refill(now)
+        if self.level >= amount:
+            return 0.0
+        return (min(amount, self.burst) - self.level) / self.rate_per_s
+
+    def take(self, amount: float, now: float) -> None:
+        self._refill(now)
+        self.level -= amount
+
+    def put(self, amount: float) -> None:
+        self.level = min(self.burst, self.level + amount)
+
+
+@dataclass(frozen=True, slots=True)
+class Refusal:
+    code: str
+    message: str
+    retry_after_s: float
+
+
+class TenantLimiter:
+    """The live limit state of one tenant. Rebuilt on reload only when the tenant's limits change."""
+
+    __slots__ = ("tenant", "requests", "tokens", "num_in_flight")
+
+    def __init__(self, tenant: Tenant, now: float) -> None:
+        self.tenant = tenant
+        # A minute's allowance is the burst: a tenant may use its whole per-minute budget at once.
+        self.requests = TokenBucket(tenant.requests_per_min / 60.0, tenant.requests_per_min, now)
+        self.tokens = TokenBucket(tenant.tokens_per_min / 60.0, tenant.tokens_per_min, now)
+        self.num_in_flight = 0
+
+    def admit(self, num_tokens: int, now: float) -> Refusal | None:
+        """Take one request and ``num_tokens`` from the budgets, or say why not (taking nothing)."""
+        if self.num_in_flight >= self.tenant.max_concurrency:
+            return Refusal("concurrency_limit_exceeded", f"Tenant {self.tenant.name!r} already has {self.num_in_flight} requests in flight (limit {self.tenant.max_concurrency}).", 1.0)
+        wait_s = self.requests.wait_s(1.0, now)
+        if wait_s > 0:
+            return Refusal("rate_limit_exceeded", f"Tenant {self.tenant.name!r} exceeded {self.tenant.requests_per_min:g} requests per minute.", wait_s)
+        wait_s = self.tokens.wait_s(float(num_tokens), now)
+        if wait_s > 0:
+            return Refusal("token_rate_limit_exceeded", f"Tenant {self.tenant.name!r} exceeded {self.tenant.tokens_per_min:g} tokens per minute.", wait_s)
+        self.requests.take(1.0, now)
+        self.tokens.take(float(num_tokens), now)
+        self.num_in_flight += 1
+        return None
+
+    def release(self) -> None:
+        self.num_in_flight -= 1
+
+
+class RetryBudget:
+    """Retries may add at most ``ratio`` of the request rate (plus a small floor), so they cannot amplify an outage."""
+
+    __slots__ = ("ratio", "bucket")
+
+    def __init__(self, ratio: float, now: float, floor_per_s: float = 5.0) -> None:
+        self.ratio = ratio
+        self.bucket = TokenBucket(floor_per_s, max(10.0, floor_per_s * 2), now)
+
+    def on_request(self) -> None:
+        self.bucket.put(self.ratio)
+
+    def try_spend(self, now: float) -> bool:
+        if self.bucket.wait_s(1.0, now) > 0:
+            return False
+        self.bucket.take(1.0, now)
+        return True

@@ -1,0 +1,316 @@
+"""The aiohttp application: the OpenAI-compatible endpoints, health, metrics and the admin API.
+
+A request goes: authenticate -> tier -> read and validate the body -> classify -> admit -> proxy ->
+record. Every refusal is an OpenAI error envelope with the right status; nothing raises past a handler.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import hmac
+import sys
+import time
+import traceback
+
+import aiohttp
+import orjson
+from aiohttp import web
+
+from gateway.accesslog import AccessLog
+from gateway.config import GatewayConfig, Tenant
+from gateway.errors import ApiError, error_response
+from gateway.metrics import GatewayMetrics
+from gateway.probes import HealthProber
+from gateway.proxy import Outcome, Proxy
+from gateway.runtime import Runtime, build_runtime
+from gateway.validate import validate_body
+
+_JSON = "application/json"
+_UNAUTHENTICATED = "_unauthenticated"
+STATE_KEY: web.AppKey["GatewayState"] = web.AppKey("polymorph_state")
+
+
+class GatewayState:
+    """The one mutable object behind the app: the current runtime and the long-lived I/O helpers."""
+
+    def __init__(self, config: GatewayConfig, replica_urls: dict[str, list[str]]) -> None:
+        self.replica_urls = replica_urls
+        self.metrics = GatewayMetrics()
+        self.runtime: Runtime = build_runtime(config, self.urls_for(config), None, time.monotonic())
+        self.metrics.config_version.set(self.runtime.version)
+        self.access_log = AccessLog() if config.server.access_log else None
+        self.started_at = time.time()
+        self.session: aiohttp.ClientSession | None = None
+        self.proxy: Proxy | None = None
+        self.prober: HealthProber | None = None
+
+    def urls_for(self, config: GatewayConfig) -> dict[str, list[str]]:
+        """Static URLs from the config plus the replicas an actuator started for each pool."""
+        return {p.name: [*p.urls, *self.replica_urls.get(p.name, [])] for p in config.pools}
+
+    def apply(self, config: GatewayConfig) -> Runtime:
+        """Swap in a new config version; in-flight requests keep the runtime they started with."""
+        self.runtime = build_runtime(config, self.urls_for(config), self.runtime, asyncio.get_running_loop().time())
+        self.metrics.config_version.set(self.runtime.version)
+        return self.runtime
+
+
+def _authenticate(request: web.Request, runtime: Runtime) -> Tenant:
+    header = request.headers.get("Authorization", "")
+    if not header.startswith("Bearer ") or len(header) <= 7:
+        raise ApiError(401, "Missing API key: send it as 'Authorization: Bearer <key>'.", "missing_api_key")
+    # Keys are looked up by their SHA-256: a timing difference could only reveal digest prefixes,
+    # never the key, and the final comparison is constant-time.
+    digest = hashlib.sha256(header[7:].strip().encode("utf-8", "surrogateescape")).hexdigest()
+    tenant = runtime.tenant_by_key_hash.get(digest)
+    if tenant is None or not any(hmac.compare_digest(digest, h) for h in tenant.key_sha256):
+        raise ApiError(401, "Invalid API key.", "invalid_api_key")
+    return tenant
+
+
+def _tier(request: web.Request, tenant: Tenant, runtime: Runtime) -> str:
+    asked = request.headers.get("x-polymorph-tier")
+    if asked is None:
+        return tenant.default_tier
+    if asked not in runtime.config.tiers:
+        raise ApiError(400, f"Unknown tier {asked[:64]!r} in x-polymorph-tier; configured tiers: {', '.join(runtime.config.tiers)}.", "unknown_tier", "x-polymorph-tier")
+    if asked not in tenant.tiers:
+        raise ApiError(403, f"Tier {asked!r} is not allowed for this key (allowed: {', '.join(tenant.tiers)}).", "tier_not_allowed", "x-polymorph-tier")
+    return asked
+
+
+async def _read_json(request: web.Request, max_body_bytes: int) -> tuple[bytes, object]:
+    length = request.content_length
+    if length is not None and length > max_body_bytes:
+        raise ApiError(413, f"Request body of {length} bytes exceeds the limit of {max_body_bytes} bytes.", "request_too_large")
+    try:
+        raw = await request.read()
+    except web.HTTPRequestEntityTooLarge:
+        raise ApiError(413, f"Request body exceeds the limit of {max_body_bytes} bytes.", "request_too_large") from None
+    if not raw:
+        raise ApiError(400, "The request body is empty; send a JSON object.", "invalid_json")
+    try:
+        return raw, orjson.loads(raw)
+    except orjson.JSONDecodeError as exc:
+        raise ApiError(400, f"The request body is not valid JSON: {exc}.", "invalid_json") from None
+
+
+class Handlers:
+    def __init__(self, state: GatewayState) -> None:
+        self.state = state
+
+    async def completions(self, request: web.Request) -> web.StreamResponse:
+        return await self._complete(request, chat=False)
+
+    async def chat_completions(self, request: web.Request) -> web.StreamResponse:
+        return await self._complete(request, chat=True)
+
+    async def _complete(self, request: web.Request, chat: bool) -> web.StreamResponse:
+        if request.method != "POST":
+            return error_response(ApiError(405, f"Use POST for {request.path}.", "method_not_allowed"))
+        state = self.state
+        runtime = state.runtime
+        loop = asyncio.get_running_loop()
+        started_at = loop.time()
+        tenant_name, tier, model, outcome = _UNAUTHENTICATED, "-", "-", Outcome()
+        shape = None
+        limiter = None
+        try:
+            tenant = _authenticate(request, runtime)
+            tenant_name = tenant.name
+            tier = _tier(request, tenant, runtime)
+            raw, body = await _read_json(request, runtime.config.server.max_body_bytes)
+            model, stream, max_tokens = validate_body(body, chat)
+            if not any(pool.serves(model) for pool in runtime.pools):
+                raise ApiError(404, f"The model {model[:200]!r} does not exist on this gateway.", "model_not_found", "model")
+            if not tenant.may_use_model(model):
+                raise ApiError(403, f"This key may not use model {model[:200]!r}.", "model_not_allowed", "model")
+            shape = runtime.classifier.classify(body, chat=chat, tenant=tenant.name, tier=tier)  # type: ignore[arg-type]
+            state.metrics.child(state.metrics.shapes, shape.name, shape.domain).inc()
+            limiter = runtime.limiters[tenant.name]
+            refusal = limiter.admit(shape.prompt_tokens + (max_tokens or shape.predicted_output_p50), loop.time())
+            if refusal is not None:
+                limiter = None
+                raise ApiError(429, refusal.message, refusal.code, retry_after_s=refusal.retry_after_s)
+            assert state.proxy is not None
+            response = await state.proxy.forward(request, runtime, shape, model, raw, stream, outcome)
+        except ApiError as err:
+            outcome.status = err.status
+            if err.status < 500:
+                state.metrics.reject(tenant_name, err.code)
+            response = error_response(err, {"x-polymorph-shape": shape.name} if shape is not None else None)
+        except Exception:  # a bug must cost one request a 500, never the process or a hang
+            traceback.print_exc(file=sys.stderr)
+            outcome.status = 500
+            response = error_response(ApiError(500, "Internal gateway error; it has been logged.", "internal_error"))
+        finally:
+            if limiter is not None:
+                limiter.release()
+        self._record(runtime, tenant_name, tier, model, shape, outcome, loop.time() - started_at)
+        return response
+
+    def _record(self, runtime: Runtime, tenant: str, tier: str, model: str, shape: object, outcome: Outcome, duration_s: float) -> None:
+        metrics = self.state.metrics
+        metrics.count_request(tenant, tier, outcome.pool, outcome.status)
+        if outcome.pool != "-":
+            metrics.child(metrics.e2e, tier, outcome.pool).observe(duration_s)
+            if outcome.ttft_s is not None:
+                metrics.child(metrics.ttft, tier, outcome.pool).observe(outcome.ttft_s)
+            if outcome.tpot_s is not None:
+                metrics.child(metrics.tpot, tier, outcome.pool).observe(outcome.tpot_s)
+        if outcome.completion_tokens is not None:
+            metrics.child(metrics.tokens, tenant, "completion").inc(outcome.completion_tokens)
+            if shape is not None and outcome.status == 200:
+                runtime.classifier.observe(shape, outcome.completion_tokens)  # type: ignore[arg-type]
+        if outcome.prompt_tokens is not None:
+            metrics.child(metrics.tokens, tenant, "prompt").inc(outcome.prompt_tokens)
+        log = self.state.access_log
+        if log is not None:
+            log.write(
+                {
+                    "ts": round(time.time(), 3),
+                    "tenant": tenant,
+                    "tier": tier,
+                    "model": model[:200],
+                    "shape": getattr(shape, "name", None),
+                    "domain": getattr(shape, "domain", None),
+                    "pool": outcome.pool,
+                    "replica": outcome.replica,
+                    "status": outcome.status,
+                    "attempts": outcome.attempts,
+                    "ttft_ms": round(outcome.ttft_s * 1000, 2) if outcome.ttft_s is not None else None,
+                    "duration_ms": round(duration_s * 1000, 2),
+                    "prompt_tokens": outcome.prompt_tokens,
+                    "completion_tokens": outcome.completion_tokens,
+                    "stream_error": outcome.stream_error,
+                }
+            )
+
+    async def models(self, request: web.Request) -> web.Response:
+        if request.method != "GET":
+            return error_response(ApiError(405, "Use GET for /v1/models.", "method_not_allowed"))
+        runtime = self.state.runtime
+        try:
+            tenant = _authenticate(request, runtime)
+        except ApiError as err:
+            return error_response(err)
+        data = [
+            {"id": model, "object": "model", "created": 0, "owned_by": "polymorph"}
+            for model in runtime.served_models()
+            if tenant.may_use_model(model)
+        ]
+        return web.Response(body=orjson.dumps({"object": "list", "data": data}), content_type=_JSON)
+
+    async def healthz(self, request: web.Request) -> web.Response:
+        return web.Response(body=b'{"status":"ok"}', content_type=_JSON)
+
+    async def readyz(self, request: web.Request) -> web.Response:
+        now = asyncio.get_running_loop().time()
+        ready = any(r.breaker.available(now) and not r.draining for p in self.state.runtime.pools for r in p.replicas)
+        if ready:
+            return web.Response(body=b'{"status":"ready"}', content_type=_JSON)
+        return error_response(ApiError(503, "No replica is healthy yet.", "not_ready", retry_after_s=1.0))
+
+    async def metrics_endpoint(self, request: web.Request) -> web.Response:
+        return web.Response(body=self.state.metrics.render(), headers={"Content-Type": "text/plain; version=0.0.4; charset=utf-8"})
+
+    def _check_admin(self, request: web.Request) -> None:
+        expected = self.state.runtime.config.server.admin_token_sha256
+        if expected is None:
+            raise ApiError(403, "The admin API is disabled: set server.admin_token in the config.", "admin_disabled")
+        header = request.headers.get("Authorization", "")
+        token = header[7:].strip() if header.startswith("Bearer ") else ""
+        digest = hashlib.sha256(token.encode("utf-8", "surrogateescape")).hexdigest()
+        if not token or not hmac.compare_digest(digest, expected):
+            raise ApiError(401, "The admin API needs 'Authorization: Bearer <admin token>'.", "invalid_admin_token")
+
+    async def admin_state(self, request: web.Request) -> web.Response:
+        try:
+            self._check_admin(request)
+        except ApiError as err:
+            return error_response(err)
+        runtime = self.state.runtime
+        now = asyncio.get_running_loop().time()
+        pools = [
+            {
+                "name": pool.name,
+                "models": sorted(pool.models) if pool.models is not None else None,
+                "gpu": pool.gpu,
+                "shapes": sorted(pool.shapes),
+                "in_flight": pool.num_in_flight,
+                "load_fraction": round(min(pool.load_fraction(now), 1e9), 4),
+                "replicas": [
+                    {
+                        "name": r.name,
+                        "url": r.url,
+                        "health": r.breaker.state.value,
+                        "available": r.breaker.available(now),
+                        "draining": r.draining,
+                        "in_flight": r.num_in_flight,
+                        "outstanding_tokens": r.outstanding_tokens,
+                        "ejections": r.breaker.num_ejections,
+                        "models": sorted(r.models) if r.models is not None else None,
+                    }
+                    for r in pool.replicas
+                ],
+            }
+            for pool in runtime.pools
+        ]
+        body = {
+            "config": {"version": runtime.version, "source": runtime.config.source},
+            "uptime_s": round(time.time() - self.state.started_at, 1),
+            "tenants": [
+                {"name": t.name, "tiers": list(t.tiers), "in_flight": runtime.limiters[t.name].num_in_flight}
+                for t in runtime.config.tenants
+            ],
+            "shapes": list(runtime.config.shapes.names),
+            "pools": pools,
+        }
+        return web.Response(body=orjson.dumps(body), content_type=_JSON)
+
+    async def not_found(self, request: web.Request) -> web.Response:
+        return error_response(ApiError(404, f"No such endpoint: {request.method} {request.path[:200]}.", "unknown_endpoint"))
+
+
+async def _on_startup(app: web.Application) -> None:
+    state = app[STATE_KEY]
+    loop = asyncio.get_running_loop()
+    connector = aiohttp.TCPConnector(limit=0, ttl_dns_cache=300, keepalive_timeout=60, enable_cleanup_closed=True)
+    state.session = aiohttp.ClientSession(connector=connector, auto_decompress=False, json_serialize=lambda o: orjson.dumps(o).decode())
+    state.proxy = Proxy(state.session, state.metrics, state.runtime.config.upstream, loop.time())
+    state.prober = HealthProber(state)
+    await state.prober.discover_models()
+    state.prober.start()
+    if state.access_log is not None:
+        state.access_log.start()
+
+
+async def _on_cleanup(app: web.Application) -> None:
+    state = app[STATE_KEY]
+    if state.prober is not None:
+        await state.prober.stop()
+    if state.access_log is not None:
+        await state.access_log.stop()
+    if state.session is not None:
+        await state.session.close()
+
+
+def build_app(config: GatewayConfig, replica_urls: dict[str, list[str]] | None = None) -> web.Application:
+    """The gateway as an aiohttp app. Raises ClassifierLoadError early if the classifier cannot load."""
+    state = GatewayState(config, replica_urls or {})
+    app = web.Application(client_max_size=config.server.max_body_bytes)
+    app[STATE_KEY] = state
+    h = Handlers(state)
+    router = app.router
+    router.add_route("*", "/v1/chat/completions", h.chat_completions)
+    router.add_route("*", "/v1/completions", h.completions)
+    router.add_route("*", "/v1/models", h.models)
+    router.add_get("/healthz", h.healthz, allow_head=False)
+    router.add_get("/readyz", h.readyz, allow_head=False)
+    router.add_get("/metrics", h.metrics_endpoint, allow_head=False)
+    router.add_get("/admin/state", h.admin_state, allow_head=False)
+    router.add_route("*", "/{tail:.*}", h.not_found)
+    app.on_startup.append(_on_startup)
+    app.on_cleanup.append(_on_cleanup)
+    return app

@@ -1,0 +1,450 @@
+"""The gateway's configuration: typed, validated, frozen.
+
+Every user-facing mistake becomes a ``ConfigError`` naming the file, the line and the field. Objects
+are never mutated after load; a reload builds a new ``GatewayConfig`` and swaps it in whole.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from classifiers.config import ClassifierConfigError, rules_from_mapping
+from classifiers.shape import ShapeRules, default_shape_rules
+from gateway.yamlsrc import ConfigError, FieldPath, YamlDoc, load_yaml
+
+DEMO_API_KEY = "sk-polymorph-demo"
+DEMO_ADMIN_TOKEN = "polymorph-admin-demo"
+_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.:-]{0,62}$")
+_SHA256 = re.compile(r"^[0-9a-f]{64}$")
+
+
+def sha256_hex(secret: str) -> str:
+    return hashlib.sha256(secret.encode("utf-8")).hexdigest()
+
+
+@dataclass(frozen=True, slots=True)
+class ServerSettings:
+    host: str = "127.0.0.1"
+    port: int = 8080
+    max_body_bytes: int = 4 * 1024 * 1024
+    admin_token_sha256: str | None = None
+    access_log: bool = True
+
+
+@dataclass(frozen=True, slots=True)
+class UpstreamSettings:
+    connect_timeout_s: float = 2.0
+    first_byte_timeout_s: float = 120.0
+    between_chunks_timeout_s: float = 60.0
+    max_attempts: int = 3
+    retry_budget_ratio: float = 0.2
+    eject_after_failures: int = 3
+    eject_cooldown_s: float = 5.0
+    health_interval_s: float = 2.0
+
+
+@dataclass(frozen=True, slots=True)
+class TierObjectives:
+    ttft_p99_s: float
+    tpot_p99_s: float
+    deadline_s: float
+    priority: int
+
+
+DEFAULT_TIERS: Mapping[str, TierObjectives] = {
+    "interactive": TierObjectives(1.0, 0.05, 60.0, 0),
+    "standard": TierObjectives(3.0, 0.10, 300.0, 1),
+    "batch": TierObjectives(60.0, 0.50, 3600.0, 2),
+}
+
+
+@dataclass(frozen=True, slots=True)
+class Tenant:
+    name: str
+    key_sha256: frozenset[str]
+    models: frozenset[str] | None  # None: every model the fleet serves
+    tiers: tuple[str, ...]
+    default_tier: str
+    objectives: Mapping[str, TierObjectives]
+    requests_per_min: float
+    tokens_per_min: float
+    max_concurrency: int
+    source: str = "<builtin>"
+
+    def may_use_model(self, model: str) -> bool:
+        return self.models is None or model in self.models
+
+
+@dataclass(frozen=True, slots=True)
+class ClassifierSettings:
+    model: str = "builtin"
+    tokenizer: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class PoolSpec:
+    name: str
+    model: str
+    gpu: str | None
+    shapes: tuple[str, ...]
+    engine: Mapping[str, Any]
+    urls: tuple[str, ...]
+    num_emulated: int
+    min_replicas: int
+    max_replicas: int
+
+
+@dataclass(frozen=True, slots=True)
+class GatewayConfig:
+    source: str
+    server: ServerSettings
+    upstream: UpstreamSettings
+    tiers: Mapping[str, TierObjectives]
+    tenants: tuple[Tenant, ...]
+    classifier: ClassifierSettings
+    shapes: ShapeRules
+    pools: tuple[PoolSpec, ...]
+    emulator_speed: float = 1.0
+    watched_files: tuple[Path, ...] = field(default=())
+    tenants_dir: Path | None = None
+
+
+# --- small typed readers -------------------------------------------------------------------------
+
+
+class _Reader:
+    """Reads typed fields out of one mapping of a YAML document, reporting errors with lines."""
+
+    def __init__(self, doc: YamlDoc, path: FieldPath, data: object, known: set[str]) -> None:
+        if data is None:
+            data = {}
+        if not isinstance(data, dict):
+            raise doc.error(path, f"must be a mapping, not {type(data).__name__}")
+        for key in data:
+            if key not in known:
+                raise doc.error((*path, key), f"unknown field (expected one of: {', '.join(sorted(known))})")
+        self.doc, self.path, self.data = doc, path, data
+
+    def error(self, key: str | int, reason: str) -> ConfigError:
+        return self.doc.error((*self.path, key), reason)
+
+    def number(self, key: str, default: float, *, lo: float = 0.0, hi: float = float("inf"), integer: bool = False) -> Any:
+        value = self.data.get(key, default)
+        kinds = (int,) if integer else (int, float)
+        if isinstance(value, bool) or not isinstance(value, kinds):
+            raise self.error(key, f"must be {'an integer' if integer else 'a number'}, not {value!r}")
+        if not lo <= value <= hi:
+            raise self.error(key, f"must be between {lo:g} and {hi:g}, not {value!r}")
+        return value
+
+    def text(self, key: str, default: str | None) -> str | None:
+        value = self.data.get(key, default)
+        if value is not None and not isinstance(value, str):
+            raise self.error(key, f"must be a string, not {value!r}")
+        return value
+
+    def flag(self, key: str, default: bool) -> bool:
+        value = self.data.get(key, default)
+        if not isinstance(value, bool):
+            raise self.error(key, f"must be true or false, not {value!r}")
+        return value
+
+    def names(self, key: str, default: list[str] | None, allowed: tuple[str, ...] | None = None) -> list[str] | None:
+        value = self.data.get(key, default)
+        if value is None:
+            return None
+        if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+            raise self.error(key, "must be a list of strings")
+        if allowed is not None:
+            for i, v in enumerate(value):
+                if v not in allowed:
+                    raise self.doc.error((*self.path, key, i), f"{v!r} is not one of: {', '.join(allowed)}")
+        return value
+
+
+# --- sections ------------------------------------------------------------------------------------
+
+
+def _server(doc: YamlDoc) -> ServerSettings:
+    r = _Reader(doc, ("server",), doc.data.get("server"), {"host", "port", "max_body_bytes", "admin_token", "admin_token_sha256", "access_log"})
+    token, token_hash = r.text("admin_token", None), r.text("admin_token_sha256", None)
+    if token is not None and token_hash is not None:
+        raise r.error("admin_token", "give admin_token or admin_token_sha256, not both")
+    if token_hash is not None and not _SHA256.match(token_hash):
+        raise r.error("admin_token_sha256", "must be 64 lowercase hex digits (a SHA-256)")
+    if token is not None and len(token) < 8:
+        raise r.error("admin_token", "must be at least 8 characters")
+    return ServerSettings(
+        host=r.text("host", "127.0.0.1") or "127.0.0.1",
+        port=r.number("port", 8080, lo=0, hi=65535, integer=True),
+        max_body_bytes=r.number("max_body_bytes", 4 * 1024 * 1024, lo=1024, hi=1 << 30, integer=True),
+        admin_token_sha256=token_hash or (sha256_hex(token) if token else None),
+        access_log=r.flag("access_log", True),
+    )
+
+
+def _upstream(doc: YamlDoc) -> UpstreamSettings:
+    known = set(UpstreamSettings.__dataclass_fields__)
+    r = _Reader(doc, ("upstream",), doc.data.get("upstream"), known)
+    d = UpstreamSettings()
+    return UpstreamSettings(
+        connect_timeout_s=r.number("connect_timeout_s", d.connect_timeout_s, lo=0.01, hi=600),
+        first_byte_timeout_s=r.number("first_byte_timeout_s", d.first_byte_timeout_s, lo=0.01, hi=86400),
+        between_chunks_timeout_s=r.number("between_chunks_timeout_s", d.between_chunks_timeout_s, lo=0.01, hi=86400),
+        max_attempts=r.number("max_attempts", d.max_attempts, lo=1, hi=10, integer=True),
+        retry_budget_ratio=r.number("retry_budget_ratio", d.retry_budget_ratio, lo=0, hi=10),
+        eject_after_failures=r.number("eject_after_failures", d.eject_after_failures, lo=1, hi=1000, integer=True),
+        eject_cooldown_s=r.number("eject_cooldown_s", d.eject_cooldown_s, lo=0.01, hi=3600),
+        health_interval_s=r.number("health_interval_s", d.health_interval_s, lo=0.05, hi=3600),
+    )
+
+
+def _objectives(doc: YamlDoc, path: FieldPath, data: object, base: TierObjectives | None) -> TierObjectives:
+    r = _Reader(doc, path, data, {"ttft_p99_s", "tpot_p99_s", "deadline_s", "priority"})
+    if base is None:
+        for key in ("ttft_p99_s", "tpot_p99_s"):
+            if key not in r.data:
+                raise doc.error(path, f"missing {key}")
+        base = TierObjectives(0.0, 0.0, 3600.0, 1)
+    return TierObjectives(
+        ttft_p99_s=r.number("ttft_p99_s", base.ttft_p99_s, lo=0.001, hi=86400),
+        tpot_p99_s=r.number("tpot_p99_s", base.tpot_p99_s, lo=0.0001, hi=3600),
+        deadline_s=r.number("deadline_s", base.deadline_s, lo=0.01, hi=86400),
+        priority=r.number("priority", base.priority, lo=0, hi=100, integer=True),
+    )
+
+
+def _tiers(doc: YamlDoc) -> dict[str, TierObjectives]:
+    raw = doc.data.get("tiers")
+    if raw is None:
+        return dict(DEFAULT_TIERS)
+    if not isinstance(raw, dict) or not raw:
+        raise doc.error(("tiers",), "must be a non-empty mapping of tier name to objectives")
+    tiers = {}
+    for name, body in raw.items():
+        if not isinstance(name, str) or not _NAME.match(name):
+            raise doc.error(("tiers", str(name)), "tier names are letters, digits, '-', '_', '.' or ':'")
+        tiers[name] = _objectives(doc, ("tiers", name), body, DEFAULT_TIERS.get(name))
+    return tiers
+
+
+def _classifier(doc: YamlDoc, base: Path) -> ClassifierSettings:
+    """Paths are relative to the config file, as `polymorph classify --config` reads them."""
+    r = _Reader(doc, ("classifier",), doc.data.get("classifier"), {"model", "tokenizer"})
+    model = r.text("model", "builtin") or "builtin"
+    tokenizer = r.text("tokenizer", None)
+    return ClassifierSettings(
+        model=model if model == "builtin" else str((base / model).resolve()),
+        tokenizer=str((base / tokenizer).resolve()) if tokenizer is not None else None,
+    )
+
+
+def _shapes(doc: YamlDoc) -> ShapeRules:
+    try:
+        return rules_from_mapping(doc.data)
+    except ClassifierConfigError as exc:
+        raise doc.error(exc.path, exc.reason) from None
+
+
+def _pool(doc: YamlDoc, i: int, body: object, shape_names: tuple[str, ...]) -> PoolSpec:
+    path: FieldPath = ("fleet", "pools", i)
+    r = _Reader(doc, path, body, {"name", "model", "gpu", "shapes", "engine", "replicas", "min_replicas", "max_replicas"})
+    name = r.text("name", None)
+    if not name or not _NAME.match(name):
+        raise r.error("name", "every pool needs a name (letters, digits, '-', '_')")
+    model = r.text("model", None)
+    if not model:
+        raise r.error("model", "every pool needs the model id it serves")
+    shapes = r.names("shapes", [], shape_names) or []
+    engine = r.data.get("engine") or {}
+    if not isinstance(engine, dict):
+        raise r.error("engine", "must be a mapping of engine settings")
+    rr = _Reader(doc, (*path, "replicas"), r.data.get("replicas"), {"urls", "emulated"})
+    urls = rr.names("urls", []) or []
+    for j, url in enumerate(urls):
+        if not re.match(r"^https?://[^\s/]+", url):
+            raise doc.error((*path, "replicas", "urls", j), f"{url!r} is not an http(s) URL")
+    num_emulated = rr.number("emulated", 0, lo=0, hi=1024, integer=True)
+    if not urls and not num_emulated:
+        raise doc.error((*path, "replicas"), "give replica `urls: [...]` or `emulated: N`")
+    gpu = r.text("gpu", None)
+    if num_emulated and not gpu:
+        raise r.error("gpu", "emulated replicas need the GPU kind they emulate")
+    _check_engine(doc, path, model if num_emulated else None, gpu, engine)
+    num_replicas = len(urls) + num_emulated
+    return PoolSpec(
+        name=name,
+        model=model,
+        gpu=gpu,
+        shapes=tuple(shapes),
+        engine=dict(engine),
+        urls=tuple(u.rstrip("/") for u in urls),
+        num_emulated=num_emulated,
+        min_replicas=r.number("min_replicas", 0, lo=0, hi=4096, integer=True),
+        max_replicas=r.number("max_replicas", max(num_replicas, 1), lo=1, hi=4096, integer=True),
+    )
+
+
+def _check_engine(doc: YamlDoc, path: FieldPath, model: str | None, gpu: str | None, engine: dict[str, Any]) -> None:
+    """Catalog names and engine settings are checked by the compiler's own types, with our line numbers."""
+    from kernels.catalog import get_gpu, get_model
+    from kernels.config import EngineConfig
+
+    for key, value, lookup in (("gpu", gpu, get_gpu), ("model", model, get_model)):
+        if value is None:
+            continue
+        try:
+            lookup(value)
+        except ValueError as exc:
+            raise doc.error((*path, key), str(exc)) from None
+    try:
+        EngineConfig.from_dict(engine)
+    except ValueError as exc:
+        raise doc.error((*path, "engine"), str(exc)) from None
+
+
+def _fleet(doc: YamlDoc, shapes: ShapeRules) -> tuple[tuple[PoolSpec, ...], float]:
+    r = _Reader(doc, ("fleet",), doc.data.get("fleet"), {"pools", "emulator_speed"})
+    raw = r.data.get("pools")
+    if not isinstance(raw, list) or not raw:
+        raise doc.error(("fleet", "pools"), "must be a non-empty list of pools")
+    pools = tuple(_pool(doc, i, body, shapes.names) for i, body in enumerate(raw))
+    seen: set[str] = set()
+    for i, pool in enumerate(pools):
+        if pool.name in seen:
+            raise doc.error(("fleet", "pools", i, "name"), f"pool name {pool.name!r} is used twice")
+        seen.add(pool.name)
+    return pools, r.number("emulator_speed", 1.0, lo=0.01, hi=10000)
+
+
+# --- tenants -------------------------------------------------------------------------------------
+
+
+def parse_tenant(doc: YamlDoc, tiers: Mapping[str, TierObjectives]) -> Tenant:
+    known = {"name", "api_key_sha256", "models", "tiers", "default_tier", "objectives", "rate_limits", "max_concurrency"}
+    r = _Reader(doc, (), doc.data, known)
+    name = r.text("name", None)
+    if not name or not _NAME.match(name):
+        raise r.error("name", "every tenant needs a name (letters, digits, '-', '_')")
+    hashes = r.names("api_key_sha256", None)
+    if not hashes:
+        raise r.error("api_key_sha256", "list the SHA-256 (hex) of each API key; keys themselves are never stored")
+    for i, h in enumerate(hashes):
+        if not _SHA256.match(h):
+            raise doc.error(("api_key_sha256", i), "must be 64 lowercase hex digits (a SHA-256 of the key)")
+    models = r.names("models", ["*"]) or ["*"]
+    allowed = r.names("tiers", list(tiers), tuple(tiers)) or []
+    if not allowed:
+        raise r.error("tiers", "a tenant needs at least one tier")
+    default_tier = r.text("default_tier", allowed[0]) or allowed[0]
+    if default_tier not in allowed:
+        raise r.error("default_tier", f"{default_tier!r} is not one of the tenant's tiers {allowed}")
+    overrides = r.data.get("objectives") or {}
+    if not isinstance(overrides, dict):
+        raise r.error("objectives", "must map tier names to objectives")
+    objectives = dict(tiers)
+    for tier, body in overrides.items():
+        if tier not in tiers:
+            raise doc.error(("objectives", tier), f"unknown tier (configured tiers: {', '.join(tiers)})")
+        objectives[tier] = _objectives(doc, ("objectives", tier), body, tiers[tier])
+    limits = _Reader(doc, ("rate_limits",), r.data.get("rate_limits"), {"requests_per_min", "tokens_per_min"})
+    return Tenant(
+        name=name,
+        key_sha256=frozenset(hashes),
+        models=None if "*" in models else frozenset(models),
+        tiers=tuple(allowed),
+        default_tier=default_tier,
+        objectives=objectives,
+        requests_per_min=limits.number("requests_per_min", 6000, lo=1, hi=1e12),
+        tokens_per_min=limits.number("tokens_per_min", 1e9, lo=1, hi=1e15),
+        max_concurrency=r.number("max_concurrency", 256, lo=1, hi=10**7, integer=True),
+        source=doc.file,
+    )
+
+
+def demo_tenant(tiers: Mapping[str, TierObjectives]) -> Tenant:
+    """The tenant `polymorph serve --upstream` serves: demo-only key, generous limits."""
+    return Tenant(
+        name="demo",
+        key_sha256=frozenset({sha256_hex(DEMO_API_KEY)}),
+        models=None,
+        tiers=tuple(tiers),
+        default_tier="standard" if "standard" in tiers else next(iter(tiers)),
+        objectives=dict(tiers),
+        requests_per_min=1e9,
+        tokens_per_min=1e15,
+        max_concurrency=1_000_000,
+    )
+
+
+def _tenants(doc: YamlDoc, base: Path, tiers: Mapping[str, TierObjectives]) -> tuple[tuple[Tenant, ...], list[Path], Path]:
+    raw = doc.data.get("tenants_dir")
+    if not isinstance(raw, str) or not raw:
+        raise doc.error(("tenants_dir",), "name the directory of per-tenant YAML files")
+    directory = (base / raw).resolve()
+    if not directory.is_dir():
+        raise doc.error(("tenants_dir",), f"{directory} is not a directory")
+    files = sorted([*directory.glob("*.yaml"), *directory.glob("*.yml")])
+    if not files:
+        raise doc.error(("tenants_dir",), f"{directory} holds no *.yaml tenant files")
+    tenants: list[Tenant] = []
+    key_owner: dict[str, str] = {}
+    for file in files:
+        tdoc = load_yaml(file)
+        tenant = parse_tenant(tdoc, tiers)
+        if any(t.name == tenant.name for t in tenants):
+            raise tdoc.error(("name",), f"tenant {tenant.name!r} is defined twice")
+        for h in tenant.key_sha256:
+            if h in key_owner:
+                raise tdoc.error(("api_key_sha256",), f"a key hash is also listed by tenant {key_owner[h]!r}")
+            key_owner[h] = tenant.name
+        tenants.append(tenant)
+    return tuple(tenants), files, directory
+
+
+def load_config(path: Path) -> GatewayConfig:
+    """Load and validate a gateway config file and its tenant files. Raises ConfigError."""
+    path = path.resolve()
+    doc = load_yaml(path)
+    if not isinstance(doc.data, dict):
+        raise doc.error((), "the config must be a YAML mapping")
+    known = {"server", "upstream", "tenants_dir", "tiers", "classifier", "shapes", "default_shape", "fleet"}
+    _Reader(doc, (), doc.data, known)
+    tiers = _tiers(doc)
+    shapes = _shapes(doc)
+    tenants, tenant_files, tenants_dir = _tenants(doc, path.parent, tiers)
+    pools, speed = _fleet(doc, shapes)
+    return GatewayConfig(
+        source=str(path),
+        server=_server(doc),
+        upstream=_upstream(doc),
+        tiers=tiers,
+        tenants=tenants,
+        classifier=_classifier(doc, path.parent),
+        shapes=shapes,
+        pools=pools,
+        emulator_speed=speed,
+        watched_files=(path, *tenant_files),
+        tenants_dir=tenants_dir,
+    )
+
+
+def upstream_only_config(urls: list[str], host: str, port: int) -> GatewayConfig:
+    """`polymorph serve --upstream URL...`: one pool of those replicas, the demo tenant, default shapes."""
+    tiers = dict(DEFAULT_TIERS)
+    pool = PoolSpec("default", "*", None, (), {}, tuple(u.rstrip("/") for u in urls), 0, 0, len(urls))
+    return GatewayConfig(
+        source="<command line>",
+        server=ServerSettings(host=host, port=port, admin_token_sha256=sha256_hex(DEMO_ADMIN_TOKEN), access_log=False),
+        upstream=UpstreamSettings(),
+        tiers=tiers,
+        tenants=(demo_tenant(tiers),),
+        classifier=ClassifierSettings(),
+        shapes=default_shape_rules(),
+        pools=(pool,),
+    )

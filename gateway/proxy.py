@@ -1,0 +1,239 @@
+"""The upstream call: pick a replica, send, retry before the first byte, pass the answer through.
+
+Retries happen only while nothing has reached the client: a connect error, a timeout before the
+response head, or a 5xx/429 answer moves the request to another replica, within ``max_attempts``
+and the retry budget. Once a stream has started, a failure ends it with an SSE error event.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass
+
+import aiohttp
+from aiohttp import web
+
+from classifiers.shape import Shape
+from fleet.health import HealthState
+from fleet.pool import ReplicaState
+from fleet.router import Reject, Route, RouterSettings, route
+from gateway.admission import RetryBudget
+from gateway.config import UpstreamSettings
+from gateway.errors import ApiError, sse_error_event
+from gateway.metrics import GatewayMetrics
+from gateway.runtime import Runtime
+
+_UPSTREAM_HEADERS = {"Content-Type": "application/json"}
+_DONE = b"data: [DONE]"
+_USAGE_KEY = b'"completion_tokens":'
+_PROMPT_KEY = b'"prompt_tokens":'
+
+
+@dataclass(slots=True)
+class Outcome:
+    """What happened to one proxied request; filled in as it goes, read by metrics and the access log."""
+
+    pool: str = "-"
+    replica: str = "-"
+    status: int = 0
+    attempts: int = 0
+    ttft_s: float | None = None
+    tpot_s: float | None = None
+    prompt_tokens: int | None = None
+    completion_tokens: int | None = None
+    stream_error: str | None = None
+
+
+def _usage_int(data: bytes, key: bytes) -> int | None:
+    at = data.rfind(key)
+    if at < 0:
+        return None
+    start = at + len(key)
+    end = start
+    length = len(data)
+    while end < length and data[end] in b" \t":
+        end += 1
+    digits_at = end
+    while end < length and 48 <= data[end] <= 57:
+        end += 1
+    return int(data[digits_at:end]) if end > digits_at else None
+
+
+class Proxy:
+    """Sends requests to replicas over one shared keep-alive connection pool."""
+
+    def __init__(self, session: aiohttp.ClientSession, metrics: GatewayMetrics, settings: UpstreamSettings, now: float) -> None:
+        self.session = session
+        self.metrics = metrics
+        self.router_settings = RouterSettings()
+        self.retry_budget = RetryBudget(settings.retry_budget_ratio, now)
+
+    async def forward(
+        self,
+        request: web.Request,
+        runtime: Runtime,
+        shape: Shape,
+        model: str,
+        raw_body: bytes,
+        stream: bool,
+        outcome: Outcome,
+    ) -> web.StreamResponse:
+        settings = runtime.config.upstream
+        loop = asyncio.get_running_loop()
+        timeout = aiohttp.ClientTimeout(total=None, sock_connect=settings.connect_timeout_s, sock_read=settings.first_byte_timeout_s)
+        path = request.path
+        tried: list[str] = []
+        budget_tokens = shape.prompt_tokens + shape.predicted_output_p50
+        self.retry_budget.on_request()
+        last_error: ApiError | None = None
+        while True:
+            now = loop.time()
+            decision = route(shape, model, runtime.pools, now, self.router_settings, tried)
+            if isinstance(decision, Reject):
+                if last_error is not None:
+                    raise last_error
+                raise ApiError(decision.status, decision.reason, decision.code, "model" if decision.status == 404 else None, decision.retry_after_s or None)
+            replica = runtime.replica(decision.replica)
+            assert replica is not None, "router returned a replica the runtime does not hold"
+            outcome.pool, outcome.replica = decision.pool, decision.replica
+            outcome.attempts += 1
+            tried.append(replica.name)
+            replica.breaker.on_dispatch()
+            replica.begin(budget_tokens)
+            gauge = self.metrics.child(self.metrics.in_flight, decision.pool)
+            gauge.inc()
+            try:
+                result = await self._attempt(request, decision, replica, raw_body, stream, shape, timeout, settings, outcome)
+            except ApiError as err:
+                last_error = err
+                if outcome.attempts >= settings.max_attempts or not self.retry_budget.try_spend(loop.time()):
+                    raise
+                self.metrics.child(self.metrics.retries, decision.pool).inc()
+                continue
+            finally:
+                replica.end(budget_tokens)
+                gauge.dec()
+            return result
+
+    def mark_failure(self, replica: ReplicaState) -> None:
+        if replica.breaker.on_failure(asyncio.get_running_loop().time()):
+            self.metrics.child(self.metrics.ejections, replica.pool, replica.name).inc()
+            self.metrics.child(self.metrics.replica_up, replica.pool, replica.name).set(0)
+
+    def mark_success(self, replica: ReplicaState) -> None:
+        if replica.breaker.state is not HealthState.HEALTHY:
+            self.metrics.child(self.metrics.replica_up, replica.pool, replica.name).set(1)
+        replica.breaker.on_success()
+
+    async def _attempt(
+        self,
+        request: web.Request,
+        decision: Route,
+        replica: ReplicaState,
+        raw_body: bytes,
+        stream: bool,
+        shape: Shape,
+        timeout: aiohttp.ClientTimeout,
+        settings: UpstreamSettings,
+        outcome: Outcome,
+    ) -> web.StreamResponse:
+        loop = asyncio.get_running_loop()
+        started_at = loop.time()
+        try:
+            upstream = await self.session.post(decision.url + request.path, data=raw_body, headers=_UPSTREAM_HEADERS, timeout=timeout)
+        except asyncio.TimeoutError:
+            self.mark_failure(replica)
+            raise ApiError(504, f"Replica {replica.name} did not answer within {settings.first_byte_timeout_s:g} s.", "upstream_timeout") from None
+        except aiohttp.ClientError as exc:
+            self.mark_failure(replica)
+            raise ApiError(502, f"Replica {replica.name} could not be reached ({type(exc).__name__}).", "upstream_unreachable", retry_after_s=1.0) from None
+        headers = {
+            "x-polymorph-pool": decision.pool,
+            "x-polymorph-replica": replica.name,
+            "x-polymorph-shape": shape.name,
+        }
+        try:
+            if upstream.status >= 500 or upstream.status == 429:
+                body = await upstream.read()
+                if upstream.status >= 500:
+                    self.mark_failure(replica)
+                outcome.status = upstream.status
+                err = ApiError(upstream.status, f"Replica {replica.name} answered {upstream.status}: {body[:300].decode('utf-8', 'replace')}", "upstream_error", retry_after_s=1.0)
+                raise err
+            if stream and upstream.status == 200:
+                return await self._stream(request, upstream, replica, decision, headers, settings, started_at, outcome)
+            body = await upstream.read()
+        except asyncio.TimeoutError:
+            self.mark_failure(replica)
+            raise ApiError(504, f"Replica {replica.name} did not answer within {settings.first_byte_timeout_s:g} s.", "upstream_timeout") from None
+        except aiohttp.ClientError as exc:
+            self.mark_failure(replica)
+            raise ApiError(502, f"Replica {replica.name} failed before answering ({type(exc).__name__}).", "upstream_failed", retry_after_s=1.0) from None
+        except BaseException:
+            # The client went away (cancellation) or an error is on its way out: close the upstream
+            # connection so the replica stops generating for nobody.
+            upstream.close()
+            raise
+        finally:
+            upstream.release()
+        outcome.ttft_s = loop.time() - started_at
+        outcome.status = upstream.status
+        self.mark_success(replica)
+        if upstream.status == 200:
+            outcome.prompt_tokens = _usage_int(body, _PROMPT_KEY)
+            outcome.completion_tokens = _usage_int(body, _USAGE_KEY)
+        headers["Content-Type"] = upstream.headers.get("Content-Type", "application/json")
+        return web.Response(status=upstream.status, body=body, headers=headers)
+
+    async def _stream(
+        self,
+        request: web.Request,
+        upstream: aiohttp.ClientResponse,
+        replica: ReplicaState,
+        decision: Route,
+        headers: dict[str, str],
+        settings: UpstreamSettings,
+        started_at: float,
+        outcome: Outcome,
+    ) -> web.StreamResponse:
+        loop = asyncio.get_running_loop()
+        content = upstream.content
+        # The first chunk decides whether this attempt can still be retried: read it before answering.
+        first = await asyncio.wait_for(content.readany(), settings.first_byte_timeout_s)
+        first_at = loop.time()
+        outcome.ttft_s = first_at - started_at
+        outcome.status = 200
+        headers["Content-Type"] = "text/event-stream"
+        headers["Cache-Control"] = "no-cache"
+        response = web.StreamResponse(status=200, headers=headers)
+        await response.prepare(request)
+        num_events = 0
+        last_event_at = first_at
+        chunk = first
+        tail = b""
+        try:
+            while chunk:
+                num_events += chunk.count(b"data:")
+                last_event_at = loop.time()
+                tail = (tail + chunk)[-512:]
+                await response.write(chunk)
+                chunk = await asyncio.wait_for(content.readany(), settings.between_chunks_timeout_s)
+        except asyncio.TimeoutError:
+            outcome.stream_error = "upstream_stalled"
+        except aiohttp.ClientError:
+            outcome.stream_error = "upstream_disconnected"
+        if outcome.stream_error is None and _DONE not in tail:
+            outcome.stream_error = "upstream_truncated"
+        if outcome.stream_error is not None:
+            self.mark_failure(replica)
+            message = f"The stream from replica {replica.name} broke off ({outcome.stream_error}); the response is incomplete."
+            await response.write(sse_error_event(message, outcome.stream_error))
+        else:
+            self.mark_success(replica)
+        outcome.prompt_tokens = _usage_int(tail, _PROMPT_KEY)
+        outcome.completion_tokens = _usage_int(tail, _USAGE_KEY)
+        num_tokens = outcome.completion_tokens or max(0, num_events - 2)
+        if num_tokens > 1:
+            outcome.tpot_s = (last_event_at - first_at) / (num_tokens - 1)
+        await response.write_eof()
+        return response

@@ -1,0 +1,91 @@
+"""Reload the config when its files change or on SIGHUP, without dropping a request.
+
+An invalid new version is rejected with its file, line and reason, and the previous one keeps
+serving. In-flight requests finish on the runtime they started with.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+import sys
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from classifiers.request import ClassifierLoadError
+from gateway.config import load_config
+from gateway.yamlsrc import ConfigError
+
+if TYPE_CHECKING:
+    from gateway.app import GatewayState
+
+
+def _fingerprint(files: tuple[Path, ...], tenants_dir: Path | None) -> tuple[object, ...]:
+    stamps: list[object] = []
+    for file in files:
+        try:
+            stat = file.stat()
+            stamps.append((str(file), stat.st_mtime_ns, stat.st_size))
+        except OSError:
+            stamps.append((str(file), None))
+    if tenants_dir is not None and tenants_dir.is_dir():
+        stamps.append(tuple(sorted(p.name for p in tenants_dir.iterdir())))
+    return tuple(stamps)
+
+
+class ConfigWatcher:
+    def __init__(self, state: GatewayState, config_path: Path, poll_interval_s: float = 1.0) -> None:
+        self.state = state
+        self.config_path = config_path
+        self.poll_interval_s = poll_interval_s
+        self._seen = self._current()
+        self._task: asyncio.Task[None] | None = None
+        self._wake = asyncio.Event()
+
+    def _current(self) -> tuple[object, ...]:
+        config = self.state.runtime.config
+        return _fingerprint(config.watched_files, config.tenants_dir)
+
+    def reload(self) -> bool:
+        """Try the files as they are now; True when a new version was applied."""
+        try:
+            config = load_config(self.config_path)
+            runtime = self.state.apply(config)
+        except (ConfigError, ClassifierLoadError) as exc:
+            self.state.metrics.child(self.state.metrics.reloads, "rejected").inc()
+            print(f"polymorph: config reload rejected, still serving version {self.state.runtime.version}: {exc}", file=sys.stderr, flush=True)
+            return False
+        self.state.metrics.child(self.state.metrics.reloads, "applied").inc()
+        print(f"polymorph: config version {runtime.version} applied from {self.config_path}", file=sys.stderr, flush=True)
+        return True
+
+    async def run(self) -> None:
+        while True:
+            try:
+                await asyncio.wait_for(self._wake.wait(), self.poll_interval_s)
+                forced = True
+            except asyncio.TimeoutError:
+                forced = False
+            self._wake.clear()
+            current = self._current()
+            if forced or current != self._seen:
+                # Editors write in several steps: wait a moment so we read the finished file.
+                await asyncio.sleep(0.05)
+                self._seen = self._current()
+                self.reload()
+
+    def start(self) -> None:
+        loop = asyncio.get_running_loop()
+        self._task = loop.create_task(self.run())
+        try:
+            loop.add_signal_handler(signal.SIGHUP, self._wake.set)
+        except (NotImplementedError, RuntimeError):
+            pass
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            try:
+                await self._task
+            except asyncio.CancelledError:
+                pass

@@ -1,0 +1,119 @@
+"""Everything the request path reads, derived from one config version and swapped in whole on reload.
+
+Live facts (replica health and load, tenants' rate-limit buckets) are carried over from the previous
+runtime wherever the config did not change them, so a reload never resets a tenant's budget or
+re-admits an ejected replica.
+"""
+
+from __future__ import annotations
+
+import zlib
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+from classifiers.request import RequestClassifier
+from fleet.health import CircuitBreaker
+from fleet.pool import PoolState, ReplicaState
+from gateway.admission import TenantLimiter
+from gateway.config import GatewayConfig, PoolSpec, Tenant
+
+DEFAULT_MAX_RUNNING_PER_REPLICA = 256
+
+
+@dataclass(frozen=True, slots=True)
+class Runtime:
+    config: GatewayConfig
+    version: int
+    tenant_by_key_hash: Mapping[str, Tenant]
+    limiters: Mapping[str, TenantLimiter]
+    classifier: RequestClassifier
+    pools: tuple[PoolState, ...]
+
+    def served_models(self) -> list[str]:
+        models: set[str] = set()
+        for pool in self.pools:
+            if pool.models is not None:
+                models |= pool.models
+            for replica in pool.replicas:
+                if replica.models:
+                    models |= replica.models
+        return sorted(models)
+
+    def replica(self, name: str) -> ReplicaState | None:
+        for pool in self.pools:
+            for replica in pool.replicas:
+                if replica.name == name:
+                    return replica
+        return None
+
+
+def _max_running(spec: PoolSpec) -> int:
+    value = spec.engine.get("max_running_requests")
+    return int(value) if isinstance(value, int) and value > 0 else DEFAULT_MAX_RUNNING_PER_REPLICA
+
+
+def _build_pools(
+    config: GatewayConfig, replica_urls: Mapping[str, Sequence[str]], previous: Runtime | None
+) -> tuple[PoolState, ...]:
+    old_by_url = {(r.pool, r.url): r for p in previous.pools for r in p.replicas} if previous else {}
+    pools = []
+    for spec in config.pools:
+        discover = spec.model == "*"
+        pool = PoolState(
+            name=spec.name,
+            models=None if discover else frozenset({spec.model}),
+            shapes=frozenset(spec.shapes),
+            gpu=spec.gpu,
+            max_running_per_replica=_max_running(spec),
+        )
+        for i, url in enumerate(replica_urls.get(spec.name, spec.urls)):
+            old = old_by_url.get((spec.name, url))
+            if old is not None:
+                pool.replicas.append(old)
+                continue
+            pool.replicas.append(
+                ReplicaState(
+                    name=f"{spec.name}-{i}",
+                    url=url,
+                    pool=spec.name,
+                    breaker=CircuitBreaker(config.upstream.eject_after_failures, config.upstream.eject_cooldown_s),
+                    models=frozenset() if discover else None,
+                    affinity_salt=zlib.crc32(url.encode()),
+                )
+            )
+        pools.append(pool)
+    return tuple(pools)
+
+
+def build_runtime(
+    config: GatewayConfig,
+    replica_urls: Mapping[str, Sequence[str]],
+    previous: Runtime | None,
+    now: float,
+) -> Runtime:
+    """Derive a runtime from ``config``. Raises ClassifierLoadError if the classifier cannot load."""
+    by_key = {h: t for t in config.tenants for h in t.key_sha256}
+    limiters = {}
+    for tenant in config.tenants:
+        old = previous.limiters.get(tenant.name) if previous else None
+        same_limits = old is not None and (old.tenant.requests_per_min, old.tenant.tokens_per_min) == (
+            tenant.requests_per_min,
+            tenant.tokens_per_min,
+        )
+        if same_limits and old is not None:
+            old.tenant = tenant
+            limiters[tenant.name] = old
+        else:
+            limiters[tenant.name] = TenantLimiter(tenant, now)
+    if previous is not None and previous.config.classifier == config.classifier:
+        classifier = previous.classifier.with_rules(config.shapes)
+    else:
+        classifier = RequestClassifier.load(config.classifier.model, config.classifier.tokenizer, config.shapes)
+    return Runtime(
+        config=config,
+        version=previous.version + 1 if previous else 1,
+        tenant_by_key_hash=by_key,
+        limiters=limiters,
+        classifier=classifier,
+        pools=_build_pools(config, replica_urls, previous),
+    )

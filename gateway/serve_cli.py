@@ -1,0 +1,164 @@
+"""`polymorph serve`: run the gateway (one process or several on one port) in front of a fleet."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import multiprocessing
+import os
+import signal
+import socket
+import sys
+import tempfile
+from pathlib import Path
+
+from gateway.config import DEMO_ADMIN_TOKEN, DEMO_API_KEY, GatewayConfig
+
+
+def register(commands: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+    p = commands.add_parser(
+        "serve",
+        help="run the OpenAI-compatible gateway",
+        description=(
+            "Run the gateway. With --config it serves the pools, tenants and shapes of that file and starts "
+            "any emulated replicas it declares; with --upstream URL (repeatable) and no config it serves one "
+            f"pool of those replicas (models discovered from their /v1/models) to the demo tenant "
+            f"(API key {DEMO_API_KEY}, admin token {DEMO_ADMIN_TOKEN}: demo-only)."
+        ),
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    source = p.add_mutually_exclusive_group(required=True)
+    source.add_argument("--config", type=Path, help="gateway config file (see config.example.yaml)")
+    source.add_argument("--upstream", action="append", metavar="URL", help="an OpenAI-compatible replica (repeat for more)")
+    p.add_argument("--host", help="listen address (default: the config's server.host, else 127.0.0.1)")
+    p.add_argument("--port", type=int, help="listen port (default: the config's server.port, else 8080)")
+    p.add_argument("--workers", type=int, default=1, help="gateway processes sharing the port (SO_REUSEPORT)")
+    p.add_argument("--no-access-log", action="store_true", help="do not write the JSON access log to stderr")
+    p.add_argument("--replica-logs", type=Path, help="where emulated replicas write their logs (default: a temp dir)")
+    p.set_defaults(handler=_run_serve)
+
+
+def register_bench(benches: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+    """`polymorph bench gateway` is registered here once gateway/bench lands."""
+
+
+def _load(args: argparse.Namespace) -> GatewayConfig:
+    from dataclasses import replace
+
+    from gateway.config import load_config, upstream_only_config
+
+    if args.config is not None:
+        config = load_config(args.config)
+    else:
+        config = upstream_only_config(args.upstream, args.host or "127.0.0.1", args.port or 8080)
+    server = config.server
+    server = replace(server, host=args.host or server.host, port=args.port if args.port is not None else server.port)
+    if args.no_access_log:
+        server = replace(server, access_log=False)
+    return replace(config, server=server)
+
+
+def _start_local_fleet(config: GatewayConfig, log_dir: Path | None):  # type: ignore[no-untyped-def]
+    """Start the emulated replicas the config declares; returns the actuator and pool -> URLs."""
+    import orjson
+
+    from fleet.actuators.local import LaunchSpec, LocalActuator, emulated_replica_argv
+
+    actuator = LocalActuator(log_dir or Path(tempfile.mkdtemp(prefix="polymorph-replicas-")))
+    urls: dict[str, list[str]] = {}
+    started = []
+    command = (sys.executable, "-m", "gateway.cli", "emulate")
+    for pool in config.pools:
+        for i in range(pool.num_emulated):
+            assert pool.gpu is not None
+            argv = emulated_replica_argv(command, pool.model, pool.gpu, orjson.dumps(dict(pool.engine)).decode(), config.emulator_speed)
+            replica = actuator.start(LaunchSpec(f"{pool.name}-e{i}", argv))
+            urls.setdefault(pool.name, []).append(replica.url)
+            started.append(replica)
+    if started:
+        print(f"polymorph: starting {len(started)} emulated replicas (logs in {actuator.log_dir})", file=sys.stderr, flush=True)
+        failed = actuator.wait_healthy(started, timeout_s=60.0)
+        if failed:
+            names = ", ".join(f"{r.spec.name} (see {r.log_path})" for r in failed)
+            actuator.stop_all()
+            raise SystemExit(f"polymorph: emulated replicas did not become healthy: {names}")
+    return actuator, urls
+
+
+async def _serve(config: GatewayConfig, replica_urls: dict[str, list[str]], config_path: Path | None, sock: socket.socket | None) -> None:
+    from aiohttp import web
+
+    from gateway.app import STATE_KEY, build_app
+    from gateway.reload import ConfigWatcher
+
+    app = build_app(config, replica_urls)
+    runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
+    await runner.setup()
+    if sock is not None:
+        site: web.BaseSite = web.SockSite(runner, sock, backlog=4096)
+    else:
+        site = web.TCPSite(runner, config.server.host, config.server.port, backlog=4096, reuse_port=True)
+    await site.start()
+    watcher = ConfigWatcher(app[STATE_KEY], config_path) if config_path is not None else None
+    if watcher is not None:
+        watcher.start()
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    await stop.wait()
+    if watcher is not None:
+        await watcher.stop()
+    await runner.cleanup()
+
+
+def _run_worker(config: GatewayConfig, replica_urls: dict[str, list[str]], config_path: Path | None) -> None:
+    import uvloop
+
+    uvloop.run(_serve(config, replica_urls, config_path, None))
+
+
+def _run_serve(args: argparse.Namespace) -> int:
+    from classifiers.request import ClassifierLoadError
+    from gateway.yamlsrc import ConfigError
+
+    try:
+        config = _load(args)
+    except ConfigError as exc:
+        print(f"polymorph: invalid config: {exc}", file=sys.stderr)
+        return 2
+    actuator, replica_urls = _start_local_fleet(config, args.replica_logs)
+    config_path = args.config.resolve() if args.config is not None else None
+    where = f"http://{config.server.host}:{config.server.port}"
+    print(f"polymorph: serving on {where} with {args.workers} worker(s); pools: {', '.join(p.name for p in config.pools)}", file=sys.stderr, flush=True)
+    try:
+        if args.workers <= 1:
+            _run_worker(config, replica_urls, config_path)
+            return 0
+        return _run_workers(args.workers, config, replica_urls, config_path)
+    except ClassifierLoadError as exc:
+        print(f"polymorph: cannot load the classifier: {exc}", file=sys.stderr)
+        return 2
+    except OSError as exc:
+        print(f"polymorph: cannot listen on {where}: {exc.strerror or exc}", file=sys.stderr)
+        return 2
+    finally:
+        actuator.stop_all()
+
+
+def _run_workers(num_workers: int, config: GatewayConfig, replica_urls: dict[str, list[str]], config_path: Path | None) -> int:
+    ctx = multiprocessing.get_context("spawn")
+    workers = [ctx.Process(target=_run_worker, args=(config, replica_urls, config_path), daemon=False) for _ in range(num_workers)]
+    for worker in workers:
+        worker.start()
+
+    def forward(signum: int, _frame: object) -> None:
+        for worker in workers:
+            if worker.pid is not None and worker.is_alive():
+                os.kill(worker.pid, signal.SIGTERM if signum == signal.SIGINT else signum)
+
+    for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+        signal.signal(sig, forward)
+    for worker in workers:
+        worker.join()
+    return max((w.exitcode or 0) for w in workers)

@@ -1,0 +1,105 @@
+"""Check an OpenAI request body before it costs anything: every 400 names the offending field.
+
+Only what the gateway relies on, or what an engine would reject with a worse message, is checked;
+unknown fields pass through untouched, since engines accept extensions such as ``top_k``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from gateway.errors import ApiError
+
+_ROLES = frozenset({"system", "user", "assistant", "tool", "function", "developer"})
+_MAX_TOKENS_LIMIT = 10_000_000
+
+# field -> (low, high, integer?) for the numeric knobs shared by both endpoints
+_RANGES: dict[str, tuple[float, float, bool]] = {
+    "max_tokens": (1, _MAX_TOKENS_LIMIT, True),
+    "max_completion_tokens": (1, _MAX_TOKENS_LIMIT, True),
+    "n": (1, 128, True),
+    "temperature": (0.0, 2.0, False),
+    "top_p": (0.0, 1.0, False),
+    "presence_penalty": (-2.0, 2.0, False),
+    "frequency_penalty": (-2.0, 2.0, False),
+    "top_logprobs": (0, 20, True),
+    "logprobs_count": (0, 20, True),
+}
+
+
+def _bad(param: str, message: str) -> ApiError:
+    return ApiError(400, message, "invalid_value" if "must be" in message else "invalid_request", param)
+
+
+def validate_body(body: Any, chat: bool) -> tuple[str, bool, int | None]:
+    """Return (model, stream, max_tokens) of a valid body, or raise ApiError(400)."""
+    if not isinstance(body, dict):
+        raise ApiError(400, "The request body must be a JSON object.", "invalid_json")
+    model = body.get("model")
+    if not isinstance(model, str) or not model:
+        raise _bad("model", "'model' is required and must be a non-empty string.")
+    if chat:
+        _check_messages(body.get("messages"))
+    else:
+        _check_prompt(body.get("prompt"))
+    stream = body.get("stream", False)
+    if stream is None:
+        stream = False
+    if not isinstance(stream, bool):
+        raise _bad("stream", "'stream' must be a boolean.")
+    for name, (low, high, integer) in _RANGES.items():
+        value = body.get(name)
+        if value is None:
+            continue
+        if isinstance(value, bool) or not isinstance(value, int if integer else (int, float)):
+            kind = "an integer" if integer else "a number"
+            raise _bad(name, f"'{name}' must be {kind}, not {type(value).__name__}.")
+        if not low <= value <= high:
+            raise _bad(name, f"'{name}' must be between {low:g} and {high:g}; got {value}.")
+    stop = body.get("stop")
+    if stop is not None and not isinstance(stop, str):
+        if not isinstance(stop, list) or not all(isinstance(s, str) for s in stop):
+            raise _bad("stop", "'stop' must be a string or a list of strings.")
+    options = body.get("stream_options")
+    if options is not None and not isinstance(options, dict):
+        raise _bad("stream_options", "'stream_options' must be an object.")
+    max_tokens = body.get("max_completion_tokens") if chat else None
+    if max_tokens is None:
+        max_tokens = body.get("max_tokens")
+    return model, stream, max_tokens
+
+
+def _check_messages(messages: Any) -> None:
+    if not isinstance(messages, list) or not messages:
+        raise _bad("messages", "'messages' is required and must be a non-empty array.")
+    for i, message in enumerate(messages):
+        if not isinstance(message, dict):
+            raise _bad(f"messages[{i}]", f"'messages[{i}]' must be an object.")
+        role = message.get("role")
+        if role not in _ROLES:
+            raise _bad(f"messages[{i}].role", f"'messages[{i}].role' must be one of {sorted(_ROLES)}.")
+        content = message.get("content")
+        if content is None:
+            if role == "assistant" or "tool_calls" in message or "function_call" in message:
+                continue
+            raise _bad(f"messages[{i}].content", f"'messages[{i}].content' is required.")
+        if isinstance(content, str):
+            continue
+        if not isinstance(content, list) or not all(isinstance(part, dict) for part in content):
+            raise _bad(f"messages[{i}].content", f"'messages[{i}].content' must be a string or an array of content parts.")
+
+
+def _check_prompt(prompt: Any) -> None:
+    if isinstance(prompt, str):
+        return
+    if isinstance(prompt, list) and prompt:
+        first = prompt[0]
+        if all(isinstance(p, str) for p in prompt):
+            return
+        if all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+            return
+        if isinstance(first, list) and all(
+            isinstance(p, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in p) for p in prompt
+        ):
+            return
+    raise _bad("prompt", "'prompt' is required and must be a string, an array of strings, or token ids.")

@@ -1,0 +1,97 @@
+"""The domain model: known prompts, agreement of the scikit-learn and fast paths, model files."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from classifiers.datasets import Example
+from classifiers.domain import ModelFileError, builtin_model_dir, load_builtin_domain_model, load_domain_model
+from classifiers.train import export_pipeline, fit_pipeline
+
+KNOWN = {
+    "code": [
+        "Write a Python function that returns the longest palindromic substring of a string.",
+        "Write a function to sort a list of tuples by the second element.\nassert f([(1, 2)]) == [(1, 2)]",
+    ],
+    "math": [
+        "A train travels 60 miles per hour for 3 hours, then 40 miles per hour for 2 hours. How far did it go?",
+        "Tom has 12 apples and gives a third of them to Ann. She eats 2. How many apples does Ann have left?",
+    ],
+}
+
+
+@pytest.fixture(scope="module")
+def model():
+    return load_builtin_domain_model()
+
+
+def test_known_prompts_land_in_their_domain(model) -> None:
+    for domain, prompts in KNOWN.items():
+        for prompt in prompts:
+            assert model.predict(prompt)[0] == domain, prompt
+
+
+@pytest.mark.xfail(reason="no training set holds code bodies (MBPP is task text + asserts): see README")
+def test_a_code_block_without_task_text_is_code(model) -> None:
+    assert model.predict("Fix the bug in this code:\n```python\ndef add(a, b):\n    return a - b\n```")[0] == "code"
+
+
+def test_confidence_is_a_probability_and_long_prompts_are_windowed(model) -> None:
+    domain, confidence = model.predict(KNOWN["math"][0])
+    assert 0.0 < confidence <= 1.0
+    long_text = KNOWN["code"][0] + " lorem ipsum dolor" * 20000 + " " + KNOWN["code"][0]
+    assert model.predict(long_text)[0] == "code"
+    assert model.predict("")[0] in model.classes
+
+
+def test_shipped_metadata_carries_version_digest_and_scores(model) -> None:
+    meta = model.metadata
+    assert meta["model_version"] and len(meta["training_data_sha256"]) == 64
+    assert set(meta["held_out_scores"]["per_class_f1"]) >= {"code", "math"}
+    assert meta["attribution"]
+    assert sum(f.stat().st_size for f in builtin_model_dir().iterdir()) < 4 * 2**20
+
+
+TINY = [
+    Example("write a python function to reverse a list", "code", "c1", "t"),
+    Example("def f(x): return x + 1  # fix this function", "code", "c2", "t"),
+    Example("implement a function that sorts an array in place", "code", "c3", "t"),
+    Example("how many apples does she have left if she eats 3 of 12", "math", "m1", "t"),
+    Example("a car drives 40 miles per hour for 2 hours how far", "math", "m2", "t"),
+    Example("john has 5 dollars and spends 2 how many dollars remain", "math", "m3", "t"),
+    Example("summarize the following article in two sentences", "summarization", "s1", "t"),
+    Example("give a short summary of this text tl;dr", "summarization", "s2", "t"),
+    Example("write a brief summary of the passage below", "summarization", "s3", "t"),
+]
+
+
+def test_sklearn_and_fast_paths_agree() -> None:
+    examples = TINY * 2  # min_df=2 needs each term twice
+    pipeline = fit_pipeline(examples)
+    fast = export_pipeline(pipeline, {})
+    probes = [e.text for e in TINY] + ["an unseen prompt with no known words zzz", "", "how many dollars per hour"]
+    expected = pipeline.decision_function(probes)
+    for probe, row in zip(probes, expected):
+        assert np.allclose(fast.scores(probe), row, atol=1e-9)
+        assert fast.predict(probe)[0] == pipeline.predict([probe])[0]
+        assert np.allclose(fast.predict_proba(probe), pipeline.predict_proba([probe])[0], atol=1e-9)
+
+
+def test_missing_and_incompatible_model_files_fail_clearly(tmp_path: Path) -> None:
+    with pytest.raises(ModelFileError, match="missing"):
+        load_domain_model(tmp_path)
+    copy = tmp_path / "model"
+    shutil.copytree(builtin_model_dir(), copy)
+    meta = json.loads((copy / "metadata.json").read_text())
+    (copy / "metadata.json").write_text(json.dumps({**meta, "format_version": 999}))
+    with pytest.raises(ModelFileError, match="format_version"):
+        load_domain_model(copy)
+    (copy / "domain_model.npz").write_bytes(b"not a zip")
+    (copy / "metadata.json").write_text(json.dumps(meta))
+    with pytest.raises(ModelFileError, match="cannot read"):
+        load_domain_model(copy)

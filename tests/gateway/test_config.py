@@ -1,0 +1,103 @@
+"""Config and tenant files: the example loads; every mistake names file, line, field and reason."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import pytest
+
+from gateway.config import DEMO_API_KEY, load_config, sha256_hex
+from gateway.yamlsrc import ConfigError
+from tests.conftest import REPO
+
+
+def _copy_example(tmp_path: Path) -> Path:
+    tmp_path.mkdir(parents=True, exist_ok=True)
+    shutil.copy(REPO / "config.example.yaml", tmp_path / "config.yaml")
+    shutil.copytree(REPO / "tenants", tmp_path / "tenants")
+    return tmp_path / "config.yaml"
+
+
+def test_example_config_loads_with_demo_tenant_and_shapes() -> None:
+    config = load_config(REPO / "config.example.yaml")
+    demo = {t.name: t for t in config.tenants}["demo"]
+    assert sha256_hex(DEMO_API_KEY) in demo.key_sha256
+    assert config.server.admin_token_sha256 == sha256_hex("polymorph-admin-demo")
+    assert {"short-chat", "long-context", "reasoning", "batch"} <= set(config.shapes.names)
+    assert [p.name for p in config.pools] == ["chat-h100", "long-h200"]
+    assert all(p.num_emulated > 0 for p in config.pools)
+
+
+def _error_for(tmp_path: Path, old: str, new: str) -> ConfigError:
+    path = _copy_example(tmp_path / old.strip().replace(" ", "_").replace(":", "").replace("/", ""))
+    text = path.read_text()
+    assert old in text, old
+    path.write_text(text.replace(old, new, 1))
+    with pytest.raises(ConfigError) as info:
+        load_config(path)
+    return info.value
+
+
+def _line_of(path: Path, needle: str) -> int:
+    return next(i for i, line in enumerate(path.read_text().splitlines(), 1) if needle in line)
+
+
+def test_wrong_type_names_file_line_and_field(tmp_path: Path) -> None:
+    err = _error_for(tmp_path, "max_attempts: 3", "max_attempts: three")
+    assert err.file.endswith("config.yaml")
+    assert err.field == "upstream.max_attempts"
+    assert err.line == _line_of(Path(err.file), "max_attempts: three")
+    assert "integer" in err.reason
+
+
+def test_unknown_field_is_rejected_with_its_line(tmp_path: Path) -> None:
+    err = _error_for(tmp_path, "  connect_timeout_s: 2.0", "  connect_timeout: 2.0")
+    assert err.field == "upstream.connect_timeout"
+    assert err.line == _line_of(Path(err.file), "connect_timeout: 2.0")
+    assert "unknown field" in err.reason
+
+
+def test_yaml_syntax_error_has_a_line(tmp_path: Path) -> None:
+    err = _error_for(tmp_path, "server:\n", "server: [\n")
+    assert err.line is not None and "invalid YAML" in err.reason
+
+
+def test_unknown_shape_in_pool_and_unknown_gpu(tmp_path: Path) -> None:
+    err = _error_for(tmp_path, "shapes: [short-chat, batch]", "shapes: [short-chat, tiny]")
+    assert err.field == "fleet.pools[0].shapes[1]" and "'tiny'" in str(err)
+    err = _error_for(tmp_path, "gpu: H100-SXM", "gpu: Z9000")
+    assert err.field == "fleet.pools[0].gpu"
+
+
+def test_bad_engine_setting_is_reported_at_the_pool(tmp_path: Path) -> None:
+    err = _error_for(tmp_path, "max_running_requests: 256", "max_running_requests: lots")
+    assert err.field == "fleet.pools[0].engine"
+    assert "max_running_requests" in err.reason
+
+
+def test_tenant_file_errors_name_the_tenant_file(tmp_path: Path) -> None:
+    path = _copy_example(tmp_path)
+    tenant = tmp_path / "tenants" / "demo.yaml"
+    tenant.write_text(tenant.read_text().replace("default_tier: standard", "default_tier: gold"))
+    with pytest.raises(ConfigError) as info:
+        load_config(path)
+    assert info.value.file.endswith("demo.yaml")
+    assert info.value.field == "default_tier"
+    assert info.value.line == _line_of(tenant, "default_tier: gold")
+
+
+def test_plaintext_key_instead_of_hash_is_refused(tmp_path: Path) -> None:
+    path = _copy_example(tmp_path)
+    tenant = tmp_path / "tenants" / "demo.yaml"
+    tenant.write_text(tenant.read_text().replace(sha256_hex(DEMO_API_KEY), DEMO_API_KEY))
+    with pytest.raises(ConfigError, match="SHA-256"):
+        load_config(path)
+
+
+def test_duplicate_key_hash_across_tenants(tmp_path: Path) -> None:
+    path = _copy_example(tmp_path)
+    text = (tmp_path / "tenants" / "demo.yaml").read_text().replace("name: demo", "name: other")
+    (tmp_path / "tenants" / "other.yaml").write_text(text)
+    with pytest.raises(ConfigError, match="also listed by tenant"):
+        load_config(path)
