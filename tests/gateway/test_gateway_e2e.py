@@ -1,0 +1,314 @@
+"""The gateway end to end: the real `openai` SDK against a real gateway in front of emulated replicas.
+
+Every error class surfaces as the SDK's matching exception; killed, failing, hanging and crashing
+replicas are survived or reported clearly; a client that goes away cancels its upstream request.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import re
+import socket
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import openai
+import pytest
+
+from tests.conftest import free_port
+from tests.support.procs import Proc, set_faults, start_emulator, start_gateway, write_tenant
+
+MODEL = "llama-3.1-8b"
+KEY, LIMITED_KEY, ADMIN = "sk-test-main", "sk-test-limited", "admin-token-for-tests"
+
+
+@dataclass
+class Deployment:
+    gateway: Proc
+    emulators: list[Proc]
+    config_path: Path
+    tenants_dir: Path
+
+    def client(self, key: str = KEY, **kwargs: object) -> openai.OpenAI:
+        return openai.OpenAI(base_url=self.gateway.url + "/v1", api_key=key, max_retries=0, timeout=30, **kwargs)  # type: ignore[arg-type]
+
+    def reset_faults(self) -> None:
+        for emulator in self.emulators:
+            if emulator.process.poll() is None:
+                set_faults(emulator.url, reset=True)
+
+
+def _config(tmp: Path, urls: list[str], dead_port: int) -> Path:
+    tenants = tmp / "tenants"
+    tenants.mkdir()
+    write_tenant(tenants, "main", KEY, max_concurrency=1000, rate_limits={"requests_per_min": 100000})
+    write_tenant(tenants, "limited", LIMITED_KEY, models=[MODEL], tiers=["batch", "standard"], default_tier="batch", rate_limits={"requests_per_min": 2})
+    config = {
+        "server": {"host": "127.0.0.1", "admin_token": ADMIN, "max_body_bytes": 65536},
+        "upstream": {
+            "connect_timeout_s": 0.5,
+            "first_byte_timeout_s": 1.5,
+            "between_chunks_timeout_s": 1.0,
+            "max_attempts": 2,
+            "eject_after_failures": 2,
+            "eject_cooldown_s": 60,
+            "health_interval_s": 0.3,
+        },
+        "tenants_dir": "tenants",
+        "fleet": {
+            "pools": [
+                {"name": "main", "model": MODEL, "shapes": ["short-chat", "long-context", "reasoning", "batch"], "replicas": {"urls": urls}},
+                {"name": "dead", "model": "ghost-model", "replicas": {"urls": [f"http://127.0.0.1:{dead_port}"]}},
+            ]
+        },
+    }
+    path = tmp / "config.yaml"
+    path.write_text(json.dumps(config))
+    return path
+
+
+@pytest.fixture(scope="module")
+def deployment(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Deployment]:
+    tmp = tmp_path_factory.mktemp("e2e")
+    emulators = [start_emulator(tmp, f"emu{i}", gpu=gpu) for i, gpu in enumerate(["H100-SXM", "H200"])]
+    config_path = _config(tmp, [e.url for e in emulators], free_port())
+    try:
+        gateway = start_gateway(tmp, ["--config", str(config_path)])
+    except Exception:
+        for e in emulators:
+            e.stop()
+        raise
+    deployment = Deployment(gateway, emulators, config_path, tmp / "tenants")
+    yield deployment
+    gateway.stop()
+    for e in emulators:
+        e.stop()
+
+
+@pytest.fixture(autouse=True)
+def _clean_faults(request: pytest.FixtureRequest) -> Iterator[None]:
+    yield
+    if "deployment" in request.fixturenames:
+        request.getfixturevalue("deployment").reset_faults()
+
+
+def _chat(max_tokens: int = 8, text: str = "Say hello to the team.") -> dict[str, object]:
+    return {"model": MODEL, "messages": [{"role": "user", "content": text}], "max_tokens": max_tokens}
+
+
+def test_sync_chat_non_stream_with_routing_headers(deployment: Deployment) -> None:
+    raw = deployment.client().chat.completions.with_raw_response.create(**_chat(max_tokens=12))  # type: ignore[call-overload]
+    completion = raw.parse()
+    assert completion.choices[0].message.content
+    assert completion.usage.completion_tokens == 12
+    assert raw.headers["x-polymorph-pool"] == "main"
+    assert raw.headers["x-polymorph-replica"] in {"main-0", "main-1"}
+    assert raw.headers["x-polymorph-shape"] == "short-chat"
+
+
+def test_sync_stream_passes_chunks_and_final_usage(deployment: Deployment) -> None:
+    stream = deployment.client().chat.completions.create(**_chat(max_tokens=10), stream=True, stream_options={"include_usage": True})  # type: ignore[call-overload]
+    chunks = list(stream)
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text and chunks[-1].usage is not None and chunks[-1].usage.completion_tokens == 10
+
+
+def test_async_client_chat_and_completions(deployment: Deployment) -> None:
+    async def run() -> tuple[int, int, str]:
+        async with openai.AsyncOpenAI(base_url=deployment.gateway.url + "/v1", api_key=KEY, max_retries=0) as client:
+            chat = await client.chat.completions.create(**_chat(max_tokens=5))  # type: ignore[call-overload]
+            completion = await client.completions.create(model=MODEL, prompt="Once upon a time", max_tokens=7)
+            stream = await client.completions.create(model=MODEL, prompt="def fib(n):", max_tokens=6, stream=True)
+            text = "".join([chunk.choices[0].text async for chunk in stream if chunk.choices])
+            return chat.usage.completion_tokens, completion.usage.completion_tokens, text  # type: ignore[union-attr]
+
+    chat_tokens, completion_tokens, text = asyncio.run(run())
+    assert (chat_tokens, completion_tokens) == (5, 7) and text
+
+
+def test_models_lists_what_the_tenant_may_use(deployment: Deployment) -> None:
+    assert sorted(m.id for m in deployment.client().models.list()) == ["ghost-model", MODEL]
+    assert [m.id for m in deployment.client(LIMITED_KEY).models.list()] == [MODEL]
+
+
+def test_client_errors_map_to_sdk_exceptions(deployment: Deployment) -> None:
+    client = deployment.client()
+    with pytest.raises(openai.BadRequestError, match="temperature"):
+        client.chat.completions.create(**_chat(), temperature=7)  # type: ignore[call-overload]
+    with pytest.raises(openai.BadRequestError, match="messages"):
+        client.chat.completions.create(model=MODEL, messages=[])
+    with pytest.raises(openai.AuthenticationError, match="Invalid API key"):
+        deployment.client("sk-wrong").chat.completions.create(**_chat())  # type: ignore[call-overload]
+    with pytest.raises(openai.NotFoundError, match="does not exist"):
+        client.chat.completions.create(**{**_chat(), "model": "no-such-model"})  # type: ignore[call-overload]
+    with pytest.raises(openai.PermissionDeniedError, match="may not use model"):
+        deployment.client(LIMITED_KEY).chat.completions.create(**{**_chat(), "model": "ghost-model"})  # type: ignore[call-overload]
+    with pytest.raises(openai.PermissionDeniedError, match="Tier 'interactive' is not allowed"):
+        deployment.client(LIMITED_KEY).chat.completions.create(**_chat(), extra_headers={"x-polymorph-tier": "interactive"})  # type: ignore[call-overload]
+    with pytest.raises(openai.APIStatusError, match="exceeds the limit") as too_large:
+        client.chat.completions.create(**_chat(text="x" * 70000))  # type: ignore[call-overload]
+    assert too_large.value.status_code == 413
+
+
+def test_malformed_json_gets_an_envelope_not_a_traceback(deployment: Deployment) -> None:
+    request = urllib.request.Request(deployment.gateway.url + "/v1/chat/completions", data=b'{"model": ', headers={"Authorization": f"Bearer {KEY}"})
+    with pytest.raises(urllib.error.HTTPError) as info:
+        urllib.request.urlopen(request, timeout=5)
+    body = json.loads(info.value.read())
+    assert info.value.code == 400 and body["error"]["code"] == "invalid_json" and "Traceback" not in body["error"]["message"]
+
+
+def test_rate_limit_is_429_with_retry_after(deployment: Deployment) -> None:
+    client = deployment.client(LIMITED_KEY)
+    for _ in range(2):
+        client.chat.completions.create(**_chat(max_tokens=2))  # type: ignore[call-overload]
+    with pytest.raises(openai.RateLimitError, match="requests per minute") as info:
+        client.chat.completions.create(**_chat(max_tokens=2))  # type: ignore[call-overload]
+    assert int(info.value.response.headers["Retry-After"]) >= 1
+
+
+def test_unreachable_pool_is_ejected_and_answers_503_with_retry_after(deployment: Deployment) -> None:
+    client = deployment.client()
+    ghost = {**_chat(), "model": "ghost-model"}
+    deadline = time.monotonic() + 5
+    while True:
+        with pytest.raises(openai.APIStatusError) as info:
+            client.chat.completions.create(**ghost)  # type: ignore[call-overload]
+        if info.value.status_code == 503:  # ejected by probes or failed requests: refused at once
+            assert "no healthy replica" in info.value.message
+            assert int(info.value.response.headers["Retry-After"]) >= 1
+            break
+        assert info.value.status_code == 502 and "could not be reached" in info.value.message
+        assert time.monotonic() < deadline, "the dead replica was never ejected"
+
+
+def test_hanging_replicas_give_504_not_a_hang(deployment: Deployment) -> None:
+    for emulator in deployment.emulators:
+        set_faults(emulator.url, hang_before_first_byte_s=5.0)
+    started = time.monotonic()
+    with pytest.raises(openai.APIStatusError, match="did not answer") as info:
+        deployment.client().chat.completions.create(**_chat())  # type: ignore[call-overload]
+    assert info.value.status_code == 504
+    assert time.monotonic() - started < 4.5  # two attempts of 1.5 s, not the replica's 5 s
+
+
+def test_5xx_before_first_byte_is_retried_on_another_replica(deployment: Deployment) -> None:
+    set_faults(deployment.emulators[0].url, error_rate=1.0, error_status=500)
+    client = deployment.client()
+    for _ in range(6):
+        raw = client.chat.completions.with_raw_response.create(**_chat(max_tokens=3))  # type: ignore[call-overload]
+        assert raw.parse().usage.completion_tokens == 3
+        assert raw.headers["x-polymorph-replica"] == "main-1"
+
+
+def test_crash_mid_stream_ends_with_an_sse_error(deployment: Deployment) -> None:
+    for emulator in deployment.emulators:
+        set_faults(emulator.url, crash_after_tokens=3, crash_mode="cut")
+    stream = deployment.client().chat.completions.create(**_chat(max_tokens=50), stream=True)  # type: ignore[call-overload]
+    received = []
+    with pytest.raises(openai.APIError, match="broke off"):
+        for chunk in stream:
+            received.append(chunk)
+    assert received  # the first tokens arrived before the error
+
+
+def test_stalled_stream_times_out_with_an_sse_error(deployment: Deployment) -> None:
+    for emulator in deployment.emulators:
+        set_faults(emulator.url, stall_after_tokens=2, stall_s=5.0)
+    started = time.monotonic()
+    with pytest.raises(openai.APIError, match="upstream_stalled"):
+        for _ in deployment.client().chat.completions.create(**_chat(max_tokens=20), stream=True):  # type: ignore[call-overload]
+            pass
+    assert time.monotonic() - started < 4.0
+
+
+def _engine_running(emulator: Proc) -> float:
+    with urllib.request.urlopen(emulator.url + "/metrics", timeout=5) as resp:
+        text = resp.read().decode()
+    return sum(float(m) for m in re.findall(r"^sglang:num_running_reqs(?:\{[^}]*\})? ([0-9.e+]+)$", text, re.M))
+
+
+def test_client_disconnect_cancels_the_upstream_request(deployment: Deployment) -> None:
+    for emulator in deployment.emulators:
+        set_faults(emulator.url, slowdown=50.0)
+    body = json.dumps({**_chat(max_tokens=4000), "stream": True}).encode()
+    host, port = deployment.gateway.url.removeprefix("http://").split(":")
+    with socket.create_connection((host, int(port))) as sock:
+        sock.sendall(
+            b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            + f"Authorization: Bearer {KEY}\r\nContent-Length: {len(body)}\r\n\r\n".encode()
+            + body
+        )
+        assert b"200 OK" in sock.recv(65536)  # the stream has started
+        assert sum(_engine_running(e) for e in deployment.emulators) == 1
+        closed_at = time.monotonic()
+    while sum(_engine_running(e) for e in deployment.emulators) > 0:
+        assert time.monotonic() - closed_at < 2.0, "the replica kept generating for a gone client"
+        time.sleep(0.01)
+    assert time.monotonic() - closed_at < 0.25  # 100 ms target plus the /metrics polling cost
+
+
+def test_metrics_and_admin_state(deployment: Deployment) -> None:
+    deployment.client().chat.completions.create(**_chat(max_tokens=2))  # type: ignore[call-overload]
+    with urllib.request.urlopen(deployment.gateway.url + "/metrics", timeout=5) as resp:
+        metrics = resp.read().decode()
+    assert re.search(r'^polymorph_requests_total\{pool="main",status="200",tenant="main",tier="standard"\} [1-9]', metrics, re.M)
+    assert "polymorph_ttft_seconds_bucket" in metrics and KEY not in metrics
+    with pytest.raises(urllib.error.HTTPError) as denied:
+        urllib.request.urlopen(deployment.gateway.url + "/admin/state", timeout=5)
+    assert denied.value.code == 401
+    request = urllib.request.Request(deployment.gateway.url + "/admin/state", headers={"Authorization": f"Bearer {ADMIN}"})
+    with urllib.request.urlopen(request, timeout=5) as resp:
+        state = json.loads(resp.read())
+    assert [p["name"] for p in state["pools"]] == ["main", "dead"]
+    assert {r["name"] for r in state["pools"][0]["replicas"]} == {"main-0", "main-1"}
+
+
+def test_access_log_is_json_without_secrets(deployment: Deployment) -> None:
+    deployment.client().chat.completions.create(**_chat(max_tokens=2, text="my secret prompt text"))  # type: ignore[call-overload]
+    time.sleep(0.5)  # the log is flushed in batches
+    lines = [json.loads(line) for line in deployment.gateway.log().splitlines() if line.startswith("{")]
+    assert lines and all(KEY not in json.dumps(line) and "secret prompt" not in json.dumps(line) for line in lines)
+    assert {"tenant", "tier", "pool", "replica", "status", "duration_ms"} <= set(lines[-1])
+
+
+def test_invalid_reload_keeps_serving_and_valid_reload_applies(deployment: Deployment) -> None:
+    tenant_file = deployment.tenants_dir / "main.yaml"
+    good = tenant_file.read_text()
+    tenant_file.write_text("name: main\napi_key_sha256: [not-a-hash]\n")
+    time.sleep(1.5)
+    assert "reload rejected" in deployment.gateway.log()
+    deployment.client().chat.completions.create(**_chat(max_tokens=2))  # type: ignore[call-overload]
+    tenant_file.write_text(good)
+    write_tenant(deployment.tenants_dir, "newcomer", "sk-test-newcomer")
+    deadline = time.monotonic() + 5
+    while True:
+        try:
+            deployment.client("sk-test-newcomer").chat.completions.create(**_chat(max_tokens=2))  # type: ignore[call-overload]
+            break
+        except openai.AuthenticationError:
+            assert time.monotonic() < deadline, "the valid reload was never applied"
+            time.sleep(0.2)
+
+
+def test_killed_replica_is_survived(tmp_path: Path) -> None:
+    emulators = [start_emulator(tmp_path, f"k{i}") for i in range(2)]
+    gateway = start_gateway(tmp_path, ["--upstream", emulators[0].url, "--upstream", emulators[1].url])
+    try:
+        client = openai.OpenAI(base_url=gateway.url + "/v1", api_key="sk-polymorph-demo", max_retries=0)
+        (model,) = [m.id for m in client.models.list()]  # discovered from the replicas
+        body = {**_chat(max_tokens=2), "model": model}
+        client.chat.completions.create(**body)  # type: ignore[call-overload]
+        emulators[0].kill()
+        for _ in range(10):
+            raw = client.chat.completions.with_raw_response.create(**body)  # type: ignore[call-overload]
+            assert raw.headers["x-polymorph-replica"] == "default-1"
+    finally:
+        gateway.stop()
+        for e in emulators:
+            e.stop()
