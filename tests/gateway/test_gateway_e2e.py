@@ -257,7 +257,7 @@ def test_metrics_and_admin_state(deployment: Deployment) -> None:
     deployment.client().chat.completions.create(**_chat(max_tokens=2))  # type: ignore[call-overload]
     with urllib.request.urlopen(deployment.gateway.url + "/metrics", timeout=5) as resp:
         metrics = resp.read().decode()
-    assert re.search(r'^polymorph_requests_total\{pool="main",status="200",tenant="main",tier="standard"\} [1-9]', metrics, re.M)
+    assert re.search(r'^polymorph_requests_total\{pool="main",status="200",tenant="main",tier="interactive"\} [1-9]', metrics, re.M)
     assert "polymorph_ttft_seconds_bucket" in metrics and KEY not in metrics
     with pytest.raises(urllib.error.HTTPError) as denied:
         urllib.request.urlopen(deployment.gateway.url + "/admin/state", timeout=5)
