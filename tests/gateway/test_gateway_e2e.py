@@ -7,6 +7,7 @@ replicas are survived or reported clearly; a client that goes away cancels its u
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import re
 import socket
@@ -14,7 +15,7 @@ import time
 import urllib.error
 import urllib.request
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import openai
@@ -33,9 +34,19 @@ class Deployment:
     emulators: list[Proc]
     config_path: Path
     tenants_dir: Path
+    clients: dict[str, openai.OpenAI] = field(default_factory=dict)
 
-    def client(self, key: str = KEY, **kwargs: object) -> openai.OpenAI:
-        return openai.OpenAI(base_url=self.gateway.url + "/v1", api_key=key, max_retries=0, timeout=30, **kwargs)  # type: ignore[arg-type]
+    def client(self, key: str = KEY) -> openai.OpenAI:
+        if key not in self.clients:
+            self.clients[key] = openai.OpenAI(base_url=self.gateway.url + "/v1", api_key=key, max_retries=0, timeout=30)
+        return self.clients[key]
+
+    def close(self) -> None:
+        for client in self.clients.values():
+            client.close()
+        self.gateway.stop()
+        for emulator in self.emulators:
+            emulator.stop()
 
     def reset_faults(self) -> None:
         for emulator in self.emulators:
@@ -85,9 +96,7 @@ def deployment(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Deployment]
         raise
     deployment = Deployment(gateway, emulators, config_path, tmp / "tenants")
     yield deployment
-    gateway.stop()
-    for e in emulators:
-        e.stop()
+    deployment.close()
 
 
 @pytest.fixture(autouse=True)
@@ -160,6 +169,7 @@ def test_malformed_json_gets_an_envelope_not_a_traceback(deployment: Deployment)
     with pytest.raises(urllib.error.HTTPError) as info:
         urllib.request.urlopen(request, timeout=5)
     body = json.loads(info.value.read())
+    info.value.close()
     assert info.value.code == 400 and body["error"]["code"] == "invalid_json" and "Traceback" not in body["error"]["message"]
 
 
@@ -262,6 +272,7 @@ def test_metrics_and_admin_state(deployment: Deployment) -> None:
     with pytest.raises(urllib.error.HTTPError) as denied:
         urllib.request.urlopen(deployment.gateway.url + "/admin/state", timeout=5)
     assert denied.value.code == 401
+    denied.value.close()
     request = urllib.request.Request(deployment.gateway.url + "/admin/state", headers={"Authorization": f"Bearer {ADMIN}"})
     with urllib.request.urlopen(request, timeout=5) as resp:
         state = json.loads(resp.read())
@@ -299,8 +310,12 @@ def test_invalid_reload_keeps_serving_and_valid_reload_applies(deployment: Deplo
 def test_killed_replica_is_survived(tmp_path: Path) -> None:
     emulators = [start_emulator(tmp_path, f"k{i}") for i in range(2)]
     gateway = start_gateway(tmp_path, ["--upstream", emulators[0].url, "--upstream", emulators[1].url])
-    try:
+    with contextlib.ExitStack() as stack:
+        stack.callback(gateway.stop)
+        for emulator in emulators:
+            stack.callback(emulator.stop)
         client = openai.OpenAI(base_url=gateway.url + "/v1", api_key="sk-polymorph-demo", max_retries=0)
+        stack.callback(client.close)
         (model,) = [m.id for m in client.models.list()]  # discovered from the replicas
         body = {**_chat(max_tokens=2), "model": model}
         client.chat.completions.create(**body)  # type: ignore[call-overload]
@@ -308,7 +323,3 @@ def test_killed_replica_is_survived(tmp_path: Path) -> None:
         for _ in range(10):
             raw = client.chat.completions.with_raw_response.create(**body)  # type: ignore[call-overload]
             assert raw.headers["x-polymorph-replica"] == "default-1"
-    finally:
-        gateway.stop()
-        for e in emulators:
-            e.stop()

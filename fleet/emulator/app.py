@@ -1,0 +1,342 @@
+"""The emulated sglang server: an aiohttp app around ``EngineDriver``.
+
+OpenAI routes (``/v1/chat/completions``, ``/v1/completions``, ``/v1/models``), sglang's native ones
+(``/generate``, ``/health``, ``/server_info``, ``/model_info`` and their older ``/get_*`` names,
+``/metrics``) and the emulator's own (``/_emulator/faults``, ``/_emulator/stats``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import os
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import orjson
+from aiohttp import web
+
+from fleet.emulator.driver import EngineDriver, TokenStream
+from fleet.emulator.faults import FaultPlan, FaultSpec, RequestFault
+from fleet.emulator.generation import BadRequest, DomainPredictor, Generation, parse_chat, parse_completion, parse_generate
+from fleet.emulator.metrics import render_metrics
+from fleet.emulator.responses import GenerateRenderer, OpenAIRenderer, error_body
+from kernels.catalog import get_gpu, get_model
+from kernels.config import EngineConfig
+from kernels.engine import Engine
+from kernels.perf import PerfModel
+
+_CRASH_EXIT_CODE = 17
+_JSON = "application/json"
+
+
+@dataclass(frozen=True, slots=True)
+class EmulatorSettings:
+    """What one emulated replica serves and how."""
+
+    model: str
+    gpu: str
+    config: EngineConfig = field(default_factory=EngineConfig)
+    served_model_name: str | None = None  # default: the catalog model's name
+    speed: float = 1.0  # engine seconds per wall second
+    faults: FaultSpec = field(default_factory=FaultSpec)
+
+
+class EmulatorState:
+    """Everything the handlers share: the driver, the fault plan, model facts."""
+
+    def __init__(self, settings: EmulatorSettings) -> None:
+        model = get_model(settings.model)
+        gpu = get_gpu(settings.gpu)
+        perf = PerfModel(model, gpu, settings.config)
+        if perf.kv_capacity_tokens <= 0:
+            raise ValueError(f"{model.name} does not fit on {gpu.name} with this configuration (no room for KV cache)")
+        self.settings = settings
+        self.model = model
+        self.gpu = gpu
+        self.perf = perf
+        self.served_model_name = settings.served_model_name or model.name
+        self.max_context = model.max_context
+        self.driver = EngineDriver([Engine(perf, perf.config) for _ in range(perf.config.dp)], settings.speed)
+        self.faults = FaultPlan(settings.faults)
+        self.driver.slowdown = settings.faults.slowdown
+        self.domains = DomainPredictor()
+        self.ids = itertools.count(1)
+        self.id_prefix = f"{os.getpid():x}"
+        # Set by the server once it listens; closes the listening socket for a while.
+        self.refuse_connections: Callable[[float], Awaitable[None]] | None = None
+
+    def new_req_id(self, prefix: str) -> str:
+        return f"{prefix}-{self.id_prefix}{next(self.ids):08x}"
+
+    def set_faults(self, spec: FaultSpec) -> None:
+        self.faults.replace_spec(spec)
+        self.driver.slowdown = spec.slowdown
+
+
+STATE = web.AppKey("emulator_state", EmulatorState)
+
+
+def _json_response(obj: object, status: int = 200) -> web.Response:
+    return web.Response(body=orjson.dumps(obj), status=status, content_type=_JSON)
+
+
+def _error(message: str, status: int, param: str | None = None) -> web.Response:
+    return web.Response(body=error_body(message, status, param), status=status, content_type=_JSON)
+
+
+async def _read_json(request: web.Request) -> dict[str, Any]:
+    try:
+        body = orjson.loads(await request.read())
+    except orjson.JSONDecodeError as exc:
+        raise BadRequest(f"request body is not valid JSON: {exc}") from exc
+    if not isinstance(body, dict):
+        raise BadRequest("request body must be a JSON object")
+    return body
+
+
+async def _hang(duration_s: float) -> None:
+    if duration_s < 0:
+        await asyncio.Event().wait()  # until the client leaves (the handler is cancelled)
+    await asyncio.sleep(duration_s)
+
+
+def _crash(request: web.Request, mode: str) -> None:
+    if mode == "exit":
+        os._exit(_CRASH_EXIT_CODE)
+    if request.transport is not None:
+        request.transport.abort()
+    raise asyncio.CancelledError  # the connection is gone: stop the handler without a reply
+
+
+# --- inference -----------------------------------------------------------------------------------
+Parser = Callable[[dict[str, Any], int, DomainPredictor], Generation]
+
+
+async def _serve(request: web.Request, parse: Parser, id_prefix: str) -> web.StreamResponse:
+    state = request.app[STATE]
+    fault = state.faults.on_request()
+    if fault.hang_s:
+        await _hang(fault.hang_s)
+    if fault.error_status is not None:
+        return _error(f"emulated fault: HTTP {fault.error_status}", fault.error_status)
+    try:
+        generation = parse(await _read_json(request), state.max_context, state.domains)
+    except BadRequest as exc:
+        return _error(str(exc), 400, exc.param)
+    req_id = state.new_req_id(id_prefix)
+    max_new = generation.max_tokens or generation.output_tokens
+    stream = state.driver.submit(req_id, generation.prompt_tokens, generation.output_tokens, generation.domain,
+                                 generation.prefix_hash_ids, max_new)
+    if stream is None:
+        return _error(f"request needs {generation.prompt_tokens + generation.output_tokens} tokens of KV cache, "
+                      f"more than this replica holds", 400, "max_tokens")
+    try:
+        if generation.kind == "generate":
+            return await _answer_generate(request, generation, stream, fault)
+        renderer = OpenAIRenderer(generation, req_id, state.served_model_name, int(time.time()))
+        if generation.stream:
+            return await _stream_openai(request, renderer, stream, fault)
+        await _wait_all(request, stream, fault)
+        return web.Response(body=renderer.full(stream.num_cached_tokens), content_type=_JSON)
+    finally:
+        if not stream.is_finished:
+            state.driver.abort(req_id)
+
+
+async def _next_tokens(request: web.Request, stream: TokenStream, num_sent: int, fault: RequestFault,
+                       stalled: list[bool]) -> int:
+    """Wait for tokens past ``num_sent``; returns how many may be sent now (applying stall and crash faults)."""
+    while stream.num_ready <= num_sent and not stream.is_finished:
+        await stream.wait()
+    ready = stream.num_ready
+    if fault.crash_after_tokens is not None and ready >= fault.crash_after_tokens:
+        if num_sent >= fault.crash_after_tokens:
+            _crash(request, fault.crash_mode)
+        ready = fault.crash_after_tokens
+    if fault.stall_after_tokens is not None and not stalled[0] and ready >= fault.stall_after_tokens:
+        if num_sent >= fault.stall_after_tokens:
+            stalled[0] = True
+            await _hang(fault.stall_s)
+        else:
+            ready = fault.stall_after_tokens
+    return ready
+
+
+async def _wait_all(request: web.Request, stream: TokenStream, fault: RequestFault) -> None:
+    num_done, stalled = 0, [False]
+    while not (stream.is_finished and num_done >= stream.num_ready):
+        num_done = await _next_tokens(request, stream, num_done, fault, stalled)
+
+
+async def _stream_openai(request: web.Request, renderer: OpenAIRenderer, stream: TokenStream,
+                         fault: RequestFault) -> web.StreamResponse:
+    response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+    await response.prepare(request)
+    num_sent, stalled = 0, [False]
+    try:
+        await response.write(renderer.first_chunk())
+        while not (stream.is_finished and num_sent >= stream.num_ready):
+            ready = await _next_tokens(request, stream, num_sent, fault, stalled)
+            if ready > num_sent:
+                await response.write(renderer.text_chunk(num_sent, ready))
+                num_sent = ready
+        await response.write(renderer.last_chunks(stream.num_cached_tokens, renderer.generation.include_usage))
+        await response.write_eof()
+    except ConnectionResetError:
+        pass  # the client left; the caller aborts the request
+    return response
+
+
+async def _answer_generate(request: web.Request, generation: Generation, stream: TokenStream,
+                           fault: RequestFault) -> web.StreamResponse:
+    renderer = GenerateRenderer(generation, stream.req_id)
+    if not generation.stream:
+        await _wait_all(request, stream, fault)
+        return web.Response(body=renderer.full(stream.num_cached_tokens, time.monotonic() - stream.submitted_at),
+                            content_type=_JSON)
+    response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+    await response.prepare(request)
+    num_sent, stalled = 0, [False]
+    try:
+        while not (stream.is_finished and num_sent >= stream.num_ready):
+            ready = await _next_tokens(request, stream, num_sent, fault, stalled)
+            if ready > num_sent:
+                num_sent = ready
+                finished = stream.is_finished and num_sent >= stream.num_ready
+                latency_s = time.monotonic() - stream.submitted_at
+                await response.write(renderer.chunk(num_sent, stream.num_cached_tokens, finished, latency_s))
+        await response.write(b"data: [DONE]\n\n")
+        await response.write_eof()
+    except ConnectionResetError:
+        pass
+    return response
+
+
+async def chat_completions(request: web.Request) -> web.StreamResponse:
+    return await _serve(request, parse_chat, "chatcmpl")
+
+
+async def completions(request: web.Request) -> web.StreamResponse:
+    return await _serve(request, parse_completion, "cmpl")
+
+
+async def generate(request: web.Request) -> web.StreamResponse:
+    return await _serve(request, parse_generate, "gen")
+
+
+# --- information ---------------------------------------------------------------------------------
+async def models(request: web.Request) -> web.Response:
+    state = request.app[STATE]
+    name = state.served_model_name
+    return _json_response({"object": "list", "data": [{
+        "id": name, "object": "model", "created": 0, "owned_by": "sglang", "root": name,
+        "max_model_len": state.max_context,
+    }]})
+
+
+async def health(request: web.Request) -> web.Response:
+    status = request.app[STATE].faults.spec.health_status
+    return web.Response(status=status)
+
+
+def _server_info(state: EmulatorState) -> dict[str, Any]:
+    config = state.perf.config
+    stats = state.driver.engine_stats()
+    info: dict[str, Any] = {f"{k}_size" if k in ("tp", "dp", "ep") else k: v for k, v in config.to_dict().items()}
+    info.update(
+        model_path=state.model.name,
+        served_model_name=state.served_model_name,
+        context_length=state.max_context,
+        max_total_num_tokens=stats.kv_capacity_tokens,
+        max_running_requests=state.driver.engines[0].limits.max_running_requests,
+        version="emulated",
+        emulated=True,
+        gpu=state.gpu.name,
+        speed=state.driver.speed,
+        internal_states=[{"num_running_reqs": stats.num_running, "num_queue_reqs": stats.num_waiting,
+                          "token_usage": stats.token_usage, "gen_throughput": stats.gen_throughput_tok_s}],
+    )
+    return info
+
+
+async def server_info(request: web.Request) -> web.Response:
+    return _json_response(_server_info(request.app[STATE]))
+
+
+async def model_info(request: web.Request) -> web.Response:
+    state = request.app[STATE]
+    return _json_response({"model_path": state.model.name, "tokenizer_path": state.model.name, "is_generation": True,
+                           "served_model_name": state.served_model_name, "max_context_length": state.max_context})
+
+
+async def metrics(request: web.Request) -> web.Response:
+    state = request.app[STATE]
+    driver = state.driver
+    text = render_metrics(state.served_model_name, driver.engine_stats(), driver.ttft_s, driver.e2e_s)
+    return web.Response(text=text, content_type="text/plain", charset="utf-8")
+
+
+# --- the emulator's own controls -----------------------------------------------------------------
+async def get_faults(request: web.Request) -> web.Response:
+    return _json_response(request.app[STATE].faults.spec.to_dict())
+
+
+async def post_faults(request: web.Request) -> web.Response:
+    state = request.app[STATE]
+    try:
+        spec = FaultSpec.from_dict(await _read_json(request), base=state.faults.spec)
+    except ValueError as exc:
+        return _error(str(exc), 400)
+    state.set_faults(spec)
+    if spec.refuse_connections_s and state.refuse_connections is not None:
+        asyncio.get_running_loop().create_task(state.refuse_connections(spec.refuse_connections_s))
+    return _json_response(spec.to_dict())
+
+
+async def emulator_stats(request: web.Request) -> web.Response:
+    state = request.app[STATE]
+    driver = state.driver
+    if request.query.get("reset_timing"):
+        driver.reset_timing()
+    stats = driver.engine_stats()
+    body = {name: getattr(stats, name) for name in type(stats).__slots__}
+    body.update(timing=driver.timing_stats().to_dict(), last_abort_at=driver.last_abort_at,
+                num_requests=state.faults.num_requests)
+    return _json_response(body)
+
+
+def build_app(settings: EmulatorSettings) -> web.Application:
+    """The emulated replica as an aiohttp app (its engine loop starts and stops with the app)."""
+    app = web.Application(client_max_size=64 * 1024 * 1024)
+    state = EmulatorState(settings)
+    app[STATE] = state
+
+    async def start_driver(_: web.Application) -> None:
+        state.driver.start()
+
+    async def stop_driver(_: web.Application) -> None:
+        await state.driver.stop()
+
+    app.on_startup.append(start_driver)
+    app.on_cleanup.append(stop_driver)
+    routes = [
+        web.post("/v1/chat/completions", chat_completions),
+        web.post("/v1/completions", completions),
+        web.get("/v1/models", models),
+        web.post("/generate", generate),
+        web.get("/health", health),
+        web.get("/health_generate", health),
+        web.get("/metrics", metrics),
+        web.get("/_emulator/faults", get_faults),
+        web.post("/_emulator/faults", post_faults),
+        web.get("/_emulator/stats", emulator_stats),
+    ]
+    for path in ("/server_info", "/get_server_info"):
+        routes.append(web.get(path, server_info))
+    for path in ("/model_info", "/get_model_info"):
+        routes.append(web.get(path, model_info))
+    app.add_routes(routes)
+    return app
