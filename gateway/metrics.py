@@ -4,10 +4,15 @@ the config, never from request text (unknown callers are counted under tenant ``
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, multiprocess
 from prometheus_client.exposition import generate_latest
+
+# `polymorph serve --workers N` sets this before starting the workers: each worker then writes its
+# samples to shared files and any worker's /metrics reports the sum over all of them.
+MULTIPROC_ENV = "PROMETHEUS_MULTIPROC_DIR"
 
 _LATENCY_BUCKETS_S = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
 _TPOT_BUCKETS_S = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.03, 0.05, 0.075, 0.1, 0.15, 0.25, 0.5, 1.0)
@@ -17,21 +22,22 @@ class GatewayMetrics:
     """All of the gateway's series, with labelled children cached so the hot path does one dict lookup."""
 
     def __init__(self) -> None:
+        self.multiprocess = bool(os.environ.get(MULTIPROC_ENV))
         self.registry = CollectorRegistry(auto_describe=True)
         r = self.registry
         self.requests = Counter("polymorph_requests", "Requests answered, by tenant, tier, pool and HTTP status.", ["tenant", "tier", "pool", "status"], registry=r)
         self.ttft = Histogram("polymorph_ttft_seconds", "Time to first byte of the response body from the replica.", ["tier", "pool"], buckets=_LATENCY_BUCKETS_S, registry=r)
         self.tpot = Histogram("polymorph_tpot_seconds", "Time per output token after the first (streaming).", ["tier", "pool"], buckets=_TPOT_BUCKETS_S, registry=r)
         self.e2e = Histogram("polymorph_request_duration_seconds", "End-to-end request time in the gateway.", ["tier", "pool"], buckets=_LATENCY_BUCKETS_S, registry=r)
-        self.in_flight = Gauge("polymorph_requests_in_flight", "Requests being proxied now, by pool.", ["pool"], registry=r)
+        self.in_flight = Gauge("polymorph_requests_in_flight", "Requests being proxied now, by pool.", ["pool"], registry=r, multiprocess_mode="livesum")
         self.retries = Counter("polymorph_upstream_retries", "Requests retried on another replica before the first byte.", ["pool"], registry=r)
         self.ejections = Counter("polymorph_replica_ejections", "Replicas ejected by the circuit breaker.", ["pool", "replica"], registry=r)
         self.rejections = Counter("polymorph_rejections", "Requests refused by the gateway, by reason.", ["tenant", "reason"], registry=r)
         self.shapes = Counter("polymorph_classified", "Requests classified, by shape and domain.", ["shape", "domain"], registry=r)
-        self.replica_up = Gauge("polymorph_replica_healthy", "1 when the replica takes traffic, 0 when ejected.", ["pool", "replica"], registry=r)
+        self.replica_up = Gauge("polymorph_replica_healthy", "1 when the replica takes traffic, 0 when ejected.", ["pool", "replica"], registry=r, multiprocess_mode="livemin")
         self.tokens = Counter("polymorph_tokens", "Tokens in usage reports, by tenant and kind (prompt, completion).", ["tenant", "kind"], registry=r)
         self.reloads = Counter("polymorph_config_reloads", "Config reload attempts, by result (applied, rejected).", ["result"], registry=r)
-        self.config_version = Gauge("polymorph_config_version", "Number of the config version being served.", registry=r)
+        self.config_version = Gauge("polymorph_config_version", "Number of the config version being served.", registry=r, multiprocess_mode="livemax")
         self._children: dict[tuple[Any, ...], Any] = {}
 
     def child(self, family: Any, *labels: str) -> Any:
@@ -49,6 +55,10 @@ class GatewayMetrics:
         self.child(self.rejections, tenant, reason).inc()
 
     def render(self) -> bytes:
+        if self.multiprocess:
+            merged = CollectorRegistry()
+            multiprocess.MultiProcessCollector(merged)
+            return generate_latest(merged)
         return generate_latest(self.registry)
 
 

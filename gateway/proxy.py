@@ -67,6 +67,8 @@ class Proxy:
         self.metrics = metrics
         self.router_settings = RouterSettings()
         self.retry_budget = RetryBudget(settings.retry_budget_ratio, now)
+        self._timeout_for: UpstreamSettings | None = None
+        self._client_timeout = aiohttp.ClientTimeout()
 
     async def forward(
         self,
@@ -80,8 +82,7 @@ class Proxy:
     ) -> web.StreamResponse:
         settings = runtime.config.upstream
         loop = asyncio.get_running_loop()
-        timeout = aiohttp.ClientTimeout(total=None, sock_connect=settings.connect_timeout_s, sock_read=settings.first_byte_timeout_s)
-        path = request.path
+        timeout = self._timeout(settings)
         tried: list[str] = []
         budget_tokens = shape.prompt_tokens + shape.predicted_output_p50
         self.retry_budget.on_request()
@@ -93,8 +94,7 @@ class Proxy:
                 if last_error is not None:
                     raise last_error
                 raise ApiError(decision.status, decision.reason, decision.code, "model" if decision.status == 404 else None, decision.retry_after_s or None)
-            replica = runtime.replica(decision.replica)
-            assert replica is not None, "router returned a replica the runtime does not hold"
+            replica = runtime.replica_by_name[decision.replica]
             outcome.pool, outcome.replica = decision.pool, decision.replica
             outcome.attempts += 1
             tried.append(replica.name)
@@ -114,6 +114,12 @@ class Proxy:
                 replica.end(budget_tokens)
                 gauge.dec()
             return result
+
+    def _timeout(self, settings: UpstreamSettings) -> aiohttp.ClientTimeout:
+        if self._timeout_for is not settings:
+            self._timeout_for = settings
+            self._client_timeout = aiohttp.ClientTimeout(total=None, sock_connect=settings.connect_timeout_s, sock_read=settings.first_byte_timeout_s)
+        return self._client_timeout
 
     def mark_failure(self, replica: ReplicaState) -> None:
         if replica.breaker.on_failure(asyncio.get_running_loop().time()):

@@ -28,6 +28,7 @@ class Runtime:
     limiters: Mapping[str, TenantLimiter]
     classifier: RequestClassifier
     pools: tuple[PoolState, ...]
+    replica_by_name: Mapping[str, ReplicaState]
 
     def served_models(self) -> list[str]:
         models: set[str] = set()
@@ -39,12 +40,6 @@ class Runtime:
                     models |= replica.models
         return sorted(models)
 
-    def replica(self, name: str) -> ReplicaState | None:
-        for pool in self.pools:
-            for replica in pool.replicas:
-                if replica.name == name:
-                    return replica
-        return None
 
 
 def _max_running(spec: PoolSpec) -> int:
@@ -109,11 +104,13 @@ def build_runtime(
         classifier = previous.classifier.with_rules(config.shapes)
     else:
         classifier = RequestClassifier.load(config.classifier.model, config.classifier.tokenizer, config.shapes)
+    pools = _build_pools(config, replica_urls, previous)
     return Runtime(
         config=config,
         version=previous.version + 1 if previous else 1,
         tenant_by_key_hash=by_key,
         limiters=limiters,
         classifier=classifier,
-        pools=_build_pools(config, replica_urls, previous),
+        pools=pools,
+        replica_by_name={r.name: r for pool in pools for r in pool.replicas},
     )

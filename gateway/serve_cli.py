@@ -6,6 +6,7 @@ import argparse
 import asyncio
 import multiprocessing
 import os
+import shutil
 import signal
 import socket
 import sys
@@ -147,6 +148,12 @@ def _run_serve(args: argparse.Namespace) -> int:
 
 
 def _run_workers(num_workers: int, config: GatewayConfig, replica_urls: dict[str, list[str]], config_path: Path | None) -> int:
+    from prometheus_client import multiprocess
+
+    from gateway.metrics import MULTIPROC_ENV
+
+    metrics_dir = tempfile.mkdtemp(prefix="polymorph-metrics-")
+    os.environ[MULTIPROC_ENV] = metrics_dir  # inherited by the spawned workers
     ctx = multiprocessing.get_context("spawn")
     workers = [ctx.Process(target=_run_worker, args=(config, replica_urls, config_path), daemon=False) for _ in range(num_workers)]
     for worker in workers:
@@ -161,4 +168,7 @@ def _run_workers(num_workers: int, config: GatewayConfig, replica_urls: dict[str
         signal.signal(sig, forward)
     for worker in workers:
         worker.join()
+        if worker.pid is not None:
+            multiprocess.mark_process_dead(worker.pid, metrics_dir)
+    shutil.rmtree(metrics_dir, ignore_errors=True)
     return max((w.exitcode or 0) for w in workers)

@@ -323,3 +323,22 @@ def test_killed_replica_is_survived(tmp_path: Path) -> None:
         for _ in range(10):
             raw = client.chat.completions.with_raw_response.create(**body)  # type: ignore[call-overload]
             assert raw.headers["x-polymorph-replica"] == "default-1"
+
+
+def test_workers_share_the_port_and_their_metrics(tmp_path: Path) -> None:
+    emulator = start_emulator(tmp_path, "w0")
+    gateway = start_gateway(tmp_path, ["--upstream", emulator.url, "--workers", "2"])
+    with contextlib.ExitStack() as stack:
+        stack.callback(emulator.stop)
+        stack.callback(gateway.stop)
+        children = Path(f"/proc/{gateway.process.pid}/task/{gateway.process.pid}/children").read_text().split()
+        workers = [pid for pid in children if b"spawn_main" in Path(f"/proc/{pid}/cmdline").read_bytes()]
+        assert len(workers) == 2
+        for _ in range(20):  # a new connection each time, so the kernel spreads them over the workers
+            with openai.OpenAI(base_url=gateway.url + "/v1", api_key="sk-polymorph-demo", max_retries=0) as client:
+                model = client.models.list().data[0].id
+                client.chat.completions.create(**{**_chat(max_tokens=1), "model": model})  # type: ignore[call-overload]
+        with urllib.request.urlopen(gateway.url + "/metrics", timeout=5) as resp:
+            metrics = resp.read().decode()
+        assert re.search(r'^polymorph_requests_total\{pool="default",status="200",tenant="demo",tier="standard"\} 20\.0$', metrics, re.M)
+    assert gateway.process.returncode == 0
