@@ -1,0 +1,55 @@
+"""Tenant limits and the retry budget, exact under an injected clock."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+from gateway.admission import RetryBudget, TenantLimiter, TokenBucket
+from gateway.config import DEFAULT_TIERS, demo_tenant
+
+TENANT = replace(demo_tenant(DEFAULT_TIERS), requests_per_min=60.0, tokens_per_min=600.0, max_concurrency=2)
+
+
+def test_token_bucket_refills_at_its_rate_up_to_its_burst() -> None:
+    bucket = TokenBucket(rate_per_s=2.0, burst=4.0, now=0.0)
+    bucket.take(4.0, 0.0)
+    assert bucket.wait_s(1.0, 0.0) == 0.5
+    assert bucket.wait_s(1.0, 0.5) == 0.0
+    assert bucket.wait_s(4.0, 100.0) == 0.0  # full again, but never above the burst
+    assert bucket.wait_s(5.0, 100.0) > 0.0
+
+
+def test_concurrency_cap_refuses_then_admits_after_release() -> None:
+    limiter = TenantLimiter(TENANT, now=0.0)
+    assert limiter.admit(10, 0.0) is None and limiter.admit(10, 0.0) is None
+    refusal = limiter.admit(10, 0.0)
+    assert refusal is not None and refusal.code == "concurrency_limit_exceeded"
+    limiter.release()
+    assert limiter.admit(10, 0.0) is None
+
+
+def test_request_rate_refusal_says_when_to_retry_and_takes_nothing() -> None:
+    limiter = TenantLimiter(replace(TENANT, max_concurrency=10**6), now=0.0)
+    for _ in range(60):
+        assert limiter.admit(1, 0.0) is None
+    refusal = limiter.admit(1, 0.0)
+    assert refusal is not None and refusal.code == "rate_limit_exceeded"
+    assert abs(refusal.retry_after_s - 1.0) < 1e-9  # one request a second refills
+    assert limiter.admit(1, 1.0) is None
+
+
+def test_token_rate_limit_counts_prompt_and_output_tokens() -> None:
+    limiter = TenantLimiter(replace(TENANT, max_concurrency=10**6), now=0.0)
+    assert limiter.admit(550, 0.0) is None
+    refusal = limiter.admit(100, 0.0)
+    assert refusal is not None and refusal.code == "token_rate_limit_exceeded"
+    assert abs(refusal.retry_after_s - 5.0) < 1e-9  # 50 tokens short at 10 tokens a second
+
+
+def test_retry_budget_bounds_retries_to_a_share_of_requests() -> None:
+    budget = RetryBudget(ratio=0.1, now=0.0, floor_per_s=0.0001)
+    spent = 0
+    for _ in range(1000):
+        budget.on_request()
+        spent += budget.try_spend(0.0)
+    assert spent <= 10 + 100  # the initial burst plus 10% of the requests
