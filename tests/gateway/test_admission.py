@@ -15,8 +15,12 @@ def test_token_bucket_refills_at_its_rate_up_to_its_burst() -> None:
     bucket.take(4.0, 0.0)
     assert bucket.wait_s(1.0, 0.0) == 0.5
     assert bucket.wait_s(1.0, 0.5) == 0.0
-    assert bucket.wait_s(4.0, 100.0) == 0.0  # full again, but never above the burst
-    assert bucket.wait_s(5.0, 100.0) > 0.0
+    assert bucket.wait_s(4.0, 100.0) == 0.0
+    assert bucket.level == 4.0  # full again, never above the burst
+    # a request larger than the burst passes only from a full bucket, so it is never starved
+    assert bucket.wait_s(9.0, 100.0) == 0.0
+    bucket.take(9.0, 100.0)
+    assert bucket.wait_s(1.0, 100.0) == 3.0
 
 
 def test_concurrency_cap_refuses_then_admits_after_release() -> None:
