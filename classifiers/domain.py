@@ -1,11 +1,13 @@
 """Domain of a prompt: word and bigram features, a linear model, and a lean inference path.
 
 Training builds a scikit-learn pipeline (``TfidfVectorizer`` over :func:`analyze`, then a
-multinomial ``LogisticRegression``). Serving does not call scikit-learn: the vectorizer's
-vocabulary is a dict, so a prompt's features are dict look-ups and its scores one sparse dot
-product in numpy, the same numbers scikit-learn computes without its per-call overhead
-(tests/classifiers check the two paths agree). Only a bounded head and tail of a prompt are read,
-so a 32k-token prompt costs what a 200-token one does (the instruction sits at either end).
+multinomial ``LogisticRegression``). Serving does not call scikit-learn: the vocabulary is a dict
+keyed by a word or a (word, word) pair, so a prompt's features are C-level ``map`` look-ups with no
+bigram strings built, and its scores a sum of idf-scaled weight rows: in plain Python for the few
+dozen features of a short prompt (numpy's per-call overhead would dominate), one numpy gather and
+reduce above that. Both give the numbers scikit-learn computes (tests/classifiers check the paths
+agree). Only a bounded head and tail of a prompt are read, so a 32k-token prompt costs what a
+200-token one does (the instruction sits at either end).
 """
 
 from __future__ import annotations
@@ -13,7 +15,7 @@ from __future__ import annotations
 import json
 import math
 import string
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from importlib import resources
 from pathlib import Path
 
@@ -25,6 +27,8 @@ METADATA_FILE = "metadata.json"
 
 HEAD_CHARS = 384
 TAIL_CHARS = 384
+# Above this many distinct features one numpy gather+reduce beats summing Python tuples.
+MAX_PYTHON_SUM_FEATURES = 48
 
 # Digits become 0 (numbers matter by shape, not value) and each ASCII symbol becomes a token of its
 # own: symbols carry most of the code and math signal ("= =", "def x (", "$ 0"). One translate and
@@ -61,21 +65,48 @@ class DomainModel:
     coef: np.ndarray  # (num_features, num_classes) float64, transposed for row gathers
     intercept: np.ndarray  # (num_classes,)
     metadata: dict
+    # Serving tables derived from the fields above (__post_init__).
+    _feature_ids: dict[str | tuple[str, str], int] = field(init=False, repr=False, compare=False)
+    _rows: list[tuple[float, ...]] = field(init=False, repr=False, compare=False)  # idf*coef, then idf**2
+    _table: np.ndarray = field(init=False, repr=False, compare=False)  # the same rows as one array
+    _intercept: tuple[float, ...] = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        # bigram terms are "a b" and tokens never hold a space: key them by the pair analyze zips
+        feature_ids = {tuple(term.split(" ")) if " " in term else term: i for term, i in self.vocabulary.items()}
+        table = np.ascontiguousarray(np.hstack([self.coef * self.idf[:, None], (self.idf**2)[:, None]]))
+        object.__setattr__(self, "_feature_ids", feature_ids)
+        object.__setattr__(self, "_table", table)
+        object.__setattr__(self, "_rows", [tuple(row) for row in table.tolist()])
+        object.__setattr__(self, "_intercept", tuple(self.intercept.tolist()))
+
+    def _feature_set(self, text: str) -> set[int]:
+        """Ids of the features of ``text`` (the same terms as :func:`analyze`, deduplicated: tf is binary)."""
+        tokens = window(text).lower().translate(_TOKENIZE_TABLE).split()
+        get = self._feature_ids.get
+        ids = set(map(get, tokens))
+        ids.update(map(get, zip(tokens, tokens[1:])))
+        ids.discard(None)
+        return ids  # type: ignore[return-value]
+
+    def _score_list(self, text: str) -> list[float]:
+        ids = self._feature_set(text)
+        if not ids:
+            return list(self._intercept)
+        if len(ids) <= MAX_PYTHON_SUM_FEATURES:
+            sums = list(map(sum, zip(*map(self._rows.__getitem__, ids))))
+        else:
+            sums = self._table[np.fromiter(ids, dtype=np.intp, count=len(ids))].sum(axis=0).tolist()
+        norm = 1.0 / math.sqrt(sums.pop())  # l2 norm of the tf-idf vector (binary tf: sqrt of idf**2 sum)
+        return [total * norm + bias for total, bias in zip(sums, self._intercept)]
 
     def scores(self, text: str) -> np.ndarray:
         """Decision scores per class (equal to the pipeline's ``decision_function``)."""
-        ids = set(map(self.vocabulary.get, analyze(text)))
-        ids.discard(None)
-        if not ids:
-            return self.intercept.copy()
-        idx = np.fromiter(ids, dtype=np.intp, count=len(ids))
-        weights = self.idf[idx]
-        return (weights @ self.coef[idx]) * (1.0 / math.sqrt(weights @ weights)) + self.intercept
+        return np.asarray(self._score_list(text))
 
     def predict(self, text: str) -> tuple[str, float]:
         """The most likely domain and its probability (softmax of the scores)."""
-        # nine floats: plain Python beats numpy's per-call overhead for the softmax
-        scores = self.scores(text).tolist()
+        scores = self._score_list(text)  # nine floats: plain Python beats numpy for the softmax
         top = max(scores)
         return self.classes[scores.index(top)], 1.0 / sum(math.exp(value - top) for value in scores)
 

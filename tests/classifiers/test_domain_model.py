@@ -10,7 +10,13 @@ import numpy as np
 import pytest
 
 from classifiers.datasets import Example
-from classifiers.domain import ModelFileError, builtin_model_dir, load_builtin_domain_model, load_domain_model
+from classifiers.domain import (
+    MAX_PYTHON_SUM_FEATURES,
+    ModelFileError,
+    builtin_model_dir,
+    load_builtin_domain_model,
+    load_domain_model,
+)
 from classifiers.train import export_pipeline, fit_pipeline
 
 KNOWN = {
@@ -74,7 +80,10 @@ def test_sklearn_and_fast_paths_agree() -> None:
     examples = TINY * 2  # min_df=2 needs each term twice
     pipeline = fit_pipeline(examples)
     fast = export_pipeline(pipeline, {})
-    probes = [e.text for e in TINY] + ["an unseen prompt with no known words zzz", "", "how many dollars per hour"]
+    every_term = " ".join(e.text for e in TINY)  # past the plain-Python sum: takes the numpy branch
+    assert len(fast._feature_set(every_term)) > MAX_PYTHON_SUM_FEATURES >= len(fast._feature_set(TINY[0].text))
+    probes = [e.text for e in TINY] + ["an unseen prompt with no known words zzz", "", "how many dollars per hour",
+                                       every_term]
     expected = pipeline.decision_function(probes)
     for probe, row in zip(probes, expected):
         assert np.allclose(fast.scores(probe), row, atol=1e-9)
