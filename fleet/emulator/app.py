@@ -126,6 +126,9 @@ async def _serve(request: web.Request, parse: Parser, id_prefix: str) -> web.Str
         generation = parse(await _read_json(request), state.max_context, state.domains)
     except BadRequest as exc:
         return _error(str(exc), 400, exc.param)
+    # Tokenisation, scheduling and detokenisation cost a real server this much per request; the
+    # performance model charges the same to TTFT, so the emulator and the predictions agree.
+    await asyncio.sleep(state.perf.request_overhead_s * state.driver.slowdown / state.settings.speed)
     req_id = state.new_req_id(id_prefix)
     max_new = generation.max_tokens or generation.output_tokens
     stream = state.driver.submit(req_id, generation.prompt_tokens, generation.output_tokens, generation.domain,

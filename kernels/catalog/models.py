@@ -1,0 +1,233 @@
+"""Model catalog: transformer shapes from published Hugging Face configs, and a config.json parser."""
+
+from __future__ import annotations
+
+import functools
+import json
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass, fields
+from importlib import resources
+from pathlib import Path
+
+import yaml
+
+_WEIGHT_DTYPES = ("bf16", "fp8", "mxfp4_experts")
+
+
+@dataclass(frozen=True, slots=True)
+class ModelSpec:
+    """Shape of a decoder-only transformer (dense, MoE, or MLA+MoE like DeepSeek-V3)."""
+
+    name: str
+    num_layers: int
+    hidden_size: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    intermediate_size: int
+    vocab_size: int
+    max_context: int = 131072
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    num_shared_experts: int = 0
+    moe_intermediate_size: int = 0
+    first_k_dense_layers: int = 0
+    q_lora_rank: int = 0
+    kv_lora_rank: int = 0
+    qk_rope_head_dim: int = 0
+    qk_nope_head_dim: int = 0
+    v_head_dim: int = 0
+    sliding_window: int = 0
+    num_sliding_layers: int = 0
+    tie_word_embeddings: bool = False
+    weight_dtype: str = "bf16"
+    published_params_b: float = 0.0
+    published_active_params_b: float = 0.0
+    source: str = ""
+    aliases: tuple[str, ...] = ()
+
+    @property
+    def is_moe(self) -> bool:
+        return self.num_experts > 0
+
+    @property
+    def is_mla(self) -> bool:
+        return self.kv_lora_rank > 0
+
+    @property
+    def num_moe_layers(self) -> int:
+        return self.num_layers - self.first_k_dense_layers if self.is_moe else 0
+
+    @property
+    def attention_params_per_layer(self) -> int:
+        h = self.hidden_size
+        if self.is_mla:
+            qk_dim = self.qk_nope_head_dim + self.qk_rope_head_dim
+            q = h * self.q_lora_rank + self.q_lora_rank * self.num_heads * qk_dim if self.q_lora_rank else h * self.num_heads * qk_dim
+            kv = h * (self.kv_lora_rank + self.qk_rope_head_dim) + self.kv_lora_rank * self.num_heads * (self.qk_nope_head_dim + self.v_head_dim)
+            return q + kv + self.num_heads * self.v_head_dim * h
+        q_dim = self.num_heads * self.head_dim
+        return 2 * h * q_dim + 2 * h * self.num_kv_heads * self.head_dim
+
+    @property
+    def expert_params(self) -> int:
+        """Parameters of one routed expert (gate, up and down projections)."""
+        return 3 * self.hidden_size * self.moe_intermediate_size
+
+    @property
+    def routed_expert_params(self) -> int:
+        """All routed-expert parameters of the model (the part MoE routing reads sparsely)."""
+        return self.num_moe_layers * self.num_experts * self.expert_params
+
+    @property
+    def dense_params(self) -> int:
+        """Parameters every token touches: attention, dense FFNs, shared experts, routers, lm_head
+        (input embeddings are a lookup and are excluded, see `embedding_params`)."""
+        h = self.hidden_size
+        dense_ffn_layers = self.first_k_dense_layers if self.is_moe else self.num_layers
+        ffn = dense_ffn_layers * 3 * h * self.intermediate_size
+        moe_extra = self.num_moe_layers * (self.num_shared_experts * self.expert_params + h * self.num_experts)
+        lm_head = self.vocab_size * h
+        return self.num_layers * self.attention_params_per_layer + ffn + moe_extra + lm_head
+
+    @property
+    def embedding_params(self) -> int:
+        return 0 if self.tie_word_embeddings else self.vocab_size * self.hidden_size
+
+    @property
+    def total_params(self) -> int:
+        return self.dense_params + self.routed_expert_params + self.embedding_params
+
+    @property
+    def active_params(self) -> int:
+        """Parameters a single token multiplies through (routed experts counted top-k only)."""
+        routed = self.num_moe_layers * self.num_experts_per_tok * self.expert_params
+        return self.dense_params + routed
+
+    @property
+    def kv_elements_per_token(self) -> int:
+        """KV elements one token stores across all full-attention layers (MLA: compressed latent + rope key).
+        Sliding-window layers are counted separately, see `num_sliding_layers`."""
+        return self.num_full_attention_layers * self.kv_elements_per_token_per_layer
+
+    @property
+    def kv_elements_per_token_per_layer(self) -> int:
+        if self.is_mla:
+            return self.kv_lora_rank + self.qk_rope_head_dim
+        return 2 * self.num_kv_heads * self.head_dim
+
+    @property
+    def num_full_attention_layers(self) -> int:
+        return self.num_layers - self.num_sliding_layers
+
+    @property
+    def attention_flops_per_token_per_context(self) -> float:
+        """FLOPs of QK^T and PV for one query token against one cached token, all layers (full attention)."""
+        if self.is_mla:
+            # Absorbed MLA: scores over the (latent + rope) width, values over the latent width.
+            per_head = 2 * (self.kv_lora_rank + self.qk_rope_head_dim) + 2 * self.kv_lora_rank
+        else:
+            per_head = 4 * self.head_dim
+        return float(self.num_layers * self.num_heads * per_head)
+
+
+@functools.cache
+def _catalog() -> dict[str, ModelSpec]:
+    raw = yaml.safe_load(resources.files("kernels.catalog").joinpath("models.yaml").read_text())
+    known = {f.name for f in fields(ModelSpec)}
+    specs: dict[str, ModelSpec] = {}
+    for name, entry in raw.items():
+        values = {key: value for key, value in entry.items() if key in known}
+        values["aliases"] = tuple(entry.get("aliases", ()))
+        specs[name] = ModelSpec(name=name, **values)
+    return specs
+
+
+def _normalise(name: str) -> str:
+    text = re.sub(r"\(.*?\)", " ", name.lower())
+    return re.sub(r"[^a-z0-9/]+", "", text)
+
+
+@functools.cache
+def _alias_to_name() -> dict[str, str]:
+    table: dict[str, str] = {}
+    for name, spec in _catalog().items():
+        for alias in (name, *spec.aliases):
+            table[_normalise(alias)] = name
+            table[_normalise(alias.split("/")[-1])] = name
+    return table
+
+
+def list_models() -> tuple[str, ...]:
+    """Canonical names of every catalogued model."""
+    return tuple(_catalog())
+
+
+def get_model(name_or_path: str | Path) -> ModelSpec:
+    """A model by catalogue name, alias (HF repo id, calibration-CSV spelling) or a path to a
+    Hugging Face config.json (or a directory holding one). Raises ValueError for unknown names."""
+    path = Path(name_or_path)
+    if path.is_dir() and (path / "config.json").is_file():
+        path = path / "config.json"
+    if path.suffix == ".json" and path.is_file():
+        return model_from_hf_config(json.loads(path.read_text()), name=path.parent.name or path.stem)
+    text = str(name_or_path)
+    table = _alias_to_name()
+    for key in (_normalise(text), _normalise(text.split("/")[-1])):
+        if key in table:
+            return _catalog()[table[key]]
+    raise ValueError(f"unknown model {text!r}; known models: {', '.join(list_models())} (or pass a config.json path)")
+
+
+def _first(config: Mapping[str, object], *keys: str, default: object = None) -> object:
+    for key in keys:
+        if config.get(key) is not None:
+            return config[key]
+    return default
+
+
+def model_from_hf_config(config: Mapping[str, object], name: str = "custom") -> ModelSpec:
+    """Parse llama / qwen2-3 / qwen3-moe / mixtral / deepseek-v3 / gpt-oss style config.json keys."""
+    text = config.get("text_config")
+    if isinstance(text, Mapping):
+        config = {**config, **text}
+    try:
+        hidden = int(_first(config, "hidden_size", "d_model"))  # type: ignore[arg-type]
+        num_layers = int(_first(config, "num_hidden_layers", "n_layer", "num_layers"))  # type: ignore[arg-type]
+        num_heads = int(_first(config, "num_attention_heads", "n_head"))  # type: ignore[arg-type]
+    except TypeError as exc:
+        raise ValueError(f"config for {name!r} lacks hidden_size / num_hidden_layers / num_attention_heads") from exc
+    num_experts = int(_first(config, "num_local_experts", "n_routed_experts", "num_experts", default=0))  # type: ignore[arg-type]
+    intermediate = int(_first(config, "intermediate_size", "ffn_dim", default=4 * hidden))  # type: ignore[arg-type]
+    sliding_window = int(_first(config, "sliding_window", default=0) or 0)  # type: ignore[arg-type]
+    layer_types = config.get("layer_types")
+    num_sliding = sum(1 for kind in layer_types if kind == "sliding_attention") if isinstance(layer_types, list) else 0
+    quant = config.get("quantization_config")
+    quant_method = str(quant.get("quant_method", "")) if isinstance(quant, Mapping) else ""
+    weight_dtype = {"fp8": "fp8", "mxfp4": "mxfp4_experts"}.get(quant_method, "bf16")
+    return ModelSpec(
+        name=name,
+        num_layers=num_layers,
+        hidden_size=hidden,
+        num_heads=num_heads,
+        num_kv_heads=int(_first(config, "num_key_value_heads", default=num_heads)),  # type: ignore[arg-type]
+        head_dim=int(_first(config, "head_dim", default=hidden // num_heads)),  # type: ignore[arg-type]
+        intermediate_size=intermediate,
+        vocab_size=int(_first(config, "vocab_size", default=32000)),  # type: ignore[arg-type]
+        max_context=int(_first(config, "max_position_embeddings", default=131072)),  # type: ignore[arg-type]
+        num_experts=num_experts,
+        num_experts_per_tok=int(_first(config, "num_experts_per_tok", "num_experts_per_token", "experts_per_token", default=0)) if num_experts else 0,  # type: ignore[arg-type]
+        num_shared_experts=int(_first(config, "n_shared_experts", default=0) or 0),  # type: ignore[arg-type]
+        moe_intermediate_size=int(_first(config, "moe_intermediate_size", default=intermediate)) if num_experts else 0,  # type: ignore[arg-type]
+        first_k_dense_layers=int(_first(config, "first_k_dense_replace", default=0) or 0),  # type: ignore[arg-type]
+        q_lora_rank=int(_first(config, "q_lora_rank", default=0) or 0),  # type: ignore[arg-type]
+        kv_lora_rank=int(_first(config, "kv_lora_rank", default=0) or 0),  # type: ignore[arg-type]
+        qk_rope_head_dim=int(_first(config, "qk_rope_head_dim", default=0) or 0),  # type: ignore[arg-type]
+        qk_nope_head_dim=int(_first(config, "qk_nope_head_dim", default=0) or 0),  # type: ignore[arg-type]
+        v_head_dim=int(_first(config, "v_head_dim", default=0) or 0),  # type: ignore[arg-type]
+        sliding_window=sliding_window if num_sliding else 0,
+        num_sliding_layers=num_sliding,
+        tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
+        weight_dtype=weight_dtype,
+    )

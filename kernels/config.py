@@ -1,0 +1,312 @@
+"""EngineConfig: the engine knobs Polymorph compiles per pool, with sglang and vLLM command-line codecs.
+
+Defaults are sglang's (python/sglang/srt/server_args.py). sglang resolves several knobs at start-up
+from the GPU and model ("auto"); those are `None` here and the performance model resolves them the
+same way (see `kernels.perf.PerfModel.config`)."""
+
+from __future__ import annotations
+
+import json
+import shlex
+from collections.abc import Mapping, Sequence
+from dataclasses import asdict, dataclass, fields
+
+SCHEDULE_POLICIES = ("fcfs", "lpm", "random", "dfs-weight", "lof", "priority")
+KV_CACHE_DTYPES = ("auto", "bf16", "bfloat16", "fp8_e4m3", "fp8_e5m2", "fp4_e2m1")
+# Quantization methods grouped by the bytes a weight occupies; "fp8"/"fp4" are generic names.
+FP8_QUANTIZATIONS = ("fp8", "w8a8_fp8", "modelopt_fp8", "fbgemm_fp8", "mxfp8")
+FP4_QUANTIZATIONS = ("fp4", "modelopt_fp4", "nvfp4", "mxfp4", "w4afp8", "awq", "gptq", "awq_marlin", "gptq_marlin")
+QUANTIZATIONS = FP8_QUANTIZATIONS + FP4_QUANTIZATIONS
+SPECULATIVE_ALGORITHMS = ("EAGLE", "EAGLE3", "NGRAM", "MTP")
+
+_ALIASES = {
+    "tp_size": "tp",
+    "tensor_parallel_size": "tp",
+    "dp_size": "dp",
+    "data_parallel_size": "dp",
+    "ep_size": "ep",
+    "expert_parallel_size": "ep",
+    "max_num_seqs": "max_running_requests",
+    "max_num_batched_tokens": "chunked_prefill_size",
+    "quant": "quantization",
+    "block_size": "page_size",
+    "gpu_memory_utilization": "mem_fraction_static",
+    "speculative_algo": "speculative_algorithm",
+}
+
+
+@dataclass(frozen=True, slots=True)
+class EngineConfig:
+    """One compiled engine configuration (per replica: tp GPUs per data-parallel rank, dp ranks)."""
+
+    tp: int = 1
+    dp: int = 1
+    ep: int = 1
+    enable_dp_attention: bool = False
+    max_running_requests: int | None = None
+    chunked_prefill_size: int | None = None
+    max_prefill_tokens: int = 16384
+    schedule_policy: str = "fcfs"
+    kv_cache_dtype: str = "auto"
+    quantization: str | None = None
+    cuda_graph_max_bs: int | None = None
+    disable_cuda_graph: bool = False
+    page_size: int = 1
+    mem_fraction_static: float | None = None
+    enable_prefix_caching: bool = True
+    speculative_algorithm: str | None = None
+    speculative_num_steps: int | None = None
+    speculative_num_draft_tokens: int | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("tp", "dp", "ep", "max_prefill_tokens", "page_size"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        for name in ("max_running_requests", "cuda_graph_max_bs", "speculative_num_steps", "speculative_num_draft_tokens"):
+            value = getattr(self, name)
+            if value is not None and value < (0 if name == "cuda_graph_max_bs" else 1):
+                raise ValueError(f"{name} must be positive, got {value}")
+        if self.chunked_prefill_size is not None and self.chunked_prefill_size < 1 and self.chunked_prefill_size != -1:
+            raise ValueError(f"chunked_prefill_size must be positive or -1 (disabled), got {self.chunked_prefill_size}")
+        if self.mem_fraction_static is not None and not 0.0 < self.mem_fraction_static < 1.0:
+            raise ValueError(f"mem_fraction_static must be in (0, 1), got {self.mem_fraction_static}")
+        _check_choice("schedule_policy", self.schedule_policy, SCHEDULE_POLICIES)
+        _check_choice("kv_cache_dtype", self.kv_cache_dtype, KV_CACHE_DTYPES)
+        if self.quantization is not None:
+            _check_choice("quantization", self.quantization, QUANTIZATIONS)
+        if self.speculative_algorithm is not None:
+            _check_choice("speculative_algorithm", self.speculative_algorithm, SPECULATIVE_ALGORITHMS)
+
+    @property
+    def num_gpus(self) -> int:
+        return self.tp * self.dp
+
+    @classmethod
+    def from_dict(cls, values: Mapping[str, object]) -> EngineConfig:
+        """Build from a mapping (YAML/JSON); keys may use '-' or sglang/vLLM spellings (tp_size, max_num_seqs).
+
+        Raises ValueError naming the key for an unknown key or a value of the wrong type."""
+        types = {f.name: f.type for f in fields(cls)}
+        kwargs: dict[str, object] = {}
+        for raw_key, value in values.items():
+            key = str(raw_key).replace("-", "_")
+            key = _ALIASES.get(key, key)
+            if key not in types:
+                raise ValueError(f"unknown engine config key {raw_key!r}; known keys: {', '.join(types)}")
+            kwargs[key] = _coerce(key, str(types[key]), value)
+        return cls(**kwargs)  # type: ignore[arg-type]
+
+    def to_dict(self) -> dict[str, object]:
+        return asdict(self)
+
+    def to_sglang_args(self, model_path: str) -> list[str]:
+        """Arguments for `python -m sglang.launch_server` (auto-resolved knobs left out)."""
+        args = ["--model-path", model_path, "--tp-size", str(self.tp), "--dp-size", str(self.dp)]
+        if self.ep != 1:
+            args += ["--ep-size", str(self.ep)]
+        if self.enable_dp_attention:
+            args.append("--enable-dp-attention")
+        optional = {
+            "--max-running-requests": self.max_running_requests,
+            "--chunked-prefill-size": self.chunked_prefill_size,
+            "--max-prefill-tokens": self.max_prefill_tokens,
+            "--schedule-policy": self.schedule_policy,
+            "--kv-cache-dtype": self.kv_cache_dtype,
+            "--quantization": self.quantization,
+            "--cuda-graph-max-bs": self.cuda_graph_max_bs,
+            "--page-size": self.page_size,
+            "--mem-fraction-static": self.mem_fraction_static,
+            "--speculative-algorithm": self.speculative_algorithm,
+            "--speculative-num-steps": self.speculative_num_steps,
+            "--speculative-num-draft-tokens": self.speculative_num_draft_tokens,
+        }
+        for flag, value in optional.items():
+            if value is not None:
+                args += [flag, str(value)]
+        if self.disable_cuda_graph:
+            args.append("--disable-cuda-graph")
+        if not self.enable_prefix_caching:
+            args.append("--disable-radix-cache")
+        return args
+
+    @classmethod
+    def from_sglang_args(cls, args: Sequence[str] | str) -> EngineConfig:
+        """Parse sglang launch_server flags (unknown flags such as --port are ignored)."""
+        values: dict[str, object] = {}
+        for flag, value in _flag_pairs(args, _SGLANG_SWITCHES):
+            if flag in _SGLANG_SWITCHES:
+                values[_SGLANG_SWITCHES[flag][0]] = _SGLANG_SWITCHES[flag][1]
+            elif flag in _SGLANG_VALUED:
+                values[_SGLANG_VALUED[flag]] = value
+        return cls.from_dict(values)
+
+    def to_vllm_args(self, model_path: str) -> list[str]:
+        """Arguments for `vllm serve`. sglang-only knobs (max_prefill_tokens, lpm/lof/dfs policies)
+        have no vLLM equivalent and are dropped; vLLM's default fcfs is used instead."""
+        args = ["serve", model_path, "--tensor-parallel-size", str(self.tp), "--data-parallel-size", str(self.dp)]
+        if self.ep > 1:
+            args.append("--enable-expert-parallel")
+        optional = {
+            "--max-num-seqs": self.max_running_requests,
+            "--max-num-batched-tokens": self.chunked_prefill_size if (self.chunked_prefill_size or 0) > 0 else None,
+            "--kv-cache-dtype": _KV_TO_VLLM.get(self.kv_cache_dtype, self.kv_cache_dtype),
+            "--quantization": self.quantization,
+            "--block-size": self.page_size,
+            "--gpu-memory-utilization": self.mem_fraction_static,
+            "--scheduling-policy": self.schedule_policy if self.schedule_policy in ("fcfs", "priority") else None,
+        }
+        for flag, value in optional.items():
+            if value is not None:
+                args += [flag, str(value)]
+        if self.disable_cuda_graph:
+            args.append("--enforce-eager")
+        elif self.cuda_graph_max_bs is not None:
+            args += ["--compilation-config", json.dumps({"max_cudagraph_capture_size": self.cuda_graph_max_bs})]
+        args.append("--enable-prefix-caching" if self.enable_prefix_caching else "--no-enable-prefix-caching")
+        if self.speculative_algorithm is not None:
+            spec: dict[str, object] = {"method": _SPEC_TO_VLLM[self.speculative_algorithm]}
+            if self.speculative_num_draft_tokens is not None:
+                spec["num_speculative_tokens"] = self.speculative_num_draft_tokens - 1
+            elif self.speculative_num_steps is not None:
+                spec["num_speculative_tokens"] = self.speculative_num_steps
+            args += ["--speculative-config", json.dumps(spec, sort_keys=True)]
+        return args
+
+    @classmethod
+    def from_vllm_args(cls, args: Sequence[str] | str) -> EngineConfig:
+        """Parse `vllm serve` flags (the leading `serve MODEL` and unknown flags are ignored)."""
+        values: dict[str, object] = {}
+        for flag, value in _flag_pairs(args, _VLLM_SWITCHES):
+            if flag in _VLLM_SWITCHES:
+                values[_VLLM_SWITCHES[flag][0]] = _VLLM_SWITCHES[flag][1]
+            elif flag in _VLLM_VALUED:
+                key = _VLLM_VALUED[flag]
+                values[key] = _KV_FROM_VLLM.get(value, value) if key == "kv_cache_dtype" else value
+            elif flag == "--compilation-config" and value is not None:
+                capture = json.loads(value).get("max_cudagraph_capture_size")
+                if capture is not None:
+                    values["cuda_graph_max_bs"] = capture
+            elif flag == "--speculative-config" and value is not None:
+                values.update(_spec_from_vllm(json.loads(value)))
+        if values.pop("_expert_parallel", False):
+            values["ep"] = int(values.get("tp", 1)) * int(values.get("dp", 1))  # type: ignore[call-overload]
+        return cls.from_dict(values)
+
+
+_SGLANG_VALUED = {
+    "--tp-size": "tp", "--tp": "tp", "--tensor-parallel-size": "tp",
+    "--dp-size": "dp", "--dp": "dp", "--data-parallel-size": "dp",
+    "--ep-size": "ep", "--ep": "ep", "--expert-parallel-size": "ep",
+    "--max-running-requests": "max_running_requests",
+    "--chunked-prefill-size": "chunked_prefill_size",
+    "--max-prefill-tokens": "max_prefill_tokens",
+    "--schedule-policy": "schedule_policy",
+    "--kv-cache-dtype": "kv_cache_dtype",
+    "--quantization": "quantization",
+    "--cuda-graph-max-bs": "cuda_graph_max_bs",
+    "--page-size": "page_size",
+    "--mem-fraction-static": "mem_fraction_static",
+    "--speculative-algorithm": "speculative_algorithm",
+    "--speculative-num-steps": "speculative_num_steps",
+    "--speculative-num-draft-tokens": "speculative_num_draft_tokens",
+}
+_SGLANG_SWITCHES = {
+    "--disable-radix-cache": ("enable_prefix_caching", False),
+    "--disable-cuda-graph": ("disable_cuda_graph", True),
+    "--enable-dp-attention": ("enable_dp_attention", True),
+}
+_VLLM_VALUED = {
+    "--tensor-parallel-size": "tp", "-tp": "tp",
+    "--data-parallel-size": "dp", "-dp": "dp",
+    "--max-num-seqs": "max_running_requests",
+    "--max-num-batched-tokens": "chunked_prefill_size",
+    "--kv-cache-dtype": "kv_cache_dtype",
+    "--quantization": "quantization", "-q": "quantization",
+    "--block-size": "page_size",
+    "--gpu-memory-utilization": "mem_fraction_static",
+    "--scheduling-policy": "schedule_policy",
+}
+_VLLM_SWITCHES = {
+    "--enable-prefix-caching": ("enable_prefix_caching", True),
+    "--no-enable-prefix-caching": ("enable_prefix_caching", False),
+    "--enforce-eager": ("disable_cuda_graph", True),
+    "--enable-expert-parallel": ("_expert_parallel", True),
+}
+_KV_TO_VLLM = {"bf16": "bfloat16"}
+_KV_FROM_VLLM = {"fp8": "fp8_e4m3", "bfloat16": "bf16"}
+_SPEC_TO_VLLM = {"EAGLE": "eagle", "EAGLE3": "eagle3", "NGRAM": "ngram", "MTP": "mtp"}
+
+
+def _spec_from_vllm(spec: Mapping[str, object]) -> dict[str, object]:
+    method = str(spec.get("method", "")).lower()
+    by_method = {v.lower(): k for k, v in _SPEC_TO_VLLM.items()}
+    if method.endswith("_mtp"):
+        method = "mtp"
+    if method not in by_method:
+        raise ValueError(f"speculative-config method {method!r} is not one of {sorted(by_method)}")
+    values: dict[str, object] = {"speculative_algorithm": by_method[method]}
+    num_tokens = spec.get("num_speculative_tokens")
+    if num_tokens is not None:
+        # A chain draft (top-k 1): one draft step per speculative token, plus the verified bonus token.
+        values["speculative_num_steps"] = int(num_tokens)  # type: ignore[call-overload]
+        values["speculative_num_draft_tokens"] = int(num_tokens) + 1  # type: ignore[call-overload]
+    return values
+
+
+def _flag_pairs(args: Sequence[str] | str, switches: Mapping[str, object]) -> list[tuple[str, str | None]]:
+    """Split a command line into (flag, value) pairs; `--flag=value` and `--flag value` both work."""
+    tokens = shlex.split(args) if isinstance(args, str) else list(args)
+    pairs: list[tuple[str, str | None]] = []
+    index = 0
+    while index < len(tokens):
+        token = tokens[index]
+        index += 1
+        if not token.startswith("-"):
+            continue
+        if "=" in token:
+            flag, value = token.split("=", 1)
+            pairs.append((flag, value))
+        elif token in switches or index >= len(tokens) or tokens[index].startswith("--"):
+            pairs.append((token, None))
+        else:
+            pairs.append((token, tokens[index]))
+            index += 1
+    return pairs
+
+
+def _check_choice(name: str, value: str, choices: Sequence[str]) -> None:
+    if value not in choices:
+        raise ValueError(f"{name} must be one of {', '.join(choices)}; got {value!r}")
+
+
+def _coerce(key: str, type_text: str, value: object) -> object:
+    """Convert strings from command lines and check types from YAML/JSON; errors name the key."""
+    optional = "None" in type_text
+    if value is None or (optional and isinstance(value, str) and value.lower() in ("none", "null", "")):
+        if not optional:
+            raise ValueError(f"engine config key {key!r} may not be null")
+        return None
+    base = type_text.replace(" | None", "")
+    try:
+        if base == "bool":
+            if isinstance(value, bool):
+                return value
+            if isinstance(value, str) and value.lower() in ("true", "false", "1", "0"):
+                return value.lower() in ("true", "1")
+        elif base == "int":
+            if isinstance(value, int) and not isinstance(value, bool):
+                return value
+            if isinstance(value, str):
+                return int(value)
+            if isinstance(value, float) and value.is_integer():
+                return int(value)
+        elif base == "float":
+            if isinstance(value, (int, float)) and not isinstance(value, bool):
+                return float(value)
+            if isinstance(value, str):
+                return float(value)
+        elif base == "str" and isinstance(value, str):
+            return value
+    except ValueError:
+        pass
+    raise ValueError(f"engine config key {key!r} expects {base}, got {value!r}")

@@ -1,0 +1,55 @@
+"""EngineConfig: validation, dict and command-line round trips."""
+
+from __future__ import annotations
+
+import pytest
+
+from kernels.config import EngineConfig
+
+_RICH = EngineConfig(
+    tp=4, dp=2, max_running_requests=256, chunked_prefill_size=4096, max_prefill_tokens=8192, schedule_policy="lpm",
+    kv_cache_dtype="fp8_e4m3", quantization="fp8", cuda_graph_max_bs=128, page_size=16, mem_fraction_static=0.85,
+    enable_prefix_caching=False, speculative_algorithm="EAGLE3", speculative_num_steps=3, speculative_num_draft_tokens=4,
+)
+
+
+def test_defaults_are_sglangs() -> None:
+    config = EngineConfig()
+    assert (config.tp, config.max_prefill_tokens, config.schedule_policy, config.kv_cache_dtype, config.page_size) == (1, 16384, "fcfs", "auto", 1)
+    assert config.enable_prefix_caching and config.speculative_algorithm is None
+
+
+def test_from_dict_accepts_aliases_and_strings() -> None:
+    config = EngineConfig.from_dict({"tp_size": "2", "max-num-seqs": 64, "enable_prefix_caching": "false"})
+    assert (config.tp, config.max_running_requests, config.enable_prefix_caching) == (2, 64, False)
+
+
+@pytest.mark.parametrize(("values", "key"), [({"tpp": 2}, "tpp"), ({"tp": "two"}, "tp"), ({"tp": True}, "tp"), ({"mem_fraction_static": "x"}, "mem_fraction_static")])
+def test_from_dict_names_the_bad_key(values: dict[str, object], key: str) -> None:
+    with pytest.raises(ValueError, match=key):
+        EngineConfig.from_dict(values)
+
+
+def test_invalid_choice_is_rejected() -> None:
+    with pytest.raises(ValueError, match="schedule_policy"):
+        EngineConfig(schedule_policy="sjf")
+
+
+def test_dict_round_trip() -> None:
+    assert EngineConfig.from_dict(_RICH.to_dict()) == _RICH
+
+
+def test_sglang_round_trip() -> None:
+    args = _RICH.to_sglang_args("meta-llama/Llama-3.1-8B-Instruct")
+    assert args[:2] == ["--model-path", "meta-llama/Llama-3.1-8B-Instruct"]
+    assert "--disable-radix-cache" in args and args[args.index("--kv-cache-dtype") + 1] == "fp8_e4m3"
+    assert EngineConfig.from_sglang_args(args) == _RICH
+    assert EngineConfig.from_sglang_args(" ".join(EngineConfig().to_sglang_args("m")) + " --port 30000") == EngineConfig()
+
+
+def test_vllm_round_trip_of_what_vllm_can_express() -> None:
+    config = EngineConfig.from_dict({**_RICH.to_dict(), "schedule_policy": "fcfs"})
+    args = config.to_vllm_args("m")
+    assert args[:2] == ["serve", "m"] and "--no-enable-prefix-caching" in args
+    back = EngineConfig.from_vllm_args(args)
+    assert back == EngineConfig.from_dict({**config.to_dict(), "max_prefill_tokens": 16384})
