@@ -217,17 +217,25 @@ class Proxy:
         last_event_at = first_at
         chunk = first
         tail = b""
-        try:
-            while chunk:
-                num_events += chunk.count(b"data:")
-                last_event_at = loop.time()
-                tail = (tail + chunk)[-512:]
+        while chunk:
+            num_events += chunk.count(b"data:")
+            last_event_at = loop.time()
+            tail = (tail + chunk)[-512:]
+            try:
                 await response.write(chunk)
+            except ConnectionError:
+                # The client went away: not the replica's fault. Stop its generation and say nothing.
+                upstream.close()
+                outcome.stream_error = "client_disconnected"
+                return response
+            try:
                 chunk = await asyncio.wait_for(content.readany(), settings.between_chunks_timeout_s)
-        except asyncio.TimeoutError:
-            outcome.stream_error = "upstream_stalled"
-        except aiohttp.ClientError:
-            outcome.stream_error = "upstream_disconnected"
+            except asyncio.TimeoutError:
+                outcome.stream_error = "upstream_stalled"
+                break
+            except aiohttp.ClientError:
+                outcome.stream_error = "upstream_disconnected"
+                break
         if outcome.stream_error is None and _DONE not in tail:
             outcome.stream_error = "upstream_truncated"
         if outcome.stream_error is not None:

@@ -40,7 +40,9 @@ def register(commands: argparse._SubParsersAction) -> None:  # type: ignore[type
 
 
 def register_bench(benches: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
-    """`polymorph bench gateway` is registered here once gateway/bench lands."""
+    from gateway.bench import cli as bench_cli
+
+    bench_cli.register_bench(benches)
 
 
 def _load(args: argparse.Namespace) -> GatewayConfig:

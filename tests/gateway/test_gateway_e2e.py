@@ -243,24 +243,34 @@ def _engine_running(emulator: Proc) -> float:
     return sum(float(m) for m in re.findall(r"^sglang:num_running_reqs(?:\{[^}]*\})? ([0-9.e+]+)$", text, re.M))
 
 
+def _admin_state(deployment: Deployment) -> dict[str, object]:
+    request = urllib.request.Request(deployment.gateway.url + "/admin/state", headers={"Authorization": f"Bearer {ADMIN}"})
+    with urllib.request.urlopen(request, timeout=5) as resp:
+        return json.loads(resp.read())  # type: ignore[no-any-return]
+
+
 def test_client_disconnect_cancels_the_upstream_request(deployment: Deployment) -> None:
     for emulator in deployment.emulators:
         set_faults(emulator.url, slowdown=50.0)
     body = json.dumps({**_chat(max_tokens=4000), "stream": True}).encode()
     host, port = deployment.gateway.url.removeprefix("http://").split(":")
-    with socket.create_connection((host, int(port))) as sock:
-        sock.sendall(
-            b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-            + f"Authorization: Bearer {KEY}\r\nContent-Length: {len(body)}\r\n\r\n".encode()
-            + body
-        )
-        assert b"200 OK" in sock.recv(65536)  # the stream has started
-        assert sum(_engine_running(e) for e in deployment.emulators) == 1
-        closed_at = time.monotonic()
-    while sum(_engine_running(e) for e in deployment.emulators) > 0:
-        assert time.monotonic() - closed_at < 2.0, "the replica kept generating for a gone client"
-        time.sleep(0.01)
-    assert time.monotonic() - closed_at < 0.25  # 100 ms target plus the /metrics polling cost
+    before = _admin_state(deployment)["pools"][0]["replicas"]  # type: ignore[index]
+    for _ in range(3):  # more than eject_after_failures: a client leaving must not count against a replica
+        with socket.create_connection((host, int(port))) as sock:
+            sock.sendall(
+                b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                + f"Authorization: Bearer {KEY}\r\nContent-Length: {len(body)}\r\n\r\n".encode()
+                + body
+            )
+            assert b"200 OK" in sock.recv(65536)  # the stream has started
+            assert sum(_engine_running(e) for e in deployment.emulators) == 1
+            closed_at = time.monotonic()
+        while sum(_engine_running(e) for e in deployment.emulators) > 0:
+            assert time.monotonic() - closed_at < 2.0, "the replica kept generating for a gone client"
+            time.sleep(0.01)
+        assert time.monotonic() - closed_at < 0.25  # 100 ms target plus the /metrics polling cost
+    after = _admin_state(deployment)["pools"][0]["replicas"]  # type: ignore[index]
+    assert [(r["ejections"], r["health"]) for r in after] == [(r["ejections"], r["health"]) for r in before]
 
 
 def test_metrics_and_admin_state(deployment: Deployment) -> None:
@@ -273,9 +283,7 @@ def test_metrics_and_admin_state(deployment: Deployment) -> None:
         urllib.request.urlopen(deployment.gateway.url + "/admin/state", timeout=5)
     assert denied.value.code == 401
     denied.value.close()
-    request = urllib.request.Request(deployment.gateway.url + "/admin/state", headers={"Authorization": f"Bearer {ADMIN}"})
-    with urllib.request.urlopen(request, timeout=5) as resp:
-        state = json.loads(resp.read())
+    state = _admin_state(deployment)
     assert [p["name"] for p in state["pools"]] == ["main", "dead"]
     assert {r["name"] for r in state["pools"][0]["replicas"]} == {"main-0", "main-1"}
 
