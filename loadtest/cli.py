@@ -3,11 +3,148 @@
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
+
+_DESCRIPTION = """\
+Replay production traffic (a trace) or a named scenario against any OpenAI-compatible endpoint
+(Polymorph, sglang, vLLM, another gateway), open loop by default, and write results.json,
+requests.jsonl and PNG plots to --out. Goodput counts requests that met their tier's TTFT and
+TPOT objectives. Exit code 0 when the run completed (whatever the SLO attainment), 2 for bad
+arguments or files, 3 when the target cannot be reached.
+
+examples:
+  polymorph loadtest --target http://127.0.0.1:8080 --api-key sk-polymorph-demo --scenario drift-step --out runs/a
+  polymorph loadtest --target http://127.0.0.1:8080 --trace conv.csv --format azure --speedup 4 --duration 120 --out runs/b
+  polymorph loadtest compare runs/a runs/b
+  polymorph loadtest scenarios
+"""
+
+
+def _add_run_arguments(p: argparse.ArgumentParser) -> None:
+    source = p.add_argument_group("workload (one of --scenario or --trace)")
+    source.add_argument("--scenario", metavar="NAME|FILE", help="built-in scenario name or a scenario YAML file")
+    source.add_argument("--trace", metavar="FILE", help="trace file to replay")
+    source.add_argument("--format", choices=("azure", "burstgpt", "mooncake", "native"), help="trace format")
+    source.add_argument("--duration", type=float, metavar="S", help="run length in seconds (default: the scenario's, or the whole trace)")
+    source.add_argument("--start", type=float, default=0.0, metavar="S", help="skip the first S seconds (after time scaling)")
+    source.add_argument("--rate", type=float, metavar="R", help="mean offered rate in requests/s (scenarios: scales every stream; traces: compresses time)")
+    source.add_argument("--speedup", type=float, metavar="X", help="trace time scaling: replay X times faster")
+    source.add_argument("--seed", type=int, help="seed for generation and assignment (default: the scenario's; 0 for traces)")
+    source.add_argument("--tenants", metavar="A=F,B=F", help="assign tenants by fraction, e.g. acme=0.7,globex=0.3")
+    source.add_argument("--tiers", metavar="T=F,...", help="assign tiers by fraction, e.g. interactive=0.6,batch=0.4")
+    source.add_argument("--domains", metavar="D=F,...", help="assign domains by fraction (traces carry none; default chat)")
+    source.add_argument("--assign", metavar="FILE", help="YAML list of rules, e.g. [{set: tier, to: batch, min_input_tokens: 4096}]")
+    target = p.add_argument_group("target")
+    target.add_argument("--target", metavar="URL", help="base URL of the endpoint, e.g. http://127.0.0.1:8080")
+    target.add_argument("--api-key", metavar="K", help="API key sent as a Bearer token")
+    target.add_argument("--tenant-keys", metavar="MAP|FILE", help="per-tenant keys: acme=sk-1,globex=sk-2 or a YAML file (default: --api-key)")
+    target.add_argument("--model", help="model id (default: the first of GET /v1/models)")
+    target.add_argument("--admin-token", help="admin token for GET /admin/decisions (fleet events on the plots)")
+    target.add_argument("--no-stream", action="store_true", help="non-streaming requests (no TTFT/ITL; goodput uses end-to-end)")
+    target.add_argument("--concurrency", type=int, metavar="N", help="closed loop with N concurrent requests instead of the schedule")
+    target.add_argument("--timeout", type=float, default=600.0, metavar="S", help="per-request timeout")
+    target.add_argument("--drain-timeout", type=float, default=120.0, metavar="S", help="wait after the last send before giving up on responses")
+    slo = p.add_argument_group("objectives")
+    slo.add_argument("--slo", metavar="FILE", help="YAML with tiers: {TIER: {ttft_p99_s, tpot_p99_s}} (a Polymorph config works)")
+    slo.add_argument("--slo-ttft", action="append", metavar="TIER=S", help="override one tier's TTFT objective")
+    slo.add_argument("--slo-tpot", action="append", metavar="TIER=S", help="override one tier's TPOT objective")
+    out = p.add_argument_group("output")
+    out.add_argument("--out", metavar="DIR", help="output folder (required)")
+    out.add_argument("--no-plots", action="store_true", help="skip the PNG plots")
+    out.add_argument("--no-progress", action="store_true", help="no live progress line")
+    out.add_argument("--dry-run", action="store_true", help="write the workload to DIR/workload.jsonl (native format) and send nothing")
 
 
 def register(commands: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     """Add this package's top-level subcommands."""
+    p = commands.add_parser(
+        "loadtest",
+        help="replay traces or scenarios against an OpenAI-compatible endpoint; goodput, latency, plots",
+        description=_DESCRIPTION,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    _add_run_arguments(p)
+    p.set_defaults(handler=_run_loadtest)
+    sub = p.add_subparsers(dest="loadtest_command", metavar="[compare|scenarios|fast-backend]")
+    compare = sub.add_parser("compare", help="two runs side by side with ratios", description="Print a side-by-side table of two runs' results.json with B/A ratios, overall and per tier.")
+    compare.add_argument("a", metavar="A/", help="first run's output folder")
+    compare.add_argument("b", metavar="B/", help="second run's output folder")
+    compare.set_defaults(handler=_run_compare)
+    scenarios = sub.add_parser("scenarios", help="list the built-in scenarios", description="List the built-in scenarios with their descriptions.")
+    scenarios.set_defaults(handler=_run_scenarios)
+    backend = sub.add_parser(
+        "fast-backend",
+        help="a fast OpenAI stub server for measuring clients",
+        description="Serve a minimal OpenAI-compatible stub that answers at once (or after fixed delays).",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    add_fast_backend_arguments(backend)
+    backend.set_defaults(handler=_run_fast_backend)
+
+
+def add_fast_backend_arguments(parser: argparse.ArgumentParser) -> None:
+    """The fast stub backend's options (here, so that `polymorph --help` imports no server code)."""
+    parser.add_argument("--host", default="127.0.0.1", help="address to listen on")
+    parser.add_argument("--port", type=int, default=8001, help="port to listen on")
+    parser.add_argument("--model", default="fast-backend", help="model id it reports")
+    parser.add_argument("--ttft-ms", type=float, default=0.0, help="delay before the first token")
+    parser.add_argument("--itl-ms", type=float, default=0.0, help="delay between tokens")
+    parser.add_argument("--routing-headers", action="store_true", help="send x-polymorph-* routing headers")
+    parser.add_argument("--decisions", type=Path, default=None, help="JSONL file served at /admin/decisions")
+
+
+def _run_loadtest(args: argparse.Namespace) -> int:
+    if not args.out and not args.dry_run:
+        print("error: --out DIR is required (see polymorph loadtest --help)")
+        return 2
+    from loadtest.main import main_loadtest
+
+    return main_loadtest(args)
+
+
+def _run_compare(args: argparse.Namespace) -> int:
+    from loadtest.compare import main_compare
+
+    return main_compare(Path(args.a), Path(args.b))
+
+
+def _run_scenarios(args: argparse.Namespace) -> int:
+    from loadtest.scenario import builtin_names, load_scenario
+
+    for name in builtin_names():
+        scenario = load_scenario(name)
+        print(f"{name} ({scenario.duration_s:.0f} s, ~{scenario.mean_rate_rps(scenario.duration_s):.1f} req/s)")
+        print(f"    {scenario.description}\n")
+    return 0
+
+
+def _run_fast_backend(args: argparse.Namespace) -> int:
+    from loadtest.fast_backend import serve
+
+    return serve(args)
 
 
 def register_bench(benches: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     """Add this package's `polymorph bench` entries."""
+    p = benches.add_parser(
+        "loadgen",
+        help="load generator accuracy: achieved vs target rate and scheduling error, swept over rates",
+        description=(
+            "Start the fast stub backend in a subprocess, drive short non-streaming requests at a sweep of "
+            "Poisson rates, and report achieved vs target rate and scheduling-error percentiles per trial. "
+            "A trial passes when achieved is within 2%% of target and the scheduling error p99 is <= 5 ms; the "
+            "last JSON line names the highest passing rate."
+        ),
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    p.add_argument("--rates", default="500,1000,1500,2000", help="comma-separated rates in requests/s")
+    p.add_argument("--duration", type=float, default=6.0, help="seconds per trial")
+    p.add_argument("--trials", type=int, default=3, help="trials per rate (each with its own seed)")
+    p.add_argument("--seed", type=int, default=0, help="arrival seed")
+    p.set_defaults(handler=_run_bench_loadgen)
+
+
+def _run_bench_loadgen(args: argparse.Namespace) -> int:
+    from loadtest.bench_loadgen import main_bench
+
+    return main_bench(args)

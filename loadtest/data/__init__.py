@@ -1,0 +1,1 @@
+"""Shipped data: fitted length/arrival shapes and the prompt corpus (package data)."""

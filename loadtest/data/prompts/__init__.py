@@ -1,0 +1,1 @@
+"""Per-domain prompt samples; see SOURCE.md (package data)."""

@@ -1,0 +1,175 @@
+"""`polymorph loadtest`: build the workload from the flags, run it, write results and plots."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Mapping
+from pathlib import Path
+
+import yaml
+
+from loadtest.slo import TierSlo
+from loadtest.spec import Workload
+from loadtest.transform import AssignRule
+
+EXIT_USAGE = 2
+EXIT_UNREACHABLE = 3
+
+
+def main_loadtest(args: argparse.Namespace) -> int:
+    try:
+        workload = build_workload_from_args(args)
+        tier_to_slo = _slos_from_args(args)
+        tenant_to_key = _tenant_keys(args.tenant_keys)
+    except ValueError as exc:  # TraceFormatError and ScenarioError are ValueErrors
+        print(f"error: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+    _report_issues(workload)
+    out_dir = Path(args.out)
+    if args.dry_run:
+        from loadtest.traces import write_native
+
+        out_dir.mkdir(parents=True, exist_ok=True)
+        write_native(workload, out_dir / "workload.jsonl")
+        print(f"{workload.name}: {workload.num_requests} requests over {workload.duration_s:.1f} s "
+              f"({workload.target_rate_rps:.2f} req/s) written to {out_dir / 'workload.jsonl'}")
+        return 0
+    if not args.target:
+        print("error: --target URL is required (or --dry-run)", file=sys.stderr)
+        return EXIT_USAGE
+    return _run_and_report(args, workload, tier_to_slo, tenant_to_key, out_dir)
+
+
+def _run_and_report(
+    args: argparse.Namespace,
+    workload: Workload,
+    tier_to_slo: Mapping[str, TierSlo],
+    tenant_to_key: dict[str, str],
+    out_dir: Path,
+) -> int:
+    from loadtest.metrics import RunFacts, summarize
+    from loadtest.report import text_summary, write_results
+    from loadtest.runner import RunnerConfig, TargetUnreachable, run
+
+    config = RunnerConfig(
+        target_url=args.target,
+        model=args.model,
+        api_key=args.api_key,
+        tenant_to_api_key=tenant_to_key,
+        stream=not args.no_stream,
+        concurrency=args.concurrency,
+        request_timeout_s=args.timeout,
+        drain_timeout_s=args.drain_timeout,
+        admin_token=args.admin_token,
+        progress=not args.no_progress,
+    )
+    print(f"{workload.name}: {workload.num_requests} requests over {workload.duration_s:.1f} s "
+          f"({workload.target_rate_rps:.2f} req/s offered) -> {config.base_url}", file=sys.stderr)
+    try:
+        result = run(workload, config, tier_to_slo)
+    except TargetUnreachable as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return EXIT_UNREACHABLE
+    facts = RunFacts(workload.name, config.base_url, result.model, result.mode, config.stream,
+                     result.duration_s, workload.drift_onsets_s, result.gateway_events)
+    summary = summarize(result.records, facts, tier_to_slo)
+    write_results(out_dir, summary, result.records)
+    if not args.no_plots:
+        from loadtest.plots import write_plots
+
+        write_plots(out_dir, summary, result.records)
+    print(text_summary(summary))
+    print(f"wrote {out_dir}/results.json, requests.jsonl{'' if args.no_plots else ' and plots'}")
+    return 0
+
+
+def build_workload_from_args(args: argparse.Namespace) -> Workload:
+    """Scenario or trace, then rate/time scaling, windowing and assignments, in that order."""
+    from loadtest import transform
+
+    if bool(args.scenario) == bool(args.trace):
+        raise ValueError("give exactly one of --scenario NAME|FILE or --trace FILE --format FORMAT")
+    if args.scenario:
+        from loadtest.scenario import build_workload, load_scenario
+
+        if args.speedup is not None:
+            raise ValueError("--speedup applies to traces; scale a scenario with --rate")
+        scenario = load_scenario(args.scenario)
+        duration_s = args.duration if args.duration is not None else scenario.duration_s
+        workload = build_workload(scenario, duration_s + args.start, args.rate, args.seed)
+        workload = transform.window(workload, args.start, duration_s)
+    else:
+        from loadtest.traces import read_trace
+
+        if not args.format:
+            raise ValueError("--trace needs --format (azure, burstgpt, mooncake or native)")
+        workload = read_trace(args.trace, args.format)
+        if args.speedup is not None:
+            workload = transform.speed_up(workload, args.speedup)
+        if args.rate is not None:
+            workload = transform.scale_to_rate(workload, args.rate)
+        workload = transform.window(workload, args.start, args.duration)
+    seed = args.seed if args.seed is not None else 0
+    for number, (field, text) in enumerate((("domain", args.domains), ("tenant", args.tenants), ("tier", args.tiers))):
+        if text:
+            workload = transform.assign_fractions(workload, field, transform.parse_fractions(text), seed + number)
+    if args.assign:
+        workload = transform.assign_by_rules(workload, _rules(Path(args.assign)))
+    return workload
+
+
+def _rules(path: Path) -> list[AssignRule]:
+    try:
+        data = yaml.safe_load(path.read_text(encoding="utf-8"))
+    except (OSError, yaml.YAMLError) as exc:
+        raise ValueError(f"cannot read rules file {path}: {exc}") from None
+    if not isinstance(data, list):
+        raise ValueError(f"{path}: expected a list of rules like {{set: tier, to: batch, min_input_tokens: 4096}}")
+    rules = []
+    for index, item in enumerate(data):
+        if not isinstance(item, dict) or "set" not in item or "to" not in item:
+            raise ValueError(f"{path}: rule {index} needs `set:` (tenant, tier or domain) and `to:`")
+        conditions = {key: value for key, value in item.items() if key not in ("set", "to")}
+        for key in ("domains", "tenants"):
+            if key in conditions:
+                conditions[key] = frozenset(conditions[key])
+        try:
+            rules.append(AssignRule(field=str(item["set"]), value=str(item["to"]), **conditions))
+        except TypeError as exc:
+            raise ValueError(f"{path}: rule {index}: {exc}") from None
+    return rules
+
+
+def _slos_from_args(args: argparse.Namespace) -> dict[str, TierSlo]:
+    from loadtest.slo import DEFAULT_TIER_SLOS, load_slos, override_slos
+
+    tier_to_slo = load_slos(args.slo) if args.slo else dict(DEFAULT_TIER_SLOS)
+    tier_to_slo = override_slos(tier_to_slo, "ttft_s", args.slo_ttft or [])
+    return override_slos(tier_to_slo, "tpot_s", args.slo_tpot or [])
+
+
+def _tenant_keys(value: str | None) -> dict[str, str]:
+    """``acme=sk-1,globex=sk-2`` or a YAML/JSON file mapping tenant -> API key."""
+    if not value:
+        return {}
+    path = Path(value)
+    if path.is_file():
+        data = yaml.safe_load(path.read_text(encoding="utf-8"))
+        if not isinstance(data, dict):
+            raise ValueError(f"{path}: expected a mapping of tenant -> API key")
+        return {str(tenant): str(key) for tenant, key in data.items()}
+    pairs = [part.partition("=") for part in value.split(",") if part.strip()]
+    if any(not sep or not tenant for tenant, sep, _ in pairs):
+        raise ValueError(f"--tenant-keys {value!r}: expected TENANT=KEY[,TENANT=KEY] or a file")
+    return {tenant.strip(): key.strip() for tenant, _, key in pairs}
+
+
+def _report_issues(workload: Workload) -> None:
+    if not workload.issues:
+        return
+    print(f"warning: skipped {len(workload.issues)} bad rows:", file=sys.stderr)
+    for issue in workload.issues[:10]:
+        print(f"  line {issue.line}: {issue.reason}", file=sys.stderr)
+    if len(workload.issues) > 10:
+        print(f"  ... and {len(workload.issues) - 10} more", file=sys.stderr)

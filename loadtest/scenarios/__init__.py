@@ -1,0 +1,1 @@
+"""Built-in scenario files (package data)."""
