@@ -118,7 +118,8 @@ class Proxy:
     def _timeout(self, settings: UpstreamSettings) -> aiohttp.ClientTimeout:
         if self._timeout_for is not settings:
             self._timeout_for = settings
-            self._client_timeout = aiohttp.ClientTimeout(total=None, sock_connect=settings.connect_timeout_s, sock_read=settings.first_byte_timeout_s)
+            # Read deadlines are ours (asyncio.timeout_at): one timer per request instead of one per socket read.
+            self._client_timeout = aiohttp.ClientTimeout(total=None, sock_connect=settings.connect_timeout_s)
         return self._client_timeout
 
     def mark_failure(self, replica: ReplicaState) -> None:
@@ -145,8 +146,10 @@ class Proxy:
     ) -> web.StreamResponse:
         loop = asyncio.get_running_loop()
         started_at = loop.time()
+        first_byte_deadline = started_at + settings.first_byte_timeout_s
         try:
-            upstream = await self.session.post(decision.url + request.path, data=raw_body, headers=_UPSTREAM_HEADERS, timeout=timeout)
+            async with asyncio.timeout_at(first_byte_deadline):
+                upstream = await self.session.post(decision.url + request.path, data=raw_body, headers=_UPSTREAM_HEADERS, timeout=timeout)
         except asyncio.TimeoutError:
             self.mark_failure(replica)
             raise ApiError(504, f"Replica {replica.name} did not answer within {settings.first_byte_timeout_s:g} s.", "upstream_timeout") from None
@@ -167,8 +170,9 @@ class Proxy:
                 err = ApiError(upstream.status, f"Replica {replica.name} answered {upstream.status}: {body[:300].decode('utf-8', 'replace')}", "upstream_error", retry_after_s=1.0)
                 raise err
             if stream and upstream.status == 200:
-                return await self._stream(request, upstream, replica, decision, headers, settings, started_at, outcome)
-            body = await upstream.read()
+                return await self._stream(request, upstream, replica, headers, settings, started_at, first_byte_deadline, outcome)
+            async with asyncio.timeout_at(first_byte_deadline):
+                body = await upstream.read()
         except asyncio.TimeoutError:
             self.mark_failure(replica)
             raise ApiError(504, f"Replica {replica.name} did not answer within {settings.first_byte_timeout_s:g} s.", "upstream_timeout") from None
@@ -196,23 +200,45 @@ class Proxy:
         request: web.Request,
         upstream: aiohttp.ClientResponse,
         replica: ReplicaState,
-        decision: Route,
         headers: dict[str, str],
         settings: UpstreamSettings,
         started_at: float,
+        first_byte_deadline: float,
         outcome: Outcome,
     ) -> web.StreamResponse:
         loop = asyncio.get_running_loop()
         content = upstream.content
         # The first chunk decides whether this attempt can still be retried: read it before answering.
-        first = await asyncio.wait_for(content.readany(), settings.first_byte_timeout_s)
+        async with asyncio.timeout_at(first_byte_deadline):
+            first = await content.readany()
         first_at = loop.time()
         outcome.ttft_s = first_at - started_at
         outcome.status = 200
         headers["Content-Type"] = "text/event-stream"
         headers["Cache-Control"] = "no-cache"
         response = web.StreamResponse(status=200, headers=headers)
-        await response.prepare(request)
+        try:
+            await response.prepare(request)
+            await self._relay(response, content, first, first_at, replica, settings, outcome)
+            await response.write_eof()
+        except ConnectionError:
+            # The client went away: not the replica's fault. Stop its generation and say nothing.
+            upstream.close()
+            outcome.stream_error = "client_disconnected"
+        return response
+
+    async def _relay(
+        self,
+        response: web.StreamResponse,
+        content: aiohttp.StreamReader,
+        first: bytes,
+        first_at: float,
+        replica: ReplicaState,
+        settings: UpstreamSettings,
+        outcome: Outcome,
+    ) -> None:
+        """Copy the replica's events to the client; a broken upstream ends with an SSE error event."""
+        loop = asyncio.get_running_loop()
         num_events = 0
         last_event_at = first_at
         chunk = first
@@ -221,15 +247,10 @@ class Proxy:
             num_events += chunk.count(b"data:")
             last_event_at = loop.time()
             tail = (tail + chunk)[-512:]
+            await response.write(chunk)
             try:
-                await response.write(chunk)
-            except ConnectionError:
-                # The client went away: not the replica's fault. Stop its generation and say nothing.
-                upstream.close()
-                outcome.stream_error = "client_disconnected"
-                return response
-            try:
-                chunk = await asyncio.wait_for(content.readany(), settings.between_chunks_timeout_s)
+                async with asyncio.timeout(settings.between_chunks_timeout_s):
+                    chunk = await content.readany()
             except asyncio.TimeoutError:
                 outcome.stream_error = "upstream_stalled"
                 break
@@ -249,5 +270,3 @@ class Proxy:
         num_tokens = outcome.completion_tokens or max(0, num_events - 2)
         if num_tokens > 1:
             outcome.tpot_s = (last_event_at - first_at) / (num_tokens - 1)
-        await response.write_eof()
-        return response
