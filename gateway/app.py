@@ -24,6 +24,7 @@ from gateway.metrics import GatewayMetrics
 from gateway.probes import HealthProber
 from gateway.proxy import Outcome, Proxy
 from gateway.runtime import Runtime, build_runtime
+from gateway.upstream import UpstreamPool
 from gateway.validate import validate_body
 
 _JSON = "application/json"
@@ -41,7 +42,8 @@ class GatewayState:
         self.metrics.config_version.set(self.runtime.version)
         self.access_log = AccessLog() if config.server.access_log else None
         self.started_at = time.time()
-        self.session: aiohttp.ClientSession | None = None
+        self.session: aiohttp.ClientSession | None = None  # probes and model discovery only
+        self.upstream_pool: UpstreamPool | None = None
         self.proxy: Proxy | None = None
         self.prober: HealthProber | None = None
 
@@ -278,7 +280,8 @@ async def _on_startup(app: web.Application) -> None:
     loop = asyncio.get_running_loop()
     connector = aiohttp.TCPConnector(limit=0, ttl_dns_cache=300, keepalive_timeout=60, enable_cleanup_closed=True)
     state.session = aiohttp.ClientSession(connector=connector, auto_decompress=False, json_serialize=lambda o: orjson.dumps(o).decode())
-    state.proxy = Proxy(state.session, state.metrics, state.runtime.config.upstream, loop.time())
+    state.upstream_pool = UpstreamPool()
+    state.proxy = Proxy(state.upstream_pool, state.metrics, state.runtime.config.upstream, loop.time())
     state.prober = HealthProber(state)
     await state.prober.discover_models()
     state.prober.start()
@@ -294,6 +297,8 @@ async def _on_cleanup(app: web.Application) -> None:
         await state.access_log.stop()
     if state.session is not None:
         await state.session.close()
+    if state.upstream_pool is not None:
+        state.upstream_pool.close()
 
 
 def build_app(config: GatewayConfig, replica_urls: dict[str, list[str]] | None = None) -> web.Application:

@@ -10,7 +10,6 @@ from __future__ import annotations
 import asyncio
 from dataclasses import dataclass
 
-import aiohttp
 from aiohttp import web
 
 from classifiers.shape import Shape
@@ -22,8 +21,8 @@ from gateway.config import UpstreamSettings
 from gateway.errors import ApiError, sse_error_event
 from gateway.metrics import GatewayMetrics
 from gateway.runtime import Runtime
+from gateway.upstream import UpstreamError, UpstreamPool, UpstreamResponse
 
-_UPSTREAM_HEADERS = {"Content-Type": "application/json"}
 _DONE = b"data: [DONE]"
 _USAGE_KEY = b'"completion_tokens":'
 _PROMPT_KEY = b'"prompt_tokens":'
@@ -62,13 +61,11 @@ def _usage_int(data: bytes, key: bytes) -> int | None:
 class Proxy:
     """Sends requests to replicas over one shared keep-alive connection pool."""
 
-    def __init__(self, session: aiohttp.ClientSession, metrics: GatewayMetrics, settings: UpstreamSettings, now: float) -> None:
-        self.session = session
+    def __init__(self, pool: UpstreamPool, metrics: GatewayMetrics, settings: UpstreamSettings, now: float) -> None:
+        self.pool = pool
         self.metrics = metrics
         self.router_settings = RouterSettings()
         self.retry_budget = RetryBudget(settings.retry_budget_ratio, now)
-        self._timeout_for: UpstreamSettings | None = None
-        self._client_timeout = aiohttp.ClientTimeout()
 
     async def forward(
         self,
@@ -82,7 +79,6 @@ class Proxy:
     ) -> web.StreamResponse:
         settings = runtime.config.upstream
         loop = asyncio.get_running_loop()
-        timeout = self._timeout(settings)
         tried: list[str] = []
         budget_tokens = shape.prompt_tokens + shape.predicted_output_p50
         self.retry_budget.on_request()
@@ -103,7 +99,7 @@ class Proxy:
             gauge = self.metrics.child(self.metrics.in_flight, decision.pool)
             gauge.inc()
             try:
-                result = await self._attempt(request, decision, replica, raw_body, stream, shape, timeout, settings, outcome)
+                result = await self._attempt(request, decision, replica, raw_body, stream, shape, settings, outcome)
             except ApiError as err:
                 last_error = err
                 if outcome.attempts >= settings.max_attempts or not self.retry_budget.try_spend(loop.time()):
@@ -114,13 +110,6 @@ class Proxy:
                 replica.end(budget_tokens)
                 gauge.dec()
             return result
-
-    def _timeout(self, settings: UpstreamSettings) -> aiohttp.ClientTimeout:
-        if self._timeout_for is not settings:
-            self._timeout_for = settings
-            # Read deadlines are ours (asyncio.timeout_at): one timer per request instead of one per socket read.
-            self._client_timeout = aiohttp.ClientTimeout(total=None, sock_connect=settings.connect_timeout_s)
-        return self._client_timeout
 
     def mark_failure(self, replica: ReplicaState) -> None:
         if replica.breaker.on_failure(asyncio.get_running_loop().time()):
@@ -140,7 +129,6 @@ class Proxy:
         raw_body: bytes,
         stream: bool,
         shape: Shape,
-        timeout: aiohttp.ClientTimeout,
         settings: UpstreamSettings,
         outcome: Outcome,
     ) -> web.StreamResponse:
@@ -149,13 +137,13 @@ class Proxy:
         first_byte_deadline = started_at + settings.first_byte_timeout_s
         try:
             async with asyncio.timeout_at(first_byte_deadline):
-                upstream = await self.session.post(decision.url + request.path, data=raw_body, headers=_UPSTREAM_HEADERS, timeout=timeout)
+                upstream = await self.pool.post(decision.url, request.path, raw_body, settings.connect_timeout_s)
         except asyncio.TimeoutError:
             self.mark_failure(replica)
             raise ApiError(504, f"Replica {replica.name} did not answer within {settings.first_byte_timeout_s:g} s.", "upstream_timeout") from None
-        except aiohttp.ClientError as exc:
+        except UpstreamError as exc:
             self.mark_failure(replica)
-            raise ApiError(502, f"Replica {replica.name} could not be reached ({type(exc).__name__}).", "upstream_unreachable", retry_after_s=1.0) from None
+            raise ApiError(502, f"Replica {replica.name} could not be reached ({exc}).", "upstream_unreachable", retry_after_s=1.0) from None
         headers = {
             "x-polymorph-pool": decision.pool,
             "x-polymorph-replica": replica.name,
@@ -176,9 +164,9 @@ class Proxy:
         except asyncio.TimeoutError:
             self.mark_failure(replica)
             raise ApiError(504, f"Replica {replica.name} did not answer within {settings.first_byte_timeout_s:g} s.", "upstream_timeout") from None
-        except aiohttp.ClientError as exc:
+        except UpstreamError as exc:
             self.mark_failure(replica)
-            raise ApiError(502, f"Replica {replica.name} failed before answering ({type(exc).__name__}).", "upstream_failed", retry_after_s=1.0) from None
+            raise ApiError(502, f"Replica {replica.name} failed before answering ({exc}).", "upstream_failed", retry_after_s=1.0) from None
         except BaseException:
             # The client went away (cancellation) or an error is on its way out: close the upstream
             # connection so the replica stops generating for nobody.
@@ -192,13 +180,13 @@ class Proxy:
         if upstream.status == 200:
             outcome.prompt_tokens = _usage_int(body, _PROMPT_KEY)
             outcome.completion_tokens = _usage_int(body, _USAGE_KEY)
-        headers["Content-Type"] = upstream.headers.get("Content-Type", "application/json")
+        headers["Content-Type"] = upstream.headers.get("content-type", "application/json")
         return web.Response(status=upstream.status, body=body, headers=headers)
 
     async def _stream(
         self,
         request: web.Request,
-        upstream: aiohttp.ClientResponse,
+        upstream: UpstreamResponse,
         replica: ReplicaState,
         headers: dict[str, str],
         settings: UpstreamSettings,
@@ -207,10 +195,9 @@ class Proxy:
         outcome: Outcome,
     ) -> web.StreamResponse:
         loop = asyncio.get_running_loop()
-        content = upstream.content
         # The first chunk decides whether this attempt can still be retried: read it before answering.
         async with asyncio.timeout_at(first_byte_deadline):
-            first = await content.readany()
+            first = await upstream.read_chunk()
         first_at = loop.time()
         outcome.ttft_s = first_at - started_at
         outcome.status = 200
@@ -219,7 +206,7 @@ class Proxy:
         response = web.StreamResponse(status=200, headers=headers)
         try:
             await response.prepare(request)
-            await self._relay(response, content, first, first_at, replica, settings, outcome)
+            await self._relay(response, upstream, first, first_at, replica, settings, outcome)
             await response.write_eof()
         except ConnectionError:
             # The client went away: not the replica's fault. Stop its generation and say nothing.
@@ -230,7 +217,7 @@ class Proxy:
     async def _relay(
         self,
         response: web.StreamResponse,
-        content: aiohttp.StreamReader,
+        upstream: UpstreamResponse,
         first: bytes,
         first_at: float,
         replica: ReplicaState,
@@ -250,11 +237,12 @@ class Proxy:
             await response.write(chunk)
             try:
                 async with asyncio.timeout(settings.between_chunks_timeout_s):
-                    chunk = await content.readany()
+                    chunk = await upstream.read_chunk()
             except asyncio.TimeoutError:
+                upstream.close()
                 outcome.stream_error = "upstream_stalled"
                 break
-            except aiohttp.ClientError:
+            except UpstreamError:
                 outcome.stream_error = "upstream_disconnected"
                 break
         if outcome.stream_error is None and _DONE not in tail:
