@@ -234,11 +234,13 @@ class Handlers:
             return error_response(err)
         runtime = self.state.runtime
         now = asyncio.get_running_loop().time()
+        engine_by_pool = {spec.name: dict(spec.engine) for spec in runtime.config.pools}
         pools = [
             {
                 "name": pool.name,
                 "models": sorted(pool.models) if pool.models is not None else None,
                 "gpu": pool.gpu,
+                "engine": engine_by_pool.get(pool.name, {}),
                 "shapes": sorted(pool.shapes),
                 "in_flight": pool.num_in_flight,
                 "load_fraction": round(min(pool.load_fraction(now), 1e9), 4),
