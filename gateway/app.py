@@ -21,6 +21,7 @@ from gateway.accesslog import AccessLog
 from gateway.config import GatewayConfig, Tenant
 from gateway.errors import ApiError, error_response
 from gateway.metrics import GatewayMetrics
+from gateway.openapi import DOCUMENT_BYTES
 from gateway.probes import HealthProber
 from gateway.proxy import Outcome, Proxy
 from gateway.runtime import Runtime, build_runtime
@@ -273,6 +274,9 @@ class Handlers:
         }
         return web.Response(body=orjson.dumps(body), content_type=_JSON)
 
+    async def openapi(self, request: web.Request) -> web.Response:
+        return web.Response(body=DOCUMENT_BYTES, content_type=_JSON)
+
     async def not_found(self, request: web.Request) -> web.Response:
         return error_response(ApiError(404, f"No such endpoint: {request.method} {request.path[:200]}.", "unknown_endpoint"))
 
@@ -317,6 +321,7 @@ def build_app(config: GatewayConfig, replica_urls: dict[str, list[str]] | None =
     router.add_get("/readyz", h.readyz, allow_head=False)
     router.add_get("/metrics", h.metrics_endpoint, allow_head=False)
     router.add_get("/admin/state", h.admin_state, allow_head=False)
+    router.add_get("/openapi.json", h.openapi, allow_head=False)
     router.add_route("*", "/{tail:.*}", h.not_found)
     app.on_startup.append(_on_startup)
     app.on_cleanup.append(_on_cleanup)

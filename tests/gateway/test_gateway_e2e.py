@@ -350,3 +350,10 @@ def test_workers_share_the_port_and_their_metrics(tmp_path: Path) -> None:
             metrics = resp.read().decode()
         assert re.search(r'^polymorph_requests_total\{pool="default",status="200",tenant="demo",tier="standard"\} 20\.0$', metrics, re.M)
     assert gateway.process.returncode == 0
+
+
+def test_openapi_document_lists_every_endpoint(deployment: Deployment) -> None:
+    with urllib.request.urlopen(deployment.gateway.url + "/openapi.json", timeout=5) as resp:
+        document = json.loads(resp.read())
+    assert document["openapi"].startswith("3.")
+    assert {"/v1/chat/completions", "/v1/completions", "/v1/models", "/healthz", "/readyz", "/metrics", "/admin/state"} <= set(document["paths"])

@@ -1,0 +1,113 @@
+"""The gateway's OpenAPI document, served at GET /openapi.json (for clients and schema-driven fuzzing)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import orjson
+
+_ERROR = {
+    "description": "OpenAI-style error envelope",
+    "content": {"application/json": {"schema": {"$ref": "#/components/schemas/Error"}}},
+}
+_BEARER = [{"bearer": []}]
+
+
+def _errors(*statuses: int) -> dict[str, Any]:
+    return {str(status): _ERROR for status in statuses}
+
+
+_MESSAGE = {
+    "type": "object",
+    "required": ["role"],
+    "properties": {
+        "role": {"type": "string", "enum": ["system", "user", "assistant", "tool", "function", "developer"]},
+        "content": {"oneOf": [{"type": "string"}, {"type": "array", "items": {"type": "object"}}, {"type": "null"}]},
+    },
+}
+_SAMPLING = {
+    "model": {"type": "string", "minLength": 1},
+    "stream": {"type": "boolean"},
+    "max_tokens": {"type": "integer", "minimum": 1},
+    "temperature": {"type": "number", "minimum": 0, "maximum": 2},
+    "top_p": {"type": "number", "minimum": 0, "maximum": 1},
+    "n": {"type": "integer", "minimum": 1, "maximum": 128},
+    "stop": {"oneOf": [{"type": "string"}, {"type": "array", "items": {"type": "string"}}]},
+    "presence_penalty": {"type": "number", "minimum": -2, "maximum": 2},
+    "frequency_penalty": {"type": "number", "minimum": -2, "maximum": 2},
+    "stream_options": {"type": "object"},
+}
+_TIER = {"name": "x-polymorph-tier", "in": "header", "required": False, "schema": {"type": "string"}}
+_ROUTED = {
+    "description": "The engine's answer (JSON, or server-sent events when stream is true)",
+    "headers": {name: {"schema": {"type": "string"}} for name in ("x-polymorph-pool", "x-polymorph-replica", "x-polymorph-shape")},
+    "content": {"application/json": {"schema": {"type": "object"}}, "text/event-stream": {"schema": {"type": "string"}}},
+}
+
+
+def _completion_path(summary: str, required: list[str], extra: dict[str, Any]) -> dict[str, Any]:
+    return {
+        "post": {
+            "summary": summary,
+            "security": _BEARER,
+            "parameters": [_TIER],
+            "requestBody": {
+                "required": True,
+                "content": {"application/json": {"schema": {"type": "object", "required": required, "properties": {**_SAMPLING, **extra}}}},
+            },
+            "responses": {"200": _ROUTED, **_errors(400, 401, 403, 404, 413, 429, 502, 503, 504)},
+        }
+    }
+
+
+def _get(summary: str, content_type: str, secured: bool, *errors: int) -> dict[str, Any]:
+    operation: dict[str, Any] = {
+        "summary": summary,
+        "responses": {"200": {"description": "OK", "content": {content_type: {"schema": {"type": "object" if "json" in content_type else "string"}}}}, **_errors(*errors)},
+    }
+    if secured:
+        operation["security"] = _BEARER
+    return {"get": operation}
+
+
+DOCUMENT: dict[str, Any] = {
+    "openapi": "3.0.3",
+    "info": {"title": "Polymorph gateway", "version": "0.1.0", "description": "OpenAI-compatible, workload-aware inference gateway."},
+    "servers": [{"url": "/"}],
+    "components": {
+        "securitySchemes": {"bearer": {"type": "http", "scheme": "bearer"}},
+        "schemas": {
+            "Error": {
+                "type": "object",
+                "required": ["error"],
+                "properties": {
+                    "error": {
+                        "type": "object",
+                        "required": ["message", "type", "code"],
+                        "properties": {
+                            "message": {"type": "string"},
+                            "type": {"type": "string"},
+                            "param": {"type": "string", "nullable": True},
+                            "code": {"type": "string"},
+                        },
+                    }
+                },
+            }
+        },
+    },
+    "paths": {
+        "/v1/chat/completions": _completion_path("Chat completion (routed by shape)", ["model", "messages"], {"messages": {"type": "array", "minItems": 1, "items": _MESSAGE}}),
+        "/v1/completions": _completion_path(
+            "Text completion (routed by shape)",
+            ["model", "prompt"],
+            {"prompt": {"oneOf": [{"type": "string"}, {"type": "array", "items": {"type": "string"}}, {"type": "array", "items": {"type": "integer"}}]}},
+        ),
+        "/v1/models": _get("Models this key may use", "application/json", True, 401),
+        "/healthz": _get("Liveness", "application/json", False),
+        "/readyz": _get("Readiness: some replica is healthy", "application/json", False, 503),
+        "/metrics": _get("Prometheus metrics", "text/plain", False),
+        "/admin/state": _get("Pools, replicas and config version (admin token)", "application/json", True, 401, 403),
+    },
+}
+
+DOCUMENT_BYTES = orjson.dumps(DOCUMENT)
