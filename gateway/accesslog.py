@@ -12,6 +12,8 @@ from typing import IO
 
 import orjson
 
+from gateway.background import BackgroundTask
+
 
 class AccessLog:
     def __init__(self, stream: IO[bytes] | None = None, flush_interval_s: float = 0.25, max_buffered: int = 4096) -> None:
@@ -19,7 +21,7 @@ class AccessLog:
         self.flush_interval_s = flush_interval_s
         self.max_buffered = max_buffered
         self.lines: list[bytes] = []
-        self._task: asyncio.Task[None] | None = None
+        self.flusher = BackgroundTask(self._flush_forever)
 
     def write(self, record: dict[str, object]) -> None:
         self.lines.append(orjson.dumps(record))
@@ -36,19 +38,14 @@ class AccessLog:
         except (OSError, ValueError):
             pass  # a closed or full log stream must never fail a request
 
-    async def run(self) -> None:
+    async def _flush_forever(self) -> None:
         while True:
             await asyncio.sleep(self.flush_interval_s)
             self.flush()
 
     def start(self) -> None:
-        self._task = asyncio.get_running_loop().create_task(self.run())
+        self.flusher.start()
 
     async def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            try:
-                await self._task
-            except asyncio.CancelledError:
-                pass
+        await self.flusher.stop()
         self.flush()

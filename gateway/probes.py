@@ -16,6 +16,7 @@ import orjson
 
 from fleet.health import HealthState
 from fleet.pool import ReplicaState
+from gateway.background import BackgroundTask
 
 if TYPE_CHECKING:
     from gateway.app import GatewayState
@@ -24,7 +25,7 @@ if TYPE_CHECKING:
 class HealthProber:
     def __init__(self, state: GatewayState) -> None:
         self.state = state
-        self._task: asyncio.Task[None] | None = None
+        self.task = BackgroundTask(self.run)
 
     def _timeout(self) -> aiohttp.ClientTimeout:
         settings = self.state.runtime.config.upstream
@@ -89,12 +90,7 @@ class HealthProber:
                 print(f"polymorph: health probe round failed: {exc!r}", file=sys.stderr)
 
     def start(self) -> None:
-        self._task = asyncio.get_running_loop().create_task(self.run())
+        self.task.start()
 
     async def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            try:
-                await self._task
-            except asyncio.CancelledError:
-                pass
+        await self.task.stop()

@@ -8,8 +8,10 @@ and the retry budget. Once a stream has started, a failure ends it with an SSE e
 from __future__ import annotations
 
 import asyncio
+import re
 from dataclasses import dataclass
 
+import orjson
 from aiohttp import web
 
 from classifiers.shape import Shape
@@ -26,6 +28,7 @@ from gateway.upstream import UpstreamError, UpstreamPool, UpstreamResponse
 _DONE = b"data: [DONE]"
 _USAGE_KEY = b'"completion_tokens":'
 _PROMPT_KEY = b'"prompt_tokens":'
+_MEDIA_TYPE = re.compile(r"[\x21-\x7e]+(?: ?;[\x20-\x7e]*)?")
 
 
 @dataclass(slots=True)
@@ -41,6 +44,13 @@ class Outcome:
     prompt_tokens: int | None = None
     completion_tokens: int | None = None
     stream_error: str | None = None
+
+
+def _is_json_object(body: bytes) -> bool:
+    try:
+        return isinstance(orjson.loads(body), dict)
+    except orjson.JSONDecodeError:
+        return False
 
 
 def _usage_int(data: bytes, key: bytes) -> int | None:
@@ -174,13 +184,18 @@ class Proxy:
             raise
         finally:
             upstream.release()
+        if upstream.status == 200 and not _is_json_object(body):
+            self.mark_failure(replica)
+            raise ApiError(502, f"Replica {replica.name} answered 200 with a body that is not a JSON object.", "upstream_invalid_response", retry_after_s=1.0)
         outcome.ttft_s = loop.time() - started_at
         outcome.status = upstream.status
         self.mark_success(replica)
         if upstream.status == 200:
             outcome.prompt_tokens = _usage_int(body, _PROMPT_KEY)
             outcome.completion_tokens = _usage_int(body, _USAGE_KEY)
-        headers["Content-Type"] = upstream.headers.get("content-type", "application/json")
+        content_type = upstream.headers.get("content-type", "")
+        # Only a plain media type is passed on: a replica's control characters must not reach our headers.
+        headers["Content-Type"] = content_type if _MEDIA_TYPE.fullmatch(content_type) else "application/json"
         return web.Response(status=upstream.status, body=body, headers=headers)
 
     async def _stream(

@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from classifiers.request import ClassifierLoadError
+from gateway.background import BackgroundTask
 from gateway.config import load_config
 from gateway.yamlsrc import ConfigError
 
@@ -39,7 +40,7 @@ class ConfigWatcher:
         self.config_path = config_path
         self.poll_interval_s = poll_interval_s
         self._seen = self._current()
-        self._task: asyncio.Task[None] | None = None
+        self.task = BackgroundTask(self.run)
         self._wake = asyncio.Event()
 
     def _current(self) -> tuple[object, ...]:
@@ -75,17 +76,11 @@ class ConfigWatcher:
                 self.reload()
 
     def start(self) -> None:
-        loop = asyncio.get_running_loop()
-        self._task = loop.create_task(self.run())
+        self.task.start()
         try:
-            loop.add_signal_handler(signal.SIGHUP, self._wake.set)
+            asyncio.get_running_loop().add_signal_handler(signal.SIGHUP, self._wake.set)
         except (NotImplementedError, RuntimeError):
             pass
 
     async def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            try:
-                await self._task
-            except asyncio.CancelledError:
-                pass
+        await self.task.stop()

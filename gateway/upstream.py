@@ -60,7 +60,7 @@ class _Conn(asyncio.Protocol):
     def connection_lost(self, exc: Exception | None) -> None:
         self.closed = True
         if not self.complete:
-            if self.remaining == -1 and self.head_done and not self.chunked:
+            if self.error is None and self.remaining == -1 and self.head_done and not self.chunked:
                 self.complete = True  # a body delimited by the close itself
             elif self.error is None:
                 self.error = UpstreamError("the replica closed the connection mid-response", before_response=not self.received_any)
@@ -96,14 +96,18 @@ class _Conn(asyncio.Protocol):
     # -- parsing ----------------------------------------------------------------------------
 
     def _head(self, head: bytes) -> bool:
-        lines = head.split(b"\r\n")
-        parts = lines[0].split(b" ", 2)
+        # A bare LF ends a line too (RFC 9112 allows it): otherwise it would hide inside a header value.
+        lines = head.split(b"\n")
+        parts = lines[0].rstrip(b"\r").split(b" ", 2)
         if len(parts) < 2 or not parts[0].startswith(b"HTTP/1.") or not parts[1].isdigit():
             self._fail("the replica did not answer with HTTP/1.x")
             return False
+        if len(parts[1]) != 3 or not 100 <= int(parts[1]) <= 599:
+            self._fail(f"the replica answered with an invalid status {parts[1][:8].decode()}")
+            return False
         self.status = int(parts[1])
         for line in lines[1:]:
-            name, sep, value = line.partition(b":")
+            name, sep, value = line.rstrip(b"\r").partition(b":")
             if sep:
                 self.headers[name.strip().lower().decode("latin-1")] = value.strip().decode("latin-1")
         if self.status < 200:  # 1xx: an interim answer; the real head follows

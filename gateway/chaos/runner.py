@@ -1,0 +1,104 @@
+"""`polymorph bench chaos`: every scenario in turn, each on the deployment it needs; a table, then one JSON line.
+
+Scenarios are grouped by the deployment they run against (faults, overload, idle streams); a group's
+deployment is started once and torn down before the next. Adding a scenario is one entry in a
+group's table; scenarios that need parts not wired into the gateway yet are listed in PENDING.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import sys
+import tempfile
+from collections.abc import Sequence
+from pathlib import Path
+
+from gateway.chaos.faults import FAULT_SCENARIOS, LOAD_KEY, MODEL, FaultRunner, FaultSettings, fault_plan
+from gateway.chaos.hostile import hostile_input, run_schemathesis
+from gateway.chaos.pressure import OverloadSettings, idle_plan, idle_streams, overload, overload_plan, raise_fd_limit
+from gateway.chaos.report import Check, ScenarioResult, json_summary, render_table, skipped
+from gateway.chaos.stack import ChaosStack
+
+HOSTILE_SCENARIOS = ("hostile-input", "schemathesis")
+PRESSURE_SCENARIOS = ("overload-3x", "idle-streams")
+ALL_SCENARIOS = (*FAULT_SCENARIOS, *HOSTILE_SCENARIOS, *PRESSURE_SCENARIOS)
+
+# Need the fleet controller (drift, repartition, rollout) wired into the gateway, or tier-aware shedding.
+PENDING = (
+    "pool-lost-during-repartition: a pool disappears mid-repartition; the next plan accounts for the lost GPUs",
+    "controller-dies: gateways keep routing on the last plan; a restarted controller resumes from its decision log",
+    "half-applied-step-rollback: a replica that never becomes healthy rolls the step back, no request lost",
+    "trial-store-or-decision-log-broken: locked, full or corrupted files; the gateway keeps serving, errors reported",
+    "tier-aware-shedding: under 3x overload interactive keeps its SLO while standard and batch are shed",
+)
+
+
+async def _fault_group(names: Sequence[str], args: argparse.Namespace, run_dir: Path) -> list[ScenarioResult]:
+    results = []
+    with ChaosStack(fault_plan(), run_dir / "faults") as stack:
+        runner = FaultRunner(stack, FaultSettings(args.rate, args.duration, args.reload_rate))
+        for name in ["baseline", *(n for n in names if n in FAULT_SCENARIOS and n != "baseline")]:
+            results.append(await FAULT_SCENARIOS[name](runner))  # type: ignore[misc]
+            _progress(results[-1])
+        if "hostile-input" in names:
+            results.append(await hostile_input(stack, LOAD_KEY, MODEL, args.hostile_requests, args.tricklers))
+            _progress(results[-1])
+        if "schemathesis" in names:
+            code, output = await asyncio.to_thread(run_schemathesis, stack.url, LOAD_KEY, args.schemathesis_examples, 0, 600)
+            if code is None:
+                results.append(skipped("schemathesis", output))
+            else:
+                tail = output.strip().splitlines()[-1] if output.strip() else ""
+                results.append(ScenarioResult("schemathesis", 0, 0, 0, 0, 0, 0.0, (Check("schemathesis passes", code == 0, tail),)))
+            _progress(results[-1])
+    return results
+
+
+async def _pressure_group(names: Sequence[str], args: argparse.Namespace, run_dir: Path) -> list[ScenarioResult]:
+    results = []
+    if "overload-3x" in names:
+        with ChaosStack(overload_plan(), run_dir / "overload") as stack:
+            results.append(await overload(stack, OverloadSettings(overload_s=args.overload_s)))
+            _progress(results[-1])
+    if "idle-streams" in names:
+        limit = raise_fd_limit(2 * args.idle_streams + 4096)
+        if limit < 2 * args.idle_streams + 1024:
+            results.append(skipped("idle-streams", f"open-file limit {limit} is too low for {args.idle_streams} streams"))
+        else:
+            with ChaosStack(idle_plan(), run_dir / "idle") as stack:
+                results.append(await idle_streams(stack, args.idle_streams))
+        _progress(results[-1])
+    return results
+
+
+def _progress(result: ScenarioResult) -> None:
+    state = "skipped" if result.skipped else ("pass" if result.passed else "FAIL")
+    print(f"chaos: {result.name}: {state}", file=sys.stderr, flush=True)
+
+
+async def run_all(args: argparse.Namespace, run_dir: Path) -> list[ScenarioResult]:
+    names = [n.strip() for n in args.scenarios.split(",") if n.strip()] if args.scenarios else list(ALL_SCENARIOS)
+    unknown = sorted(set(names) - set(ALL_SCENARIOS))
+    if unknown:
+        raise SystemExit(f"bench chaos: unknown scenarios {', '.join(unknown)}; known: {', '.join(ALL_SCENARIOS)}")
+    results = []
+    if any(n in FAULT_SCENARIOS or n in HOSTILE_SCENARIOS for n in names):
+        results += await _fault_group(names, args, run_dir)
+    results += await _pressure_group(names, args, run_dir)
+    return results
+
+
+def main_bench(args: argparse.Namespace) -> int:
+    run_dir = Path(tempfile.mkdtemp(prefix="polymorph-chaos-"))
+    results = asyncio.run(run_all(args, run_dir))
+    summary = json_summary(results, PENDING)
+    if not args.json_only:
+        print(render_table(results))
+        print(f"pending (need the fleet controller or tier-aware shedding): {len(PENDING)}")
+        for line in PENDING:
+            print(f"  - {line}")
+        print(f"logs: {run_dir}")
+    print(json.dumps(summary, separators=(",", ":")))
+    return 0 if summary["passed"] else 1
