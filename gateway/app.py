@@ -17,14 +17,18 @@ import aiohttp
 import orjson
 from aiohttp import web
 
+from classifiers.shape import Shape
+from fleet.health import HealthState
 from gateway.accesslog import AccessLog
 from gateway.config import GatewayConfig, Tenant
+from gateway.dashboard import add_dashboard_routes, is_admin_request
 from gateway.errors import ApiError, error_response
 from gateway.metrics import GatewayMetrics
 from gateway.openapi import DOCUMENT_BYTES
 from gateway.probes import HealthProber
 from gateway.proxy import Outcome, Proxy
 from gateway.runtime import Runtime, build_runtime
+from gateway.series import Series
 from gateway.upstream import UpstreamPool
 from gateway.validate import validate_body
 
@@ -40,8 +44,9 @@ class GatewayState:
         self.replica_urls = replica_urls
         self.metrics = GatewayMetrics()
         self.runtime: Runtime = build_runtime(config, self.urls_for(config), None, time.monotonic())
-        self.metrics.config_version.set(self.runtime.version)
+        self._publish_runtime()
         self.access_log = AccessLog() if config.server.access_log else None
+        self.series = Series()
         self.started_at = time.time()
         self.session: aiohttp.ClientSession | None = None  # probes and model discovery only
         self.upstream_pool: UpstreamPool | None = None
@@ -55,8 +60,15 @@ class GatewayState:
     def apply(self, config: GatewayConfig) -> Runtime:
         """Swap in a new config version; in-flight requests keep the runtime they started with."""
         self.runtime = build_runtime(config, self.urls_for(config), self.runtime, asyncio.get_running_loop().time())
-        self.metrics.config_version.set(self.runtime.version)
+        self._publish_runtime()
         return self.runtime
+
+    def _publish_runtime(self) -> None:
+        self.metrics.config_version.set(self.runtime.version)
+        for pool in self.runtime.pools:
+            for replica in pool.replicas:
+                healthy = replica.breaker.state is HealthState.HEALTHY
+                self.metrics.child(self.metrics.replica_up, pool.name, replica.name).set(1 if healthy else 0)
 
 
 def _authenticate(request: web.Request, runtime: Runtime) -> Tenant:
@@ -153,7 +165,7 @@ class Handlers:
         self._record(runtime, tenant_name, tier, model, shape, outcome, loop.time() - started_at)
         return response
 
-    def _record(self, runtime: Runtime, tenant: str, tier: str, model: str, shape: object, outcome: Outcome, duration_s: float) -> None:
+    def _record(self, runtime: Runtime, tenant: str, tier: str, model: str, shape: Shape | None, outcome: Outcome, duration_s: float) -> None:
         metrics = self.state.metrics
         metrics.count_request(tenant, tier, outcome.pool, outcome.status)
         if outcome.pool != "-":
@@ -162,10 +174,12 @@ class Handlers:
                 metrics.child(metrics.ttft, tier, outcome.pool).observe(outcome.ttft_s)
             if outcome.tpot_s is not None:
                 metrics.child(metrics.tpot, tier, outcome.pool).observe(outcome.tpot_s)
+        if shape is not None:
+            self._record_series(runtime, tier, shape, outcome)
         if outcome.completion_tokens is not None:
             metrics.child(metrics.tokens, tenant, "completion").inc(outcome.completion_tokens)
             if shape is not None and outcome.status == 200:
-                runtime.classifier.observe(shape, outcome.completion_tokens)  # type: ignore[arg-type]
+                runtime.classifier.observe(shape, outcome.completion_tokens)
         if outcome.prompt_tokens is not None:
             metrics.child(metrics.tokens, tenant, "prompt").inc(outcome.prompt_tokens)
         log = self.state.access_log
@@ -189,6 +203,18 @@ class Handlers:
                     "stream_error": outcome.stream_error,
                 }
             )
+
+    def _record_series(self, runtime: Runtime, tier: str, shape: Shape, outcome: Outcome) -> None:
+        ok = outcome.status == 200 and outcome.stream_error is None
+        objectives = runtime.config.tiers.get(tier)
+        met = ok and (
+            objectives is None
+            or (
+                (outcome.ttft_s is None or outcome.ttft_s <= objectives.ttft_p99_s)
+                and (outcome.tpot_s is None or outcome.tpot_s <= objectives.tpot_p99_s)
+            )
+        )
+        self.state.series.record(time.time(), shape.name, tier, outcome.pool, ok, met, outcome.ttft_s, outcome.tpot_s)
 
     async def models(self, request: web.Request) -> web.Response:
         if request.method != "GET":
@@ -222,11 +248,8 @@ class Handlers:
         expected = self.state.runtime.config.server.admin_token_sha256
         if expected is None:
             raise ApiError(403, "The admin API is disabled: set server.admin_token in the config.", "admin_disabled")
-        header = request.headers.get("Authorization", "")
-        token = header[7:].strip() if header.startswith("Bearer ") else ""
-        digest = hashlib.sha256(token.encode("utf-8", "surrogateescape")).hexdigest()
-        if not token or not hmac.compare_digest(digest, expected):
-            raise ApiError(401, "The admin API needs 'Authorization: Bearer <admin token>'.", "invalid_admin_token")
+        if not is_admin_request(request, expected):
+            raise ApiError(401, "The admin API needs 'Authorization: Bearer <admin token>' or a dashboard session.", "invalid_admin_token")
 
     async def admin_state(self, request: web.Request) -> web.Response:
         try:
@@ -236,6 +259,7 @@ class Handlers:
         runtime = self.state.runtime
         now = asyncio.get_running_loop().time()
         engine_by_pool = {spec.name: dict(spec.engine) for spec in runtime.config.pools}
+        attainment = self.state.series.slo_attainment(time.time(), 300.0)
         pools = [
             {
                 "name": pool.name,
@@ -245,6 +269,7 @@ class Handlers:
                 "shapes": sorted(pool.shapes),
                 "in_flight": pool.num_in_flight,
                 "load_fraction": round(min(pool.load_fraction(now), 1e9), 4),
+                "slo_attainment": attainment.get(pool.name),
                 "replicas": [
                     {
                         "name": r.name,
@@ -270,6 +295,7 @@ class Handlers:
                 for t in runtime.config.tenants
             ],
             "shapes": list(runtime.config.shapes.names),
+            "tiers": {name: {"ttft_p99_s": t.ttft_p99_s, "tpot_p99_s": t.tpot_p99_s} for name, t in runtime.config.tiers.items()},
             "pools": pools,
         }
         return web.Response(body=orjson.dumps(body), content_type=_JSON)
@@ -322,6 +348,12 @@ def build_app(config: GatewayConfig, replica_urls: dict[str, list[str]] | None =
     router.add_get("/metrics", h.metrics_endpoint, allow_head=False)
     router.add_get("/admin/state", h.admin_state, allow_head=False)
     router.add_get("/openapi.json", h.openapi, allow_head=False)
+    add_dashboard_routes(
+        app,
+        lambda: state.series,
+        lambda request: is_admin_request(request, state.runtime.config.server.admin_token_sha256),
+        lambda: state.runtime.config.server.admin_token_sha256,
+    )
     router.add_route("*", "/{tail:.*}", h.not_found)
     app.on_startup.append(_on_startup)
     app.on_cleanup.append(_on_cleanup)

@@ -25,8 +25,8 @@ from gateway.series import Series
 SESSION_COOKIE = "polymorph_session"
 SESSION_TTL_S = 12 * 3600
 _SESSION_CONTEXT = b"polymorph-dashboard-session-v1:"
-_STATIC_TYPES = {".html": "text/html", ".js": "application/javascript", ".css": "text/css", ".svg": "image/svg+xml"}
-_STATIC_FILES = ("dashboard.html", "dashboard.js", "dashboard.css", "login.html", "favicon.svg")
+_STATIC_TYPES = {".html": "text/html", ".js": "application/javascript", ".css": "text/css"}
+_STATIC_FILES = ("dashboard.html", "dashboard.js", "dashboard.css", "login.html")  # package data (pyproject)
 # Everything the page loads is its own: no inline script, no third party, no framing.
 _PAGE_HEADERS = {
     "Content-Security-Policy": (

@@ -21,7 +21,9 @@ _SUB_BINS = 8
 _MIN_EXP = -11  # frexp exponent of the lowest octave: bins start at 2**-12 s (0.24 ms)
 _MAX_EXP = 11  # the highest octave ends at 2**11 s (34 min), beyond any deadline
 _NUM_BINS = (_MAX_EXP - _MIN_EXP + 1) * _SUB_BINS
-_TTFT_AT = 3  # a tier's slot: requests, goodput, errors, then the TTFT and TPOT bins
+# A tier's slot: requests, goodput, errors, the TTFT and TPOT sample counts, then their bins.
+_TTFT_COUNT_AT, _TPOT_COUNT_AT = 3, 4
+_TTFT_AT = 5
 _TPOT_AT = _TTFT_AT + _NUM_BINS
 _TIER_WIDTH = _TPOT_AT + _NUM_BINS
 _POOL_WIDTH = 2  # requests, goodput
@@ -111,10 +113,12 @@ class Series:
         if ttft_s is not None or tpot_s is not None:
             maxima = self._tier_max_s.get(tier) or self._new_maxima(tier)
             if ttft_s is not None:
+                ring[base + _TTFT_COUNT_AT] += 1
                 ring[base + _TTFT_AT + latency_bin(ttft_s)] += 1
                 if ttft_s > maxima[2 * slot]:
                     maxima[2 * slot] = ttft_s
             if tpot_s is not None:
+                ring[base + _TPOT_COUNT_AT] += 1
                 ring[base + _TPOT_AT + latency_bin(tpot_s)] += 1
                 if tpot_s > maxima[2 * slot + 1]:
                     maxima[2 * slot + 1] = tpot_s
@@ -169,7 +173,7 @@ class Series:
         for shape, ring in sorted(self._shapes.rings.items()):
             counts = [ring[s] if s >= 0 else 0 for s in live]
             if any(counts):
-                mix[shape] = [round(c / step, 4) for c in counts]
+                mix[shape] = [c / step for c in counts]
         tiers: dict[str, dict[str, list[Any]]] = {}
         for tier, ring in sorted(self._tiers.rings.items()):
             requests = [ring[s * _TIER_WIDTH] if s >= 0 else 0 for s in live]
@@ -178,8 +182,8 @@ class Series:
             goodput = [ring[s * _TIER_WIDTH + 1] if s >= 0 else 0 for s in live]
             p99s = [self._p99s(tier, s, i) if s >= 0 else (None, None) for s, i in zip(live, indices)]
             tiers[tier] = {
-                "requests_rps": [round(c / step, 4) for c in requests],
-                "goodput_rps": [round(c / step, 4) for c in goodput],
+                "requests_rps": [c / step for c in requests],
+                "goodput_rps": [c / step for c in goodput],
                 "ttft_p99_s": [p[0] for p in p99s],
                 "tpot_p99_s": [p[1] for p in p99s],
             }
@@ -188,7 +192,7 @@ class Series:
             requests = [ring[s * _POOL_WIDTH] if s >= 0 else 0 for s in live]
             if any(requests):
                 goodput = [ring[s * _POOL_WIDTH + 1] if s >= 0 else 0 for s in live]
-                pools[pool] = {"requests_rps": [round(c / step, 4) for c in requests], "goodput_rps": [round(c / step, 4) for c in goodput]}
+                pools[pool] = {"requests_rps": [c / step for c in requests], "goodput_rps": [c / step for c in goodput]}
         self._snapshot = {"step_s": step, "t": [i * step for i in indices], "mix": mix, "tiers": tiers, "pools": pools}
         self._snapshot_key = (indices[-1], len(indices))
         return self._snapshot
@@ -214,8 +218,8 @@ class Series:
         ring = self._tiers.rings[tier]
         base = slot * _TIER_WIDTH
         maxima = self._tier_max_s.get(tier)
-        ttft = _quantile(ring, base + _TTFT_AT, maxima[2 * slot] if maxima else 0.0)
-        tpot = _quantile(ring, base + _TPOT_AT, maxima[2 * slot + 1] if maxima else 0.0)
+        ttft = _quantile(ring, base + _TTFT_AT, ring[base + _TTFT_COUNT_AT], maxima[2 * slot] if maxima else 0.0)
+        tpot = _quantile(ring, base + _TPOT_AT, ring[base + _TPOT_COUNT_AT], maxima[2 * slot + 1] if maxima else 0.0)
         cache[slot] = (index, ttft, tpot)
         return ttft, tpot
 
@@ -225,9 +229,8 @@ class Series:
         return sum(r.itemsize * len(r) for r in rings) + 64 * self.num_slots * (1 + len(self._tier_p99))
 
 
-def _quantile(ring: array[int], start: int, max_s: float) -> float | None:
-    """The p99 of the histogram at ``ring[start : start + _NUM_BINS]``, walked down from the maximum's bin."""
-    total = sum(ring[start : start + _NUM_BINS])
+def _quantile(ring: array[int], start: int, total: int, max_s: float) -> float | None:
+    """The p99 of the ``total`` samples in the bins at ``ring[start:]``, walked down from the maximum's bin."""
     if total == 0:
         return None
     rank = (_QUANTILE_PERCENT * total + 99) // 100  # ceil in integers: no float rounding at the edge
@@ -236,7 +239,5 @@ def _quantile(ring: array[int], start: int, max_s: float) -> float | None:
     for offset in range(latency_bin(max_s), -1, -1):
         seen += ring[start + offset]
         if seen > above_allowed:
-            if offset == _NUM_BINS - 1:
-                return round(max_s, 6)
-            return round(min(bin_upper_s(offset), max_s), 6)
-    return round(max_s, 6)  # not reached: every sample lies at or below the maximum's bin
+            return max_s if offset == _NUM_BINS - 1 else min(bin_upper_s(offset), max_s)
+    return max_s  # not reached: every sample lies at or below the maximum's bin

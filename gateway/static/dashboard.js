@@ -171,8 +171,8 @@ function poolAttainment(pool) {
 
 function engineSummary(engine) {
   const box = el("div", { class: "engine" });
-  if (engine == null) {
-    box.textContent = "engine: as configured";
+  if (engine == null || (typeof engine === "object" && !Object.keys(engine).length)) {
+    box.textContent = "engine: defaults";
     return box;
   }
   if (typeof engine !== "object") {
@@ -231,7 +231,8 @@ function renderPools() {
   const pools = state.pools || [];
   box.replaceChildren(...(pools.length ? pools.map(poolCard) : [el("div", { class: "empty", text: "No pools configured." })]));
   const replicas = pools.reduce((n, p) => n + (p.replicas || []).length, 0);
-  document.getElementById("fleet-hint").textContent = `${pools.length} pools · ${replicas} replicas`;
+  const plural = (n, word) => `${n} ${word}${n === 1 ? "" : "s"}`;
+  document.getElementById("fleet-hint").textContent = `${plural(pools.length, "pool")} · ${plural(replicas, "replica")}`;
 }
 
 // ---------- charts ----------
