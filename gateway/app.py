@@ -72,7 +72,10 @@ class GatewayState:
 
 
 def _authenticate(request: web.Request, runtime: Runtime) -> Tenant:
-    header = request.headers.get("Authorization", "")
+    headers = request.headers.getall("Authorization", ())
+    if len(headers) > 1:
+        raise ApiError(400, "Send exactly one Authorization header.", "duplicate_authorization")
+    header = headers[0] if headers else ""
     if not header.startswith("Bearer ") or len(header) <= 7:
         raise ApiError(401, "Missing API key: send it as 'Authorization: Bearer <key>'.", "missing_api_key")
     # Keys are looked up by their SHA-256: a timing difference could only reveal digest prefixes,
@@ -95,14 +98,17 @@ def _tier(request: web.Request, tenant: Tenant, runtime: Runtime) -> str:
     return asked
 
 
-async def _read_json(request: web.Request, max_body_bytes: int) -> tuple[bytes, object]:
+async def _read_json(request: web.Request, max_body_bytes: int, timeout_s: float) -> tuple[bytes, object]:
     length = request.content_length
     if length is not None and length > max_body_bytes:
         raise ApiError(413, f"Request body of {length} bytes exceeds the limit of {max_body_bytes} bytes.", "request_too_large")
     try:
-        raw = await request.read()
+        async with asyncio.timeout(timeout_s):
+            raw = await request.read()
     except web.HTTPRequestEntityTooLarge:
         raise ApiError(413, f"Request body exceeds the limit of {max_body_bytes} bytes.", "request_too_large") from None
+    except TimeoutError:
+        raise ApiError(408, f"The request body did not arrive within {timeout_s:g} s.", "request_timeout") from None
     if not raw:
         raise ApiError(400, "The request body is empty; send a JSON object.", "invalid_json")
     try:
@@ -135,7 +141,8 @@ class Handlers:
             tenant = _authenticate(request, runtime)
             tenant_name = tenant.name
             tier = _tier(request, tenant, runtime)
-            raw, body = await _read_json(request, runtime.config.server.max_body_bytes)
+            server = runtime.config.server
+            raw, body = await _read_json(request, server.max_body_bytes, server.body_read_timeout_s)
             model, stream, max_tokens = validate_body(body, chat)
             if not any(pool.serves(model) for pool in runtime.pools):
                 raise ApiError(404, f"The model {model[:200]!r} does not exist on this gateway.", "model_not_found", "model")

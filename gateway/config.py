@@ -34,6 +34,7 @@ class ServerSettings:
     max_body_bytes: int = 4 * 1024 * 1024
     admin_token_sha256: str | None = None
     access_log: bool = True
+    body_read_timeout_s: float = 30.0  # 408 for a body trickled slower than this (slowloris)
 
 
 @dataclass(frozen=True, slots=True)
@@ -171,7 +172,7 @@ class _Reader:
 
 
 def _server(doc: YamlDoc) -> ServerSettings:
-    r = _Reader(doc, ("server",), doc.data.get("server"), {"host", "port", "max_body_bytes", "admin_token", "admin_token_sha256", "access_log"})
+    r = _Reader(doc, ("server",), doc.data.get("server"), {"host", "port", "max_body_bytes", "admin_token", "admin_token_sha256", "access_log", "body_read_timeout_s"})
     token, token_hash = r.text("admin_token", None), r.text("admin_token_sha256", None)
     if token is not None and token_hash is not None:
         raise r.error("admin_token", "give admin_token or admin_token_sha256, not both")
@@ -185,6 +186,7 @@ def _server(doc: YamlDoc) -> ServerSettings:
         max_body_bytes=r.number("max_body_bytes", 4 * 1024 * 1024, lo=1024, hi=1 << 30, integer=True),
         admin_token_sha256=token_hash or (sha256_hex(token) if token else None),
         access_log=r.flag("access_log", True),
+        body_read_timeout_s=r.number("body_read_timeout_s", 30.0, lo=0.1, hi=3600),
     )
 
 

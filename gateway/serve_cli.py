@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import logging
 import multiprocessing
 import os
+import resource
 import shutil
 import signal
 import socket
@@ -41,8 +43,10 @@ def register(commands: argparse._SubParsersAction) -> None:  # type: ignore[type
 
 def register_bench(benches: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     from gateway.bench import cli as bench_cli
+    from gateway.chaos import cli as chaos_cli
 
     bench_cli.register_bench(benches)
+    chaos_cli.register_bench(benches)
 
 
 def _load(args: argparse.Namespace) -> GatewayConfig:
@@ -88,8 +92,31 @@ def _start_local_fleet(config: GatewayConfig, log_dir: Path | None):  # type: ig
     return actuator, urls
 
 
+class _OneLineParseErrors(logging.Filter):
+    """Malformed HTTP from a client is the client's problem: one line in the log, not a traceback per attempt."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        from aiohttp.http_exceptions import HttpProcessingError
+
+        if record.exc_info and isinstance(record.exc_info[1], HttpProcessingError):
+            record.msg = f"rejected malformed HTTP request: {type(record.exc_info[1]).__name__}"
+            record.args = ()
+            record.exc_info = None
+        return True
+
+
+def _raise_open_file_limit() -> None:
+    """Each stream holds two sockets (client and replica): use all the descriptors the system allows."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft < hard:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+
+
 async def _serve(config: GatewayConfig, replica_urls: dict[str, list[str]], config_path: Path | None, sock: socket.socket | None) -> None:
     from aiohttp import web
+
+    logging.getLogger("aiohttp.server").addFilter(_OneLineParseErrors())
+    _raise_open_file_limit()
 
     from gateway.app import STATE_KEY, build_app
     from gateway.reload import ConfigWatcher

@@ -60,7 +60,7 @@ def _config(tmp: Path, urls: list[str], dead_port: int) -> Path:
     write_tenant(tenants, "main", KEY, max_concurrency=1000, rate_limits={"requests_per_min": 100000})
     write_tenant(tenants, "limited", LIMITED_KEY, models=[MODEL], tiers=["batch", "standard"], default_tier="batch", rate_limits={"requests_per_min": 2})
     config = {
-        "server": {"host": "127.0.0.1", "admin_token": ADMIN, "max_body_bytes": 65536},
+        "server": {"host": "127.0.0.1", "admin_token": ADMIN, "max_body_bytes": 65536, "body_read_timeout_s": 1.0},
         "upstream": {
             "connect_timeout_s": 0.5,
             "first_byte_timeout_s": 1.5,
@@ -357,3 +357,13 @@ def test_openapi_document_lists_every_endpoint(deployment: Deployment) -> None:
         document = json.loads(resp.read())
     assert document["openapi"].startswith("3.")
     assert {"/v1/chat/completions", "/v1/completions", "/v1/models", "/healthz", "/readyz", "/metrics", "/admin/state"} <= set(document["paths"])
+
+
+def test_a_trickled_body_gets_408_not_a_held_connection(deployment: Deployment) -> None:
+    host, port = deployment.gateway.url.removeprefix("http://").split(":")
+    with socket.create_connection((host, int(port)), timeout=5) as sock:
+        sock.sendall(f"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {KEY}\r\nContent-Length: 100\r\n\r\n{{".encode())
+        started = time.monotonic()
+        answer = sock.recv(65536)
+    assert answer.startswith(b"HTTP/1.1 408") and b'"code":"request_timeout"' in answer
+    assert 0.9 < time.monotonic() - started < 3.0
