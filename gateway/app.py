@@ -18,57 +18,21 @@ import orjson
 from aiohttp import web
 
 from classifiers.shape import Shape
-from fleet.health import HealthState
-from gateway.accesslog import AccessLog
+from gateway.admin import AdminHandlers
 from gateway.config import GatewayConfig, Tenant
 from gateway.dashboard import add_dashboard_routes, is_admin_request
 from gateway.errors import ApiError, error_response
-from gateway.metrics import GatewayMetrics
 from gateway.openapi import DOCUMENT_BYTES
 from gateway.probes import HealthProber
 from gateway.proxy import Outcome, Proxy
-from gateway.runtime import Runtime, build_runtime
-from gateway.series import Series
+from gateway.runtime import Runtime
+from gateway.state import GatewayState
 from gateway.upstream import UpstreamPool
 from gateway.validate import validate_body
 
 _JSON = "application/json"
 _UNAUTHENTICATED = "_unauthenticated"
 STATE_KEY: web.AppKey["GatewayState"] = web.AppKey("polymorph_state")
-
-
-class GatewayState:
-    """The one mutable object behind the app: the current runtime and the long-lived I/O helpers."""
-
-    def __init__(self, config: GatewayConfig, replica_urls: dict[str, list[str]]) -> None:
-        self.replica_urls = replica_urls
-        self.metrics = GatewayMetrics()
-        self.runtime: Runtime = build_runtime(config, self.urls_for(config), None, time.monotonic())
-        self._publish_runtime()
-        self.access_log = AccessLog() if config.server.access_log else None
-        self.series = Series()
-        self.started_at = time.time()
-        self.session: aiohttp.ClientSession | None = None  # probes and model discovery only
-        self.upstream_pool: UpstreamPool | None = None
-        self.proxy: Proxy | None = None
-        self.prober: HealthProber | None = None
-
-    def urls_for(self, config: GatewayConfig) -> dict[str, list[str]]:
-        """Static URLs from the config plus the replicas an actuator started for each pool."""
-        return {p.name: [*p.urls, *self.replica_urls.get(p.name, [])] for p in config.pools}
-
-    def apply(self, config: GatewayConfig) -> Runtime:
-        """Swap in a new config version; in-flight requests keep the runtime they started with."""
-        self.runtime = build_runtime(config, self.urls_for(config), self.runtime, asyncio.get_running_loop().time())
-        self._publish_runtime()
-        return self.runtime
-
-    def _publish_runtime(self) -> None:
-        self.metrics.config_version.set(self.runtime.version)
-        for pool in self.runtime.pools:
-            for replica in pool.replicas:
-                healthy = replica.breaker.state is HealthState.HEALTHY
-                self.metrics.child(self.metrics.replica_up, pool.name, replica.name).set(1 if healthy else 0)
 
 
 def _authenticate(request: web.Request, runtime: Runtime) -> Tenant:
@@ -251,62 +215,6 @@ class Handlers:
     async def metrics_endpoint(self, request: web.Request) -> web.Response:
         return web.Response(body=self.state.metrics.render(), headers={"Content-Type": "text/plain; version=0.0.4; charset=utf-8"})
 
-    def _check_admin(self, request: web.Request) -> None:
-        expected = self.state.runtime.config.server.admin_token_sha256
-        if expected is None:
-            raise ApiError(403, "The admin API is disabled: set server.admin_token in the config.", "admin_disabled")
-        if not is_admin_request(request, expected):
-            raise ApiError(401, "The admin API needs 'Authorization: Bearer <admin token>' or a dashboard session.", "invalid_admin_token")
-
-    async def admin_state(self, request: web.Request) -> web.Response:
-        try:
-            self._check_admin(request)
-        except ApiError as err:
-            return error_response(err)
-        runtime = self.state.runtime
-        now = asyncio.get_running_loop().time()
-        engine_by_pool = {spec.name: dict(spec.engine) for spec in runtime.config.pools}
-        attainment = self.state.series.slo_attainment(time.time(), 300.0)
-        pools = [
-            {
-                "name": pool.name,
-                "models": sorted(pool.models) if pool.models is not None else None,
-                "gpu": pool.gpu,
-                "engine": engine_by_pool.get(pool.name, {}),
-                "shapes": sorted(pool.shapes),
-                "in_flight": pool.num_in_flight,
-                "load_fraction": round(min(pool.load_fraction(now), 1e9), 4),
-                "slo_attainment": attainment.get(pool.name),
-                "replicas": [
-                    {
-                        "name": r.name,
-                        "url": r.url,
-                        "health": r.breaker.state.value,
-                        "available": r.breaker.available(now),
-                        "draining": r.draining,
-                        "in_flight": r.num_in_flight,
-                        "outstanding_tokens": r.outstanding_tokens,
-                        "ejections": r.breaker.num_ejections,
-                        "models": sorted(r.models) if r.models is not None else None,
-                    }
-                    for r in pool.replicas
-                ],
-            }
-            for pool in runtime.pools
-        ]
-        body = {
-            "config": {"version": runtime.version, "source": runtime.config.source},
-            "uptime_s": round(time.time() - self.state.started_at, 1),
-            "tenants": [
-                {"name": t.name, "tiers": list(t.tiers), "in_flight": runtime.limiters[t.name].num_in_flight}
-                for t in runtime.config.tenants
-            ],
-            "shapes": list(runtime.config.shapes.names),
-            "tiers": {name: {"ttft_p99_s": t.ttft_p99_s, "tpot_p99_s": t.tpot_p99_s} for name, t in runtime.config.tiers.items()},
-            "pools": pools,
-        }
-        return web.Response(body=orjson.dumps(body), content_type=_JSON)
-
     async def openapi(self, request: web.Request) -> web.Response:
         return web.Response(body=DOCUMENT_BYTES, content_type=_JSON)
 
@@ -346,6 +254,7 @@ def build_app(config: GatewayConfig, replica_urls: dict[str, list[str]] | None =
     app = web.Application(client_max_size=config.server.max_body_bytes)
     app[STATE_KEY] = state
     h = Handlers(state)
+    admin = AdminHandlers(state)
     router = app.router
     router.add_route("*", "/v1/chat/completions", h.chat_completions)
     router.add_route("*", "/v1/completions", h.completions)
@@ -353,7 +262,8 @@ def build_app(config: GatewayConfig, replica_urls: dict[str, list[str]] | None =
     router.add_get("/healthz", h.healthz, allow_head=False)
     router.add_get("/readyz", h.readyz, allow_head=False)
     router.add_get("/metrics", h.metrics_endpoint, allow_head=False)
-    router.add_get("/admin/state", h.admin_state, allow_head=False)
+    router.add_get("/admin/state", admin.admin_state, allow_head=False)
+    router.add_get("/admin/decisions", admin.admin_decisions, allow_head=False)
     router.add_get("/openapi.json", h.openapi, allow_head=False)
     add_dashboard_routes(
         app,

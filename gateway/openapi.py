@@ -107,6 +107,7 @@ DOCUMENT: dict[str, Any] = {
         "/readyz": _get("Readiness: some replica is healthy", "application/json", False, 503),
         "/metrics": _get("Prometheus metrics", "text/plain", False),
         "/admin/state": _get("Pools, replicas and config version (admin token)", "application/json", True, 401, 403),
+        "/admin/decisions": _get("The control loop's decision log, newest last (admin token)", "application/json", True, 400, 401, 403),
     },
 }
 

@@ -19,7 +19,7 @@ from fleet.pool import ReplicaState
 from gateway.background import BackgroundTask
 
 if TYPE_CHECKING:
-    from gateway.app import GatewayState
+    from gateway.state import GatewayState
 
 
 class HealthProber:

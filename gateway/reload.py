@@ -18,7 +18,7 @@ from gateway.config import load_config
 from gateway.yamlsrc import ConfigError
 
 if TYPE_CHECKING:
-    from gateway.app import GatewayState
+    from gateway.state import GatewayState
 
 
 def _fingerprint(files: tuple[Path, ...], tenants_dir: Path | None) -> tuple[object, ...]:

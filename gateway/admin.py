@@ -1,0 +1,103 @@
+"""The admin API: fleet state and the decision log, behind the admin token or a dashboard session."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import orjson
+from aiohttp import web
+
+from gateway.dashboard import is_admin_request
+from gateway.errors import ApiError, error_response
+from gateway.state import GatewayState
+
+_JSON = "application/json"
+
+
+def _summary(entry: dict[str, object]) -> str:
+    """A one-line reading of a decision-log entry for people (the evidence holds the details)."""
+    evidence = entry.get("evidence")
+    reason = evidence.get("reason") if isinstance(evidence, dict) else None
+    moves = evidence.get("moves") if isinstance(evidence, dict) else None
+    text = str(entry.get("kind", "decision"))
+    if moves:
+        text += f": {len(moves)} replica move(s)"
+    if reason:
+        text += f" ({reason})"
+    return text
+
+
+class AdminHandlers:
+    def __init__(self, state: GatewayState) -> None:
+        self.state = state
+
+    def _check_admin(self, request: web.Request) -> None:
+        expected = self.state.runtime.config.server.admin_token_sha256
+        if expected is None:
+            raise ApiError(403, "The admin API is disabled: set server.admin_token in the config.", "admin_disabled")
+        if not is_admin_request(request, expected):
+            raise ApiError(401, "The admin API needs 'Authorization: Bearer <admin token>' or a dashboard session.", "invalid_admin_token")
+
+    async def admin_state(self, request: web.Request) -> web.Response:
+        try:
+            self._check_admin(request)
+        except ApiError as err:
+            return error_response(err)
+        runtime = self.state.runtime
+        now = asyncio.get_running_loop().time()
+        engine_by_pool = {spec.name: dict(spec.engine) for spec in runtime.config.pools}
+        attainment = self.state.series.slo_attainment(time.time(), 300.0)
+        pools = [
+            {
+                "name": pool.name,
+                "models": sorted(pool.models) if pool.models is not None else None,
+                "gpu": pool.gpu,
+                "engine": engine_by_pool.get(pool.name, {}),
+                "shapes": sorted(pool.shapes),
+                "in_flight": pool.num_in_flight,
+                "load_fraction": round(min(pool.load_fraction(now), 1e9), 4),
+                "slo_attainment": attainment.get(pool.name),
+                "replicas": [
+                    {
+                        "name": r.name,
+                        "url": r.url,
+                        "health": r.breaker.state.value,
+                        "available": r.breaker.available(now),
+                        "draining": r.draining,
+                        "in_flight": r.num_in_flight,
+                        "outstanding_tokens": r.outstanding_tokens,
+                        "ejections": r.breaker.num_ejections,
+                        "models": sorted(r.models) if r.models is not None else None,
+                    }
+                    for r in pool.replicas
+                ],
+            }
+            for pool in runtime.pools
+        ]
+        body = {
+            "config": {"version": runtime.version, "source": runtime.config.source},
+            "uptime_s": round(time.time() - self.state.started_at, 1),
+            "tenants": [
+                {"name": t.name, "tiers": list(t.tiers), "in_flight": runtime.limiters[t.name].num_in_flight}
+                for t in runtime.config.tenants
+            ],
+            "shapes": list(runtime.config.shapes.names),
+            "tiers": {name: {"ttft_p99_s": t.ttft_p99_s, "tpot_p99_s": t.tpot_p99_s} for name, t in runtime.config.tiers.items()},
+            "pools": pools,
+        }
+        return web.Response(body=orjson.dumps(body), content_type=_JSON)
+
+    async def admin_decisions(self, request: web.Request) -> web.Response:
+        try:
+            self._check_admin(request)
+            limit = int(request.query.get("limit", "200"))
+            if not 1 <= limit <= 10_000:
+                raise ValueError
+        except ApiError as err:
+            return error_response(err)
+        except ValueError:
+            return error_response(ApiError(400, "limit must be an integer from 1 to 10000.", "invalid_limit", "limit"))
+        entries = [{**entry, "summary": _summary(entry)} for entry in self.state.decisions.tail(limit)]
+        return web.Response(body=orjson.dumps({"decisions": entries}), content_type=_JSON)
+

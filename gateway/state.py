@@ -1,0 +1,59 @@
+"""The one mutable object behind the app: the current runtime and the long-lived helpers around it."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import TYPE_CHECKING
+
+import aiohttp
+
+from fleet.decisions import DecisionLog
+from fleet.health import HealthState
+from gateway.accesslog import AccessLog
+from gateway.config import GatewayConfig
+from gateway.metrics import GatewayMetrics
+from gateway.runtime import Runtime, build_runtime
+from gateway.series import Series
+from gateway.upstream import UpstreamPool
+
+if TYPE_CHECKING:
+    from gateway.probes import HealthProber
+    from gateway.proxy import Proxy
+
+
+class GatewayState:
+    """The current runtime (swapped whole on reload) and what outlives it: metrics, series, decisions, pools."""
+
+    def __init__(self, config: GatewayConfig, replica_urls: dict[str, list[str]]) -> None:
+        self.replica_urls = replica_urls
+        self.metrics = GatewayMetrics()
+        self.runtime: Runtime = build_runtime(config, self.urls_for(config), None, time.monotonic())
+        self._publish_runtime()
+        self.access_log = AccessLog() if config.server.access_log else None
+        self.series = Series()
+        self.decisions = DecisionLog()
+        self.started_at = time.time()
+        self.session: aiohttp.ClientSession | None = None  # probes and model discovery only
+        self.upstream_pool: UpstreamPool | None = None
+        self.proxy: Proxy | None = None
+        self.prober: HealthProber | None = None
+
+    def urls_for(self, config: GatewayConfig) -> dict[str, list[str]]:
+        """Static URLs from the config plus the replicas an actuator started for each pool."""
+        return {p.name: [*p.urls, *self.replica_urls.get(p.name, [])] for p in config.pools}
+
+    def apply(self, config: GatewayConfig) -> Runtime:
+        """Swap in a new config version; in-flight requests keep the runtime they started with."""
+        self.runtime = build_runtime(config, self.urls_for(config), self.runtime, asyncio.get_running_loop().time())
+        self._publish_runtime()
+        return self.runtime
+
+    def _publish_runtime(self) -> None:
+        self.metrics.config_version.set(self.runtime.version)
+        for pool in self.runtime.pools:
+            for replica in pool.replicas:
+                healthy = replica.breaker.state is HealthState.HEALTHY
+                self.metrics.child(self.metrics.replica_up, pool.name, replica.name).set(1 if healthy else 0)
+
+
