@@ -43,6 +43,108 @@ def register_bench(benches: argparse._SubParsersAction) -> None:  # type: ignore
     parser.add_argument("--no-pin", action="store_true", help="do not pin processes to CPUs with taskset")
     parser.add_argument("--no-install", action="store_true", help="never apt-get install missing wrk/nginx")
     parser.set_defaults(handler=_run_bench_gateway)
+    _register_peers(benches)
+
+
+_PEERS_DESCRIPTION = """\
+Polymorph side by side with the gateways people run today, in one run on this machine. Set-up
+installs each peer at a pinned version into its own cached venv (~/.cache/polymorph/peers/<name>:
+sglang-router, litellm[proxy], and sglang for its bench_serving), then every measurement runs in
+a network namespace holding only loopback. Three parts:
+raw: direct, nginx, sglang-router (cache_aware), LiteLLM proxy, Polymorph (1 process and
+--workers 2) in front of one fixed-cost nginx backend; wrk measures peak req/s (alternating
+rounds), CPU ms per request, resident memory, start-up time, and added latency p50/p99 at one
+common rate every peer sustains.
+routing: a heterogeneous emulated fleet (2 H100 replicas with a short-chat engine config, 2 H200
+replicas with a long-context one) under a production-shaped workload with shared prefixes;
+goodput and TTFT p99 for sglang-router round_robin and cache_aware, Polymorph with shape routing
+off (least load only) and on.
+bench-serving: sglang's own `python -m sglang.bench_serving --backend sglang-oai` through
+Polymorph, checking it completes every request it sent.
+Prints the tables, then one JSON line last (ratios to Polymorph and the issue's targets).
+"""
+
+
+def _register_peers(benches: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+    """Add `polymorph bench peers`."""
+    parser = benches.add_parser(
+        "peers",
+        help="Polymorph vs sglang-router, LiteLLM and nginx: proxy cost, routing quality, real clients",
+        description=_PEERS_DESCRIPTION,
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    parser.add_argument(
+        "--parts", default="raw,routing,bench-serving",
+        help="comma-separated subset of raw, routing, bench-serving",
+    )
+    parser.add_argument(
+        "--peers", default="direct,nginx,sglang-router,litellm,polymorph,polymorph-w2",
+        help="raw part: comma-separated subset of direct, nginx, sglang-router, litellm, polymorph, polymorph-w2",
+    )
+    parser.add_argument(
+        "--quick", action="store_true",
+        help="short runs (about 5 minutes in all): a smoke check, noisier figures",
+    )
+    parser.add_argument(
+        "--duration", type=float, default=None,
+        help="raw part: seconds per wrk run (default 5; 2 with --quick)",
+    )
+    parser.add_argument(
+        "--rounds", type=int, default=None,
+        help="raw part: alternating rounds (default 3; 2 with --quick)",
+    )
+    parser.add_argument(
+        "--connections", type=_positive_ints, default=(16, 64), help="raw part: connection counts swept for each peak",
+    )
+    parser.add_argument(
+        "--rate", type=float, default=0.0,
+        help="raw part: the common rate in req/s (0: half the slowest peer's peak)",
+    )
+    parser.add_argument(
+        "--routing-duration", type=float, default=None,
+        help="routing part: seconds of workload per run (default 40; 20 with --quick)",
+    )
+    parser.add_argument(
+        "--routing-rounds", type=int, default=None,
+        help="routing part: alternating rounds (default 2; 1 with --quick)",
+    )
+    parser.add_argument(
+        "--routing-rate", type=float, default=0.0,
+        help="routing part: mean offered req/s in engine time (0: the scenario's own, 45 req/s)",
+    )
+    parser.add_argument(
+        "--speed", type=float, default=2.0,
+        help="routing part: emulated GPUs run this many times real time",
+    )
+    parser.add_argument("--seed", type=int, default=7, help="routing part: workload seed")
+    parser.add_argument(
+        "--num-prompts", type=int, default=None,
+        help="bench-serving: requests sent (default 200; 60 with --quick)",
+    )
+    parser.add_argument("--json-only", action="store_true", help="print only the JSON line on stdout")
+    parser.add_argument("--no-pin", action="store_true", help="do not pin processes to CPUs with taskset")
+    parser.add_argument(
+        "--no-install", action="store_true",
+        help="never install anything; peers not yet installed are skipped",
+    )
+    parser.add_argument(
+        "--no-netns", action="store_true",
+        help="run in the host network instead of a loopback-only namespace",
+    )
+    parser.set_defaults(handler=_run_bench_peers)
+
+
+def _run_bench_peers(args: argparse.Namespace) -> int:
+    quick = args.quick
+    for field, full, short in (("duration", 5.0, 2.0), ("rounds", 3, 2), ("routing_duration", 40.0, 20.0),
+                               ("routing_rounds", 2, 1), ("num_prompts", 200, 60)):
+        if getattr(args, field) is None:
+            setattr(args, field, short if quick else full)
+    if min(args.duration, args.routing_duration, args.num_prompts) <= 0 or min(args.rounds, args.routing_rounds) < 1:
+        raise SystemExit("bench peers: --duration, --routing-duration and --num-prompts must be > 0, rounds >= 1")
+    from gateway.bench.peers import main_bench_peers
+
+    return main_bench_peers(args)
 
 
 def _positive_ints(text: str) -> tuple[int, ...]:

@@ -15,7 +15,12 @@ import orjson
 
 from gateway.bench import measure, report
 from gateway.bench.measure import Settings, SoakResult
-from gateway.bench.processes import Pinning, ProcessRegistry, default_pinning, tree_rss_mb
+from gateway.bench.processes import (
+    Pinning,
+    ProcessRegistry,
+    default_pinning,
+    tree_rss_mb,
+)
 from gateway.bench.report import VariantFigures
 from gateway.bench.stack import VARIANTS, Target, start_backend, start_target
 from gateway.bench.tools import SetupError, ensure_tools

@@ -17,7 +17,7 @@ import numpy as np
 
 from gateway.bench import load, payloads
 from gateway.bench.load import WrkResult
-from gateway.bench.processes import tree_rss_mb
+from gateway.bench.processes import tree_cpu_s, tree_rss_mb
 from gateway.bench.stack import Target, describe_answer
 
 MODES = ("json", "stream")
@@ -83,16 +83,21 @@ def sweep_connections(settings: Settings, targets: Sequence[Target], mode: str) 
 
 
 def measure_peaks(
-    settings: Settings, targets: Sequence[Target], mode: str, name_to_connections: dict[str, int]
+    settings: Settings, targets: Sequence[Target], mode: str, name_to_connections: dict[str, int],
+    name_to_cpu_s: dict[str, list[float]] | None = None,
 ) -> dict[str, list[WrkResult]]:
+    """Closed-loop runs in alternating order; ``name_to_cpu_s`` (when given) gets each run's CPU seconds."""
     script = _script(settings, mode, None)
     name_to_runs: dict[str, list[WrkResult]] = {target.name: [] for target in targets}
     for round_index in range(settings.num_rounds):
         for target in round_order(targets, round_index):
+            cpu_before_s = tree_cpu_s(target.pid) if target.pid is not None else 0.0
             result = load.run_wrk(
                 settings.wrk, url_for(target, mode), script, name_to_connections[target.name],
                 settings.duration_s, settings.client_cpus,
             )
+            if name_to_cpu_s is not None and target.pid is not None:
+                name_to_cpu_s.setdefault(target.name, []).append(tree_cpu_s(target.pid) - cpu_before_s)
             name_to_runs[target.name].append(result)
             settings.say(f"  peak  {mode:6s} {target.name:12s} round {round_index + 1}: {result.rps:9.0f} req/s")
             _say_errors(settings, target, mode, result)

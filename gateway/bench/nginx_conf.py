@@ -38,6 +38,11 @@ _BACKEND_SERVER = """\
         default_type application/json;
         location = /health {{ return 200 '{{"status":"ok"}}'; }}
         location = /v1/models {{ return 200 '{models}'; }}
+        # sglang's worker-info routes, old and new names: sglang-router reads them at registration.
+        location = /server_info {{ return 200 '{server_info}'; }}
+        location = /get_server_info {{ return 200 '{server_info}'; }}
+        location = /model_info {{ return 200 '{model_info}'; }}
+        location = /get_model_info {{ return 200 '{model_info}'; }}
         location = {chat_path} {{
             default_type {chat_type};
             return 200 '{chat_body}';
@@ -81,6 +86,8 @@ def backend_config(run_dir: Path, json_port: int, stream_port: int) -> str:
         _BACKEND_SERVER.format(
             port=port,
             models=models,
+            server_info=nginx_string(payloads.server_info_body()),
+            model_info=nginx_string(payloads.model_info_body()),
             chat_path=payloads.CHAT_PATH,
             chat_type=chat_type,
             chat_body=nginx_string(body),

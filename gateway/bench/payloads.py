@@ -79,3 +79,17 @@ def models_body() -> bytes:
     return orjson.dumps(
         {"object": "list", "data": [{"id": MODEL_ID, "object": "model", "created": 1700000000, "owned_by": "bench"}]}
     )
+
+
+def server_info_body() -> bytes:
+    """sglang's ``/server_info``: what sglang-router reads from a worker when it registers it."""
+    return orjson.dumps(
+        {"model_path": MODEL_ID, "served_model_name": MODEL_ID, "tp_size": 1, "dp_size": 1, "version": "bench"}
+    )
+
+
+def model_info_body() -> bytes:
+    """sglang's ``/model_info``, read with ``/server_info`` at registration."""
+    return orjson.dumps(
+        {"model_path": MODEL_ID, "tokenizer_path": MODEL_ID, "is_generation": True, "served_model_name": MODEL_ID}
+    )

@@ -18,6 +18,7 @@ from pathlib import Path
 from types import TracebackType
 
 _PAGE_MB = os.sysconf("SC_PAGE_SIZE") / 2**20
+_TICKS_PER_S = os.sysconf("SC_CLK_TCK")
 
 
 @dataclass(frozen=True, slots=True)
@@ -128,6 +129,20 @@ def free_port() -> int:
 def tree_rss_mb(pid: int) -> float:
     """Resident memory of ``pid`` and all its descendants (workers count), in MiB; 0 if gone."""
     return sum(_rss_pages(member) for member in _descendants(pid) | {pid}) * _PAGE_MB
+
+
+def tree_cpu_s(pid: int) -> float:
+    """CPU seconds (user + system) used so far by ``pid`` and its live descendants; 0 if gone."""
+    return sum(_cpu_ticks(member) for member in _descendants(pid) | {pid}) / _TICKS_PER_S
+
+
+def _cpu_ticks(pid: int) -> int:
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return 0
+    fields = stat[stat.rfind(")") + 2 :].split()
+    return int(fields[11]) + int(fields[12])  # utime, stime (fields 14 and 15 of stat)
 
 
 def _rss_pages(pid: int) -> int:

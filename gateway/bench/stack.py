@@ -15,7 +15,13 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from gateway.bench import nginx_conf, payloads
-from gateway.bench.processes import Pinning, ProcessRegistry, free_port, pinned, wait_for_port
+from gateway.bench.processes import (
+    Pinning,
+    ProcessRegistry,
+    free_port,
+    pinned,
+    wait_for_port,
+)
 
 VARIANTS = ("direct", "passthrough", "nginx", "gateway")
 _STARTUP_TIMEOUT_S = 60.0
@@ -130,8 +136,8 @@ def _chat_request(url: str, stream: bool) -> urllib.request.Request:
     )
 
 
-def probe_chat(url: str, stream: bool, timeout_s: float) -> None:
-    """POST one chat request until it succeeds with the expected body kind, or raise."""
+def probe_chat(url: str, stream: bool, timeout_s: float, poll_s: float = 0.5) -> None:
+    """POST one chat request every ``poll_s`` until it succeeds with the expected body kind, or raise."""
     request = _chat_request(url, stream)
     deadline_at = time.monotonic() + timeout_s
     last_problem = ""
@@ -148,5 +154,5 @@ def probe_chat(url: str, stream: bool, timeout_s: float) -> None:
             problem.close()
         except (urllib.error.URLError, OSError) as problem:
             last_problem = str(problem)
-        time.sleep(0.5)
+        time.sleep(poll_s)
     raise RuntimeError(f"{url} never answered a {'streaming ' if stream else ''}chat request: {last_problem}")

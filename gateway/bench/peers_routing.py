@@ -1,0 +1,267 @@
+"""Routing quality side by side: the same heterogeneous emulated fleet and workload behind four routers.
+
+Fleet: two H100 replicas compiled for short chat and two H200 replicas compiled for long context
+(the engine settings of config.example.yaml's two pools), emulated at ``--speed`` times real time.
+Routers: sglang-router ``round_robin`` and ``cache_aware`` over all four replicas; Polymorph with
+pools that declare no shapes (the router then balances on load with prefix affinity only); and
+Polymorph with the pools' shapes declared (classification picks the pool first). The workload
+(gateway/bench/data/peers-routing.yaml) is compressed by the same speed, and the tier objectives
+are divided by it, so goodput and TTFT are judged in the emulated GPUs' own time; reported TTFT is
+converted back to engine seconds. Rounds alternate the routers' order, and the fleet drains
+between runs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import sys
+import time
+import urllib.request
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import orjson
+
+from gateway.bench import payloads
+from gateway.bench.measure import median_of, round_order
+from gateway.bench.peers_stack import sglang_router_argv
+from gateway.bench.processes import ProcessRegistry, free_port, wait_for_port
+from gateway.bench.stack import Target
+
+SCENARIO_PATH = Path(__file__).with_name("data") / "peers-routing.yaml"
+MODEL = "llama-3.1-8b"
+ROUTERS = ("sglang-rr", "sglang-cache-aware", "polymorph-no-shapes", "polymorph-shapes")
+# (pool, GPU, engine settings, shapes): config.example.yaml's two pools.
+_POOLS = (
+    ("chat-h100", "H100-SXM", {"tp": 1, "max_running_requests": 256, "chunked_prefill_size": 2048},
+     ["short-chat", "batch"]),
+    ("long-h200", "H200", {"tp": 1, "max_running_requests": 64, "chunked_prefill_size": 8192},
+     ["long-context", "reasoning"]),
+)
+_REPLICAS_PER_POOL = 2
+_STARTUP_TIMEOUT_S = 120.0
+_DRAIN_TIMEOUT_S = 60.0
+
+
+@dataclass(frozen=True, slots=True)
+class RoutingFigures:
+    """One router's medians over rounds; times in engine seconds."""
+
+    router: str
+    goodput_rps: float
+    slo_attainment: float
+    ttft_p99_s: float | None
+    ttft_p50_s: float | None
+    num_requests: int
+    num_errors: int
+
+
+def run_routing(
+    args: argparse.Namespace, run_dir: Path, router_python: Path | None, result: dict[str, object],
+    say: Callable[[str], None],
+) -> str:
+    routers = [name for name in ROUTERS if router_python is not None or not name.startswith("sglang")]
+    with ProcessRegistry(run_dir) as registry:
+        try:
+            replica_urls = start_fleet(registry, args.speed)
+            name_to_url = {
+                name: start_router(name, registry, run_dir, replica_urls, router_python) for name in routers
+            }
+            figures = _measure(args, name_to_url, replica_urls, say)
+        except RuntimeError as problem:
+            say(f"bench peers: routing part failed: {problem}")
+            result["routing"] = {"error": str(problem)}
+            return ""
+    result["routing"] = routing_summary(figures, args)
+    return format_routing_table(figures, args)
+
+
+def start_fleet(registry: ProcessRegistry, speed: float) -> dict[str, list[str]]:
+    """Start the emulated replicas; pool name -> their base URLs."""
+    pool_to_urls: dict[str, list[str]] = {}
+    pending = []
+    for pool, gpu, engine, _shapes in _POOLS:
+        for index in range(_REPLICAS_PER_POOL):
+            port = free_port()
+            argv = [
+                sys.executable, "-m", "gateway.cli", "emulate", "--model", MODEL, "--gpu", gpu, "--port", str(port),
+                "--config", orjson.dumps(engine).decode(), "--speed", str(speed), "--served-model-name", MODEL,
+            ]
+            pending.append((registry.start(f"{pool}-{index}", argv), port))
+            pool_to_urls.setdefault(pool, []).append(f"http://127.0.0.1:{port}")
+    for child, port in pending:
+        wait_for_port(port, child, _STARTUP_TIMEOUT_S)
+    return pool_to_urls
+
+
+def start_router(
+    name: str, registry: ProcessRegistry, run_dir: Path, pool_to_urls: dict[str, list[str]], router_python: Path | None
+) -> str:
+    port = free_port()
+    every_url = [url for urls in pool_to_urls.values() for url in urls]
+    if name.startswith("sglang"):
+        if router_python is None:
+            raise RuntimeError("sglang-router is not installed")
+        policy = "round_robin" if name == "sglang-rr" else "cache_aware"
+        argv = sglang_router_argv(router_python, every_url, port, policy)
+    else:
+        config = write_polymorph_config(run_dir / name, pool_to_urls, shapes_on=name == "polymorph-shapes")
+        argv = [sys.executable, "-m", "gateway.cli", "serve", "--config", str(config), "--port", str(port)]
+    child = registry.start(name, argv)
+    wait_for_port(port, child, _STARTUP_TIMEOUT_S)
+    _wait_for_models(f"http://127.0.0.1:{port}", _STARTUP_TIMEOUT_S)
+    return f"http://127.0.0.1:{port}"
+
+
+def write_polymorph_config(directory: Path, pool_to_urls: dict[str, list[str]], shapes_on: bool) -> Path:
+    """A gateway config over the running replicas; with ``shapes_on`` False the pools declare no shapes."""
+    tenants = directory / "tenants"
+    tenants.mkdir(parents=True, exist_ok=True)
+    tenant = {
+        "name": "bench", "api_key_sha256": [hashlib.sha256(payloads.DEMO_API_KEY.encode()).hexdigest()],
+        "rate_limits": {"requests_per_min": 10_000_000, "tokens_per_min": 10_000_000_000}, "max_concurrency": 100_000,
+    }
+    (tenants / "bench.yaml").write_bytes(orjson.dumps(tenant))
+    pools = [
+        {"name": pool, "model": MODEL, "gpu": gpu, "engine": engine, "shapes": shapes if shapes_on else [],
+         "replicas": {"urls": pool_to_urls[pool]}}
+        for pool, gpu, engine, shapes in _POOLS
+    ]
+    config = {"server": {"host": "127.0.0.1", "access_log": False}, "tenants_dir": "tenants", "fleet": {"pools": pools}}
+    path = directory / "config.yaml"
+    path.write_bytes(orjson.dumps(config))  # JSON is YAML
+    return path
+
+
+def _measure(
+    args: argparse.Namespace, name_to_url: dict[str, str], pool_to_urls: dict[str, list[str]], say: Callable[[str], None]
+) -> list[RoutingFigures]:
+    from loadtest.metrics import RunFacts, summarize
+    from loadtest.runner import RunnerConfig, run
+    from loadtest.scenario import build_workload, load_scenario
+    from loadtest.slo import DEFAULT_TIER_SLOS, TierSlo
+    from loadtest.transform import speed_up
+
+    speed = args.speed
+    scenario = load_scenario(SCENARIO_PATH)
+    workload = speed_up(build_workload(scenario, args.routing_duration, args.routing_rate or None, args.seed), speed)
+    tier_to_slo = {tier: TierSlo(slo.ttft_s / speed, slo.tpot_s / speed) for tier, slo in DEFAULT_TIER_SLOS.items()}
+    replica_urls = [url for urls in pool_to_urls.values() for url in urls]
+    targets = [Target(name, url, url, None) for name, url in name_to_url.items()]
+    name_to_runs: dict[str, list[dict[str, object]]] = {name: [] for name in name_to_url}
+    say(f"routing quality: {len(workload.specs)} requests over {workload.duration_s:.0f} s wall "
+        f"({args.routing_duration:.0f} s of engine time at speed {speed:g}), {args.routing_rounds} round(s)")
+    for round_index in range(args.routing_rounds):
+        for target in round_order(targets, round_index):
+            _wait_for_idle(replica_urls, _DRAIN_TIMEOUT_S)
+            config = RunnerConfig(
+                target_url=target.json_url, model=MODEL, api_key=payloads.DEMO_API_KEY, progress=False,
+                drain_timeout_s=60.0,
+            )
+            outcome = run(workload, config, tier_to_slo)
+            facts = RunFacts(workload.name, target.json_url, outcome.model, outcome.mode, True, outcome.duration_s)
+            summary = summarize(outcome.records, facts, tier_to_slo)
+            # Goodput over the offered span, not until the last straggler answers: a router that
+            # leaves one long request queued must not look better for it.
+            summary["goodput_rps"] = summary["slo_attainment"] * len(outcome.records) / workload.duration_s
+            name_to_runs[target.name].append(summary)
+            say(f"  {target.name:20s} round {round_index + 1}: goodput {summary['goodput_rps']:.2f} req/s, "
+                f"attainment {summary['slo_attainment']:.3f}, TTFT p99 {_engine_s(summary, 'p99', speed)} s, "
+                f"{summary['errors']} errors")
+    return [_figures(name, runs, speed) for name, runs in name_to_runs.items()]
+
+
+def _engine_s(summary: dict[str, object], key: str, speed: float) -> float | None:
+    value = summary["ttft_s"].get(key)  # type: ignore[attr-defined]
+    return None if value is None else round(value * speed, 3)
+
+
+def _figures(name: str, runs: Sequence[dict[str, object]], speed: float) -> RoutingFigures:
+    ttft_p99 = [value for run in runs if (value := _engine_s(run, "p99", speed)) is not None]
+    ttft_p50 = [value for run in runs if (value := _engine_s(run, "p50", speed)) is not None]
+    # Goodput in engine time: requests meeting objectives per emulated second.
+    return RoutingFigures(
+        router=name,
+        goodput_rps=median_of([float(run["goodput_rps"]) / speed for run in runs]),  # type: ignore[arg-type]
+        slo_attainment=median_of([float(run["slo_attainment"]) for run in runs]),  # type: ignore[arg-type]
+        ttft_p99_s=round(median_of(ttft_p99), 3) if ttft_p99 else None,
+        ttft_p50_s=round(median_of(ttft_p50), 3) if ttft_p50 else None,
+        num_requests=sum(int(run["requests"]) for run in runs),  # type: ignore[call-overload]
+        num_errors=sum(int(run["errors"]) for run in runs),  # type: ignore[call-overload]
+    )
+
+
+def routing_summary(figures: Sequence[RoutingFigures], args: argparse.Namespace) -> dict[str, object]:
+    from gateway.bench.peers_report import MIN_GOODPUT_RATIO_VS_CACHE_AWARE
+
+    name_to_item = {item.router: item for item in figures}
+    routers = {
+        item.router: {
+            "goodput_rps": round(item.goodput_rps, 3), "slo_attainment": round(item.slo_attainment, 4),
+            "ttft_p99_s": item.ttft_p99_s, "ttft_p50_s": item.ttft_p50_s, "requests": item.num_requests,
+            "errors": item.num_errors,
+        }
+        for item in figures
+    }
+    shapes, cache_aware = name_to_item.get("polymorph-shapes"), name_to_item.get("sglang-cache-aware")
+    ratio = None
+    if shapes is not None and cache_aware is not None and cache_aware.goodput_rps > 0:
+        ratio = round(shapes.goodput_rps / cache_aware.goodput_rps, 3)
+    return {
+        "routers": routers,
+        "goodput_ratio_shapes_vs_cache_aware": ratio,
+        "targets": {
+            f"goodput_ge_{MIN_GOODPUT_RATIO_VS_CACHE_AWARE}x_cache_aware": None if ratio is None
+            else ratio >= MIN_GOODPUT_RATIO_VS_CACHE_AWARE,
+        },
+        "workload": {"scenario": SCENARIO_PATH.name, "engine_duration_s": args.routing_duration, "speed": args.speed,
+                     "rate_rps": args.routing_rate or "scenario", "seed": args.seed, "rounds": args.routing_rounds},
+    }
+
+
+def format_routing_table(figures: Sequence[RoutingFigures], args: argparse.Namespace) -> str:
+    header = (
+        f"{'router':20s} {'goodput req/s':>13s} {'attainment':>10s} {'TTFT p50 s':>10s} {'TTFT p99 s':>10s} "
+        f"{'requests':>8s} {'errors':>6s}"
+    )
+    lines = [header, "-" * len(header)]
+    for item in figures:
+        p50 = f"{item.ttft_p50_s:10.3f}" if item.ttft_p50_s is not None else f"{'-':>10s}"
+        p99 = f"{item.ttft_p99_s:10.3f}" if item.ttft_p99_s is not None else f"{'-':>10s}"
+        lines.append(f"{item.router:20s} {item.goodput_rps:13.2f} {item.slo_attainment:10.3f} {p50} {p99} "
+                     f"{item.num_requests:8d} {item.num_errors:6d}")
+    lines.append(f"fleet: 2x H100 (short-chat engine) + 2x H200 (long-context engine), speed {args.speed:g}; "
+                 f"times and goodput in engine seconds; workload {SCENARIO_PATH.name}, seed {args.seed}")
+    return "\n".join(lines)
+
+
+def _wait_for_models(base_url: str, timeout_s: float) -> None:
+    """Until the router lists the model: its workers are registered and healthy."""
+    deadline_at = time.monotonic() + timeout_s
+    headers = {"Authorization": f"Bearer {payloads.DEMO_API_KEY}"}
+    request = urllib.request.Request(base_url + "/v1/models", headers=headers)
+    while time.monotonic() < deadline_at:
+        try:
+            with urllib.request.urlopen(request, timeout=2) as response:
+                if MODEL.encode() in response.read():
+                    return
+        except OSError:
+            pass
+        time.sleep(0.2)
+    raise RuntimeError(f"{base_url} never listed model {MODEL}")
+
+
+def _wait_for_idle(replica_urls: Sequence[str], timeout_s: float) -> None:
+    """Until no replica has running or queued requests (a run's leftovers must not load the next)."""
+    deadline_at = time.monotonic() + timeout_s
+    while time.monotonic() < deadline_at:
+        busy = 0
+        for url in replica_urls:
+            with urllib.request.urlopen(url + "/server_info", timeout=5) as response:
+                state = orjson.loads(response.read())["internal_states"][0]
+            busy += int(state["num_running_reqs"]) + int(state["num_queue_reqs"])
+        if busy == 0:
+            return
+        time.sleep(0.5)

@@ -1,0 +1,80 @@
+"""`polymorph bench peers`: option parsing, generated peer configs, common rate and targets (no peers started)."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+import orjson
+import pytest
+
+from gateway.bench import cli, peers_report
+from gateway.bench.load import WrkResult
+from gateway.bench.peers import parse_list
+from gateway.bench.peers_raw import PeerFigures, common_rate
+from gateway.bench.peers_routing import write_polymorph_config
+from gateway.bench.peers_stack import RAW_PEERS, write_litellm_config
+from gateway.config import load_config
+
+
+def _args(argv: list[str]) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="polymorph bench")
+    cli.register_bench(parser.add_subparsers(dest="bench", required=True))
+    return parser.parse_args(["peers", *argv])
+
+
+def test_peer_list_keeps_canonical_order_and_names_unknown_peers() -> None:
+    assert parse_list("polymorph,nginx", RAW_PEERS, "--peers") == ("nginx", "polymorph")
+    with pytest.raises(ValueError, match="unknown envoy"):
+        parse_list("nginx,envoy", RAW_PEERS, "--peers")
+
+
+def test_cli_registers_peers_with_quick_and_parts() -> None:
+    args = _args(["--quick", "--parts", "raw"])
+    assert args.quick and args.parts == "raw" and args.duration is None
+
+
+def test_common_rate_is_half_the_slowest_peer_ignoring_direct() -> None:
+    def runs(rps: float) -> list[WrkResult]:
+        return [WrkResult(int(rps * 2), 2.0, 0, 0, 1.0, 2.0)]
+
+    assert common_rate({"direct": runs(40000), "polymorph": runs(3000), "litellm": runs(31)}) == 16
+
+
+def _figures(name: str, peak_rps: float, added_p50_ms: float) -> PeerFigures:
+    return PeerFigures(name, 64, peak_rps, 0.3, 90.0, 1.0, 15.0, 1.0, 5.0, added_p50_ms, 1.0, 0)
+
+
+def test_targets_compare_polymorph_with_router_and_litellm_of_the_same_run() -> None:
+    figures = [_figures("sglang-router", 3000, 1.0), _figures("litellm", 30, 40.0), _figures("polymorph", 1600, 1.4)]
+
+    targets = peers_report.raw_targets(figures)
+    summary = peers_report.raw_summary(figures)
+
+    assert targets == {
+        "peak_ge_0.5x_sglang_router": True, "peak_ge_30x_litellm": True,
+        "added_p50_within_0.5ms_of_sglang_router": True,
+    }
+    assert summary["polymorph_vs"]["litellm"]["peak_rps"] == pytest.approx(53.333)  # type: ignore[index]
+    assert peers_report.format_raw_table(figures).splitlines()[0].startswith("peer")
+
+
+def test_routing_configs_load_and_differ_only_in_declared_shapes(tmp_path: Path) -> None:
+    pool_to_urls = {"chat-h100": ["http://127.0.0.1:1", "http://127.0.0.1:2"], "long-h200": ["http://127.0.0.1:3"]}
+
+    with_shapes = load_config(write_polymorph_config(tmp_path / "on", pool_to_urls, shapes_on=True))
+    without = load_config(write_polymorph_config(tmp_path / "off", pool_to_urls, shapes_on=False))
+
+    assert [pool.shapes for pool in with_shapes.pools] == [("short-chat", "batch"), ("long-context", "reasoning")]
+    assert [pool.shapes for pool in without.pools] == [(), ()]
+    assert [pool.urls for pool in without.pools] == [pool.urls for pool in with_shapes.pools]
+
+
+def test_litellm_config_points_at_the_backend_with_a_master_key(tmp_path: Path) -> None:
+    config = orjson.loads(write_litellm_config(tmp_path / "litellm.yaml", "http://127.0.0.1:9/v1").read_bytes())
+
+    deployment = config["model_list"][0]
+    assert deployment["litellm_params"] == {
+        "model": "openai/bench-model", "api_base": "http://127.0.0.1:9/v1", "api_key": "dummy",
+    }
+    assert config["general_settings"]["master_key"].startswith("sk-")
