@@ -1,4 +1,5 @@
-"""`polymorph` subcommands owned by the kernels package: `kernels predict`, `kernels fit`, `bench model`."""
+"""`polymorph` subcommands owned by the kernels package: `kernels predict`, `kernels fit`, `compile`,
+`compile history`, `bench model` and `bench compile`."""
 
 from __future__ import annotations
 
@@ -49,6 +50,60 @@ def register(commands: argparse._SubParsersAction) -> None:  # type: ignore[type
                      help="optimiser steps (each costs ~10 scorings of the CSV, ~1 min on 2 cores)")
     fit.add_argument("--dry-run", action="store_true", help="print the fit without writing the parameter file")
     fit.set_defaults(handler=_run_fit)
+    _register_compile(commands)
+
+
+def _register_compile(commands: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+    compile_ = commands.add_parser(
+        "compile", formatter_class=_FMT, help="search the engine configuration that best serves a traffic shape",
+        description="Search sglang engine configurations (TP, max running requests, chunked prefill, KV dtype, "
+        "CUDA-graph batch, schedule policy, speculative decoding, ...) for MODEL on GPUS x GPU under a traffic "
+        "shape, maximising goodput per GPU (requests/s meeting the shape's p99 TTFT/TPOT SLOs) or minimising cost. "
+        "Every candidate passes deterministic gates (constraints, memory, sglang's own argument parser when "
+        "$POLYMORPH_SGLANG_PYTHON names an sglang interpreter) before the performance model scores it. Every trial "
+        "goes to the trial store; a later compile of a nearby shape starts warm from it. Proposals come from "
+        "$POLYMORPH_COMPILER_LLM_URL (an OpenAI-compatible endpoint) when set, else a deterministic coordinate search.",
+    )
+    compile_.add_argument("--model", help="catalog name, alias, HF repo id or path to a config.json (required)")
+    compile_.add_argument("--gpu", help="GPU name or alias, e.g. H100, H200 (required)")
+    compile_.add_argument("--gpus", type=int, default=1, help="GPUs per replica (TP x DP)")
+    compile_.add_argument("--shape", help="built-in traffic shape: short-chat, long-context, reasoning, batch")
+    compile_.add_argument("--trace", type=Path, help="summarise this request trace as the shape instead")
+    compile_.add_argument("--format", choices=("azure", "burstgpt", "mooncake", "native"), help="format of --trace")
+    compile_.add_argument("--tier", default="interactive", choices=("interactive", "standard", "batch"),
+                          help="SLO tier of a --trace shape")
+    compile_.add_argument("--evaluator", default="perf-model", choices=("perf-model", "analytic", "replay"),
+                          help="perf-model: bisect the SLO-meeting rate on the performance model (simulated); "
+                          "analytic: closed-form screening, milliseconds a trial; replay: replay the --trace "
+                          "requests (prefix ids included) through the engine at increasing speed")
+    compile_.add_argument("--objective", default="goodput", choices=("goodput", "cost"),
+                          help="maximise goodput per GPU, or minimise USD per million tokens at the SLOs")
+    compile_.add_argument("--budget", type=int, default=60, help="most evaluations (gate rejections are free)")
+    compile_.add_argument("--seconds", type=float, default=120.0, help="most wall seconds of search")
+    compile_.add_argument("--store", type=Path, help="trial store (SQLite); default $POLYMORPH_COMPILER_STORE or "
+                          "~/.cache/polymorph/compiler.sqlite3")
+    compile_.add_argument("--no-store", action="store_true", help="remember nothing (no warm start)")
+    compile_.add_argument("--allow-fp8-weights", action="store_true",
+                          help="let the search quantize bf16 weights to fp8 (trades model quality for speed)")
+    compile_.add_argument("--draft", action="append", choices=("EAGLE", "EAGLE3", "MTP"),
+                          help="a speculative algorithm whose draft weights you provide (repeatable)")
+    compile_.add_argument("--engine-version", default="unknown",
+                          help="sglang version the replicas run (trials from another version are re-evaluated)")
+    compile_.add_argument("--json", action="store_true", help="print one JSON object (config, sglang_args, vllm_args, "
+                          "predicted, baseline, trials, warm_start, store)")
+    compile_.set_defaults(handler=_run_compile)
+    sub = compile_.add_subparsers(dest="compile_command", metavar="<subcommand>", required=False)
+    history = sub.add_parser(
+        "history", formatter_class=_FMT, help="list compiled artefacts, their trials and why each winner won",
+        description="List what the trial store holds: each compile (newest first) with the reason its winner won, "
+        "and with --trials every candidate tried, its metrics or the gate that rejected it.",
+    )
+    history.add_argument("--store", type=Path, help="trial store (default as for `polymorph compile`)")
+    history.add_argument("--model", help="only this model")
+    history.add_argument("--gpu", help="only this GPU kind")
+    history.add_argument("--limit", type=int, default=20, help="most compiles to list")
+    history.add_argument("--trials", action="store_true", help="also list every trial of each compile")
+    history.set_defaults(handler=_run_compile_history)
 
 
 def register_bench(benches: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
@@ -62,6 +117,27 @@ def register_bench(benches: argparse._SubParsersAction) -> None:  # type: ignore
     bench.add_argument("--data", type=Path, help="calibration CSV (default: ../shared/calibration/calibration.csv)")
     bench.add_argument("--json", action="store_true", help="print per-row results as JSON lines before the summary")
     bench.set_defaults(handler=_run_bench_model)
+    compile_bench = benches.add_parser(
+        "compile", formatter_class=_FMT, help="compiled vs sglang-default goodput per (model, GPU, shape); cold vs warm",
+        description="For every (model, GPU, shape) cell: compile cold and compare the predicted goodput per GPU with "
+        "sglang's default configuration on the same evaluator; then drift the shape (lengths x --drift) and compare "
+        "a from-scratch compile with one warm-started from the first compile's trials (trials until within 2%% of "
+        "the from-scratch optimum). The last line is one JSON object.",
+    )
+    compile_bench.add_argument("--models", nargs="+", default=["llama-3.1-8b:1", "llama-3.1-70b:4"],
+                               help="MODEL[:GPUS_PER_REPLICA] entries")
+    compile_bench.add_argument("--gpus", nargs="+", default=["H100", "H200"], help="GPU kinds")
+    compile_bench.add_argument("--shapes", nargs="+", default=["short-chat", "long-context", "reasoning", "batch"],
+                               help="built-in traffic shapes")
+    compile_bench.add_argument("--drift", type=float, default=1.3, help="length scale of the drifted shape")
+    compile_bench.add_argument("--budget", type=int, default=60, help="most evaluations per compile")
+    compile_bench.add_argument("--seconds", type=float, default=300.0, help="most wall seconds per compile")
+    compile_bench.add_argument("--workers", type=int, default=2, help="cells compiled in parallel processes")
+    compile_bench.add_argument("--no-warm", action="store_true", help="skip the drift comparison (cold compiles only)")
+    compile_bench.add_argument("--allow-fp8-weights", action="store_true", help="widen the space with fp8 weights (lossy)")
+    compile_bench.add_argument("--draft", action="append", choices=("EAGLE", "EAGLE3", "MTP"),
+                               help="widen the space with this speculative algorithm (its draft weights assumed present)")
+    compile_bench.set_defaults(handler=_run_bench_compile)
 
 
 def _data_path(path: Path | None) -> Path:
@@ -145,3 +221,21 @@ def _run_bench_model(args: argparse.Namespace) -> int:
                "median_ape_pct": {family: round(errors[family], 2) for family in FAMILIES}}
     print(json.dumps(summary))
     return 0
+
+
+def _run_compile(args: argparse.Namespace) -> int:
+    from kernels.compiler.cli import main_compile
+
+    return main_compile(args)
+
+
+def _run_compile_history(args: argparse.Namespace) -> int:
+    from kernels.compiler.cli import main_history
+
+    return main_history(args)
+
+
+def _run_bench_compile(args: argparse.Namespace) -> int:
+    from kernels.compiler.bench import main_bench
+
+    return main_bench(args)

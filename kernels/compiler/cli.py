@@ -1,0 +1,129 @@
+"""Handlers of `polymorph compile`, `polymorph compile history` and `polymorph bench compile`
+(registered by kernels/cli.py; imported lazily so `polymorph --help` stays fast)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+from pathlib import Path
+
+from kernels.compiler.evaluators import Evaluator, ReplayEvaluator, evaluator_by_name
+from kernels.compiler.search import Budget, CompileResult, compile_config
+from kernels.compiler.shape import TrafficShape, get_shape
+from kernels.compiler.space import default_space
+from kernels.compiler.store import StoreError, TrialStore
+from kernels.compiler.trace_shape import shape_from_trace
+from kernels.config import EngineConfig
+
+STORE_ENV = "POLYMORPH_COMPILER_STORE"
+
+
+def default_store_path() -> Path:
+    return Path(os.environ.get(STORE_ENV) or Path.home() / ".cache" / "polymorph" / "compiler.sqlite3")
+
+
+def main_compile(args: argparse.Namespace) -> int:
+    from kernels.catalog import get_gpu, get_model
+
+    if not args.model or not args.gpu:
+        raise SystemExit("polymorph compile: --model and --gpu are required")
+    if bool(args.shape) == bool(args.trace):
+        raise SystemExit("polymorph compile: give exactly one of --shape NAME or --trace FILE --format F")
+    try:
+        model, gpu = get_model(args.model), get_gpu(args.gpu)
+        shape, evaluator = _shape_and_evaluator(args)
+        space = default_space(model, gpu, args.gpus, allow_fp8_weights=args.allow_fp8_weights,
+                              draft_models=tuple(args.draft or ()))
+        store = None if args.no_store else TrialStore(args.store or default_store_path())
+    except (ValueError, StoreError) as exc:
+        raise SystemExit(f"polymorph compile: {exc}") from exc
+    try:
+        result = compile_config(model, gpu, args.gpus, shape, args.objective, Budget(args.budget, args.seconds),
+                                store=store, evaluator=evaluator, space=space, engine_version=args.engine_version)
+    except StoreError as exc:
+        raise SystemExit(f"polymorph compile: {exc}") from exc
+    finally:
+        if store is not None:
+            store.close()
+    if result is None:
+        raise SystemExit(f"polymorph compile: {model.name} does not fit on {args.gpus}x {gpu.name} in any configuration")
+    if args.json:
+        print(json.dumps(result.to_json()))
+    else:
+        _print_result(result)
+    return 0
+
+
+def _shape_and_evaluator(args: argparse.Namespace) -> tuple[TrafficShape, Evaluator]:
+    if args.shape:
+        if args.evaluator == "replay":
+            raise ValueError("--evaluator replay needs --trace (it replays the trace's requests)")
+        return get_shape(args.shape), evaluator_by_name(args.evaluator)
+    if not args.format:
+        raise ValueError("--trace needs --format (azure, burstgpt, mooncake or native)")
+    shape, requests = shape_from_trace(args.trace, args.format, args.tier)
+    return shape, (ReplayEvaluator(requests) if args.evaluator == "replay" else evaluator_by_name(args.evaluator))
+
+
+def _print_result(result: CompileResult) -> None:
+    default = result.baseline_config.to_dict()
+    changed = {k: v for k, v in result.config.to_dict().items() if v != default[k]}
+    print(f"{result.model} on {result.num_gpus}x {result.gpu}, shape {result.shape.name}, objective {result.objective} "
+          f"({result.evaluator}): {result.trials} trials, {result.num_rejected} rejected by gates, "
+          f"{'warm' if result.warm_start else 'cold'} start, {result.elapsed_s:.1f} s")
+    print(f"{'':<22}{'compiled':>12}{'default':>12}")
+    for key in ("goodput_rps", "goodput_rps_per_gpu", "throughput_tokens_s", "ttft_p99_s", "tpot_p99_s", "cost_per_mtok"):
+        print(f"{key:<22}{getattr(result.predicted, key):>12.4g}{getattr(result.baseline, key):>12.4g}")
+    print(f"changed from sglang's defaults: {json.dumps(changed) if changed else 'nothing'}")
+    print("sglang: python -m sglang.launch_server " + " ".join(result.sglang_args()))
+    print(f"why: {result.reason}")
+
+
+def main_history(args: argparse.Namespace) -> int:
+    path = Path(args.store or default_store_path())
+    if not path.is_file():
+        raise SystemExit(f"polymorph compile history: no trial store at {path}")
+    try:
+        with TrialStore(path) as store:
+            artefacts = store.artefacts(args.model and _model_name(args.model), args.gpu and _gpu_name(args.gpu), args.limit)
+            for artefact in artefacts:
+                print(f"#{artefact.artefact_id} run {artefact.run_id} {artefact.model} {artefact.num_gpus}x {artefact.gpu} "
+                      f"shape {artefact.shape_name} [{artefact.shape_fp}] {artefact.objective} via {artefact.evaluator}: "
+                      f"{artefact.num_trials} trials, {'warm' if artefact.warm_start else 'cold'}, "
+                      f"engine {artefact.engine_version}"
+                      f"{', pools ' + ','.join(artefact.pools) if artefact.pools else ''}")
+                print(f"   winner: {artefact.reason}")
+                if args.trials:
+                    _print_trials(store, artefact.model, artefact.gpu, artefact.num_gpus, artefact.run_id)
+    except StoreError as exc:
+        raise SystemExit(f"polymorph compile history: {exc}") from exc
+    if not artefacts:
+        print(f"no compiled artefacts in {path}")
+    return 0
+
+
+def _print_trials(store: TrialStore, model: str, gpu: str, num_gpus: int, run_id: str) -> None:
+    default = EngineConfig().to_dict()
+    for trial in store.trials(model, gpu, num_gpus, run_id=run_id):
+        changed = {k: v for k, v in trial.config.to_dict().items() if v != default[k] and k not in ("tp", "dp")}
+        head = f"tp{trial.config.tp} {json.dumps(changed) if changed else 'defaults'}"
+        if trial.metrics is None:
+            why = "; ".join(reason for _, status, reason in trial.gates if status == "rejected") or trial.note
+            print(f"     {trial.trial_id:>5} {trial.proposer:<14} {head}  REJECTED: {why}")
+        else:
+            m = trial.metrics
+            print(f"     {trial.trial_id:>5} {trial.proposer:<14} {head}  goodput/GPU {m.goodput_rps_per_gpu:.3g} "
+                  f"ttft99 {m.ttft_p99_s:.3g}s tpot99 {m.tpot_p99_s * 1e3:.3g}ms {m.bottleneck}")
+
+
+def _model_name(name: str) -> str:
+    from kernels.catalog import get_model
+
+    return get_model(name).name
+
+
+def _gpu_name(name: str) -> str:
+    from kernels.catalog import get_gpu
+
+    return get_gpu(name).name

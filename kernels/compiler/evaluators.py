@@ -1,0 +1,267 @@
+"""Evaluators: score one engine configuration on one traffic shape.
+
+All return `Metrics` for the whole replica (tp x dp GPUs). The performance model (`PerfModelEvaluator`)
+is the default: it bisects the largest Poisson rate whose simulated p99 TTFT and TPOT meet the shape's
+SLOs (`kernels.predict.max_rate_under_slo`). `ReplayEvaluator` replays concrete requests (a trace,
+prefix hash ids included) through the same engine on a virtual clock; `ProbeEvaluator` hands the
+configuration to a caller-supplied probe that starts a real replica and replays a short workload."""
+
+from __future__ import annotations
+
+import itertools
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass
+from typing import Protocol
+
+import numpy as np
+
+from kernels.catalog import GpuSpec, ModelSpec
+from kernels.compiler.shape import TrafficShape
+from kernels.config import EngineConfig
+from kernels.engine import Engine
+from kernels.engine_types import EngineRequest
+from kernels.perf import IterationShape, PerfModel
+from kernels.predict import Prediction, Workload, max_rate_under_slo, simulate
+
+BOTTLENECKS = ("memory-bound", "compute-bound", "kv-capacity", "queueing")
+_SIM_REQUESTS = 240  # simulated requests per bisection step: p99 over 240 is the 3rd-worst request
+_KV_FULL = 0.85
+_SLO_SLACK = 0.5  # both p99s under half their SLO at the best rate: capacity, not latency, caps it
+
+
+@dataclass(frozen=True, slots=True)
+class Metrics:
+    """What an evaluator measured for one configuration (whole replica unless `_per_gpu`)."""
+
+    goodput_rps: float  # largest request rate meeting both p99 SLOs
+    goodput_rps_per_gpu: float
+    throughput_tokens_s: float  # prompt + output tokens/s at that rate
+    ttft_p99_s: float
+    tpot_p99_s: float
+    cost_per_mtok: float  # USD per million (prompt + output) tokens at that rate; inf when goodput is 0
+    kv_usage: float
+    bottleneck: str  # one of BOTTLENECKS: what stops the rate from going higher
+
+    def to_dict(self) -> dict[str, float | str]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, values: dict[str, object]) -> Metrics:
+        return cls(**{k: (v if k == "bottleneck" else float(v)) for k, v in values.items() if k in cls.__slots__})  # type: ignore[arg-type, attr-defined]
+
+
+class Evaluator(Protocol):
+    """Scores a configuration. `name` goes into the trial store: candidates are only compared with
+    incumbents scored by the same evaluator."""
+
+    name: str
+    noise_margin: float  # relative gain below which a challenger does not replace the incumbent
+
+    def evaluate(self, model: ModelSpec, gpu: GpuSpec, config: EngineConfig, shape: TrafficShape) -> Metrics: ...
+
+
+def shape_workloads(shape: TrafficShape, prefix_caching: bool) -> tuple[list[Workload], list[float]]:
+    """The shape as a weighted mix of fixed-length workloads (prompt x output quantile x domain).
+    With prefix caching the shared part of a prompt is neither recomputed nor held twice, so the
+    prompt is charged at its unshared length (an approximation: decode still reads the whole context)."""
+    keep = 1.0 - shape.prefix_share if prefix_caching else 1.0
+    workloads: list[Workload] = []
+    weights: list[float] = []
+    domains = shape.domain_weights()
+    for isl, osl, (domain, share) in itertools.product(shape.prompt_tokens, shape.output_tokens, domains.items()):
+        workloads.append(Workload(max(1, round(isl * keep)), osl, domain=domain, num_requests=_SIM_REQUESTS))
+        weights.append(share)
+    return workloads, weights
+
+
+class PerfModelEvaluator:
+    """The default evaluator: the calibrated performance model driving the engine on a virtual clock."""
+
+    name = "perf-model"
+    noise_margin = 0.03  # the rate bisection stops at 2% relative width
+
+    def __init__(self, seed: int = 0) -> None:
+        self.seed = seed
+
+    def evaluate(self, model: ModelSpec, gpu: GpuSpec, config: EngineConfig, shape: TrafficShape) -> Metrics:
+        perf = PerfModel(model, gpu, config)
+        workloads, weights = shape_workloads(shape, perf.config.enable_prefix_caching)
+        rate = max_rate_under_slo(perf, workloads, weights, shape.ttft_p99_s, shape.tpot_p99_s, seed=self.seed)
+        probe_rate = rate if rate > 0 else 0.05
+        at_rate = simulate(perf, [_with_rate(w, probe_rate) for w in workloads], weights, seed=self.seed)
+        return metrics_from_prediction(perf, shape, rate, at_rate)
+
+
+def _with_rate(w: Workload, rate: float) -> Workload:
+    return Workload(w.isl, w.osl, rate=rate, domain=w.domain, num_requests=w.num_requests)
+
+
+def metrics_from_prediction(perf: PerfModel, shape: TrafficShape, goodput_rps: float, at_rate: Prediction) -> Metrics:
+    num_gpus = perf.config.num_gpus
+    tokens_per_request = shape.mean_prompt_tokens + shape.mean_output_tokens
+    tokens_s = goodput_rps * tokens_per_request
+    dollars_per_s = perf.gpu.price_per_gpu_hour * num_gpus / 3600.0
+    cost = dollars_per_s / tokens_s * 1e6 if tokens_s > 0 else math.inf
+    return Metrics(
+        goodput_rps=goodput_rps, goodput_rps_per_gpu=goodput_rps / num_gpus, throughput_tokens_s=tokens_s,
+        ttft_p99_s=at_rate.ttft_p99_s, tpot_p99_s=at_rate.tpot_p99_s, cost_per_mtok=cost,
+        kv_usage=at_rate.kv_usage, bottleneck=classify_bottleneck(perf, shape, at_rate),
+    )
+
+
+def classify_bottleneck(perf: PerfModel, shape: TrafficShape, at_rate: Prediction) -> str:
+    """Why the rate cannot go higher. When neither p99 is near its SLO the rate is capped by the
+    replica's capacity: KV when the pool, not max_running_requests, limits the batch. Otherwise TTFT
+    binding means requests queue, and TPOT binding means the decode iteration at the observed batch
+    is memory- or compute-bound."""
+    ttft_ratio, tpot_ratio = at_rate.ttft_p99_s / shape.ttft_p99_s, at_rate.tpot_p99_s / shape.tpot_p99_s
+    held = shape.mean_prompt_tokens + shape.mean_output_tokens / 2
+    kv_batch = perf.kv_capacity_tokens / held
+    if at_rate.kv_usage >= _KV_FULL or (max(ttft_ratio, tpot_ratio) < _SLO_SLACK and kv_batch < perf.config.max_running_requests):  # type: ignore[operator]
+        return "kv-capacity"
+    if ttft_ratio >= tpot_ratio:
+        return "queueing"
+    batch = max(1, round(at_rate.mean_batch))
+    context = round(batch * held)
+    it = perf.iteration_time(IterationShape(batch, context, 0, 0.0))
+    return "compute-bound" if it.bound == "compute" else "memory-bound"
+
+
+class AnalyticEvaluator:
+    """Closed-form screening (milliseconds, no simulation): the largest steady decode batch whose
+    iteration time per emitted token meets the TPOT SLO, on the shape's mean lengths, with the
+    prefill that replaces finished requests mixed in; 0 when the longest prompt alone misses TTFT.
+    Blind to queueing and tails, so it ranks configurations more than it predicts rates."""
+
+    name = "analytic"
+    noise_margin = 0.01
+
+    def evaluate(self, model: ModelSpec, gpu: GpuSpec, config: EngineConfig, shape: TrafficShape) -> Metrics:
+        perf = PerfModel(model, gpu, config)
+        keep = 1.0 - shape.prefix_share if perf.config.enable_prefix_caching else 1.0
+        isl, osl = shape.mean_prompt_tokens * keep, shape.mean_output_tokens
+        domain = max(shape.domain_weights().items(), key=lambda item: item[1])[0]
+        held = isl + osl / 2
+        cap = max(1, min(int(perf.config.max_running_requests), int(perf.kv_capacity_tokens // held)))  # type: ignore[arg-type]
+        budget = min(perf.config.max_prefill_tokens, int(perf.config.chunked_prefill_size or perf.config.max_prefill_tokens))
+
+        def tpot_s(batch: int) -> float:
+            per_step = perf.spec_tokens_per_step(domain, batch)
+            prefill = min(batch * isl * per_step / osl, budget)
+            it = perf.iteration_time(IterationShape(batch, int(batch * held), int(prefill), prefill * isl / 2, 1))
+            return it.total_s / per_step
+
+        ttft = perf.prefill_time_s(max(1, round(max(shape.prompt_tokens) * keep))) + perf.request_overhead_s
+        low, high = 0, cap
+        while low < high:  # largest batch meeting the TPOT SLO (tpot grows with the batch)
+            middle = (low + high + 1) // 2
+            low, high = (middle, high) if tpot_s(middle) <= shape.tpot_p99_s else (low, middle - 1)
+        batch = low if ttft <= shape.ttft_p99_s else 0
+        tpot = tpot_s(max(1, batch))
+        rate = perf.config.dp * batch / (osl * tpot)
+        usage = min(1.0, batch * held / max(1, perf.kv_capacity_tokens))
+        prediction = Prediction(ttft, ttft, ttft, tpot, tpot, tpot, 0.0, 0.0, 0.0, 0.0, rate, usage, float(batch), "analytic")
+        return metrics_from_prediction(perf, shape, rate, prediction)
+
+
+@dataclass(frozen=True, slots=True)
+class ReplayRequest:
+    """One request of a replayed workload (from a trace): arrival and token counts."""
+
+    arrival_s: float
+    prompt_tokens: int
+    output_tokens: int
+    domain: str = "chat"
+    prefix_hash_ids: tuple[int, ...] = ()
+
+
+class ReplayEvaluator:
+    """Replays concrete requests, prefix hash ids included, through the engine on a virtual clock at
+    increasing time compression; goodput is the fastest replay whose p99s meet the SLOs."""
+
+    name = "replay"
+    noise_margin = 0.05
+
+    def __init__(self, requests: Sequence[ReplayRequest], speedups: Sequence[float] = (0.25, 0.5, 1, 2, 4, 8, 16)) -> None:
+        if not requests:
+            raise ValueError("a replay needs at least one request")
+        self.requests = sorted(requests, key=lambda r: r.arrival_s)
+        self.speedups = tuple(sorted(speedups))
+
+    def evaluate(self, model: ModelSpec, gpu: GpuSpec, config: EngineConfig, shape: TrafficShape) -> Metrics:
+        perf = PerfModel(model, gpu, config)
+        span_s = max(self.requests[-1].arrival_s - self.requests[0].arrival_s, 1e-3)
+        best_rate = 0.0
+        best: tuple[float, float, float] | None = None  # p99 TTFT, p99 TPOT, KV usage at best_rate
+        for speedup in self.speedups:
+            observed = self._replay(perf, speedup)
+            if observed[0] > shape.ttft_p99_s or observed[1] > shape.tpot_p99_s:
+                best = best or observed
+                break
+            best_rate, best = len(self.requests) * speedup / span_s, observed
+        assert best is not None  # the loop runs at least once
+        ttft, tpot, kv = best
+        prediction = Prediction(ttft, ttft, ttft, tpot, tpot, tpot, 0.0, 0.0, 0.0, 0.0, best_rate, kv, 1.0, "replay")
+        return metrics_from_prediction(perf, shape, best_rate, prediction)
+
+    def _replay(self, perf: PerfModel, speedup: float) -> tuple[float, float, float]:
+        """p99 TTFT, p99 TPOT and mean KV usage of one data-parallel rank, which gets every dp-th request."""
+        engine = Engine(perf, perf.config)
+        requests = self.requests[:: perf.config.dp]
+        start = requests[0].arrival_s
+        arrivals = [(r.arrival_s - start) / speedup for r in requests]
+        first: dict[str, float] = {}
+        done: dict[str, float] = {}
+        usage: list[float] = []
+        now = 0.0
+        for index, (req, at) in enumerate(zip(requests, arrivals)):
+            now = self._advance(engine, now, at, first, done, usage)
+            engine.add_request(EngineRequest(str(index), req.prompt_tokens, req.output_tokens, req.domain, req.prefix_hash_ids, at), at)
+        self._advance(engine, now, math.inf, first, done, usage)
+        ttft = [first[str(i)] - a + perf.request_overhead_s for i, a in enumerate(arrivals) if str(i) in first]
+        tpot = [(done[str(i)] - first[str(i)]) / (r.output_tokens - 1) for i, r in enumerate(requests)
+                if r.output_tokens > 1 and str(i) in done]
+        return float(np.percentile(ttft, 99)), float(np.percentile(tpot or [0.0], 99)), float(np.mean(usage or [0.0]))
+
+    @staticmethod
+    def _advance(engine: Engine, now: float, until: float, first: dict[str, float], done: dict[str, float], usage: list[float]) -> float:
+        """Run the engine until `until` (or idle), recording first-token and finish instants."""
+        while now < until:
+            plan = engine.schedule(now, horizon_s=min(until - now, 3600.0))
+            if plan is None:
+                break
+            now = plan.ended_at
+            outputs = engine.update(plan, now)
+            for req_id in outputs.first_token_req_ids:
+                first[req_id] = now
+            for req_id in outputs.finished_req_ids:
+                done[req_id] = now
+            usage.append(engine.stats(now).token_usage)
+        return max(now, until) if until != math.inf else now
+
+
+ProbeFn = Callable[[ModelSpec, GpuSpec, EngineConfig, TrafficShape], Metrics]
+
+
+class ProbeEvaluator:
+    """A live probe for GPU machines: `probe` starts a replica with the candidate's sglang arguments,
+    replays a short workload of the shape against it and returns the measured Metrics. Polymorph's
+    fleet actuators and load-test runner implement it; kernels only defines the contract."""
+
+    name = "live-probe"
+    noise_margin = 0.08  # measured runs are noisy; demand a clear win
+
+    def __init__(self, probe: ProbeFn) -> None:
+        self.probe = probe
+
+    def evaluate(self, model: ModelSpec, gpu: GpuSpec, config: EngineConfig, shape: TrafficShape) -> Metrics:
+        return self.probe(model, gpu, config, shape)
+
+
+def evaluator_by_name(name: str) -> Evaluator:
+    """The evaluators that need no inputs beyond the shape: "perf-model" or "analytic"."""
+    by_name: dict[str, Callable[[], Evaluator]] = {"perf-model": PerfModelEvaluator, "analytic": AnalyticEvaluator}
+    if name not in by_name:
+        raise ValueError(f"unknown evaluator {name!r}; choose one of {', '.join(by_name)}")
+    return by_name[name]()

@@ -1,0 +1,289 @@
+"""The persistent trial store: every trial and compiled artefact, in SQLite.
+
+WAL mode and `BEGIN IMMEDIATE` transactions make it safe for several gateways (processes) writing at
+once; a busy database is waited for (`busy_timeout_s`), then reported. A file that is not a trial
+store, or a locked one, raises `StoreError` naming the path: a trial is never dropped silently.
+
+Each trial carries three fingerprints: the traffic shape's, the model's (digest of its config) and
+the hardware's (GPU kind, count, driver and engine versions when known). A trial whose model or
+hardware fingerprint no longer matches is *stale*: it may seed a search, but its metrics are not
+reused without being evaluated again."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import sqlite3
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import TypeVar
+
+from kernels.catalog import GpuSpec, ModelSpec
+from kernels.compiler.evaluators import Metrics
+from kernels.compiler.shape import TrafficShape, shape_fingerprint
+from kernels.config import EngineConfig
+
+T = TypeVar("T")
+SCHEMA_VERSION = 1
+_SCHEMA = """
+CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
+CREATE TABLE IF NOT EXISTS trials (
+    id INTEGER PRIMARY KEY AUTOINCREMENT,
+    run_id TEXT NOT NULL, created_at REAL NOT NULL,
+    model TEXT NOT NULL, model_fp TEXT NOT NULL, gpu TEXT NOT NULL, num_gpus INTEGER NOT NULL, hardware_fp TEXT NOT NULL,
+    shape_name TEXT NOT NULL, shape_fp TEXT NOT NULL, shape_json TEXT NOT NULL,
+    evaluator TEXT NOT NULL, proposer TEXT NOT NULL, config_json TEXT NOT NULL, config_key TEXT NOT NULL,
+    status TEXT NOT NULL, gates_json TEXT NOT NULL, metrics_json TEXT, note TEXT NOT NULL DEFAULT ''
+);
+CREATE INDEX IF NOT EXISTS trials_lookup ON trials (model, gpu, num_gpus, evaluator, status);
+CREATE TABLE IF NOT EXISTS artefacts (
+    id INTEGER PRIMARY KEY AUTOINCREMENT,
+    run_id TEXT NOT NULL, created_at REAL NOT NULL,
+    model TEXT NOT NULL, model_fp TEXT NOT NULL, gpu TEXT NOT NULL, num_gpus INTEGER NOT NULL, hardware_fp TEXT NOT NULL,
+    shape_name TEXT NOT NULL, shape_fp TEXT NOT NULL, evaluator TEXT NOT NULL, objective TEXT NOT NULL,
+    config_json TEXT NOT NULL, metrics_json TEXT NOT NULL, baseline_json TEXT NOT NULL,
+    num_trials INTEGER NOT NULL, warm_start INTEGER NOT NULL, reason TEXT NOT NULL, engine_version TEXT NOT NULL,
+    pools_json TEXT NOT NULL DEFAULT '[]'
+);
+"""
+
+
+class StoreError(RuntimeError):
+    """The trial store cannot be opened or written (corrupt, locked, wrong schema)."""
+
+
+@dataclass(frozen=True, slots=True)
+class Fingerprints:
+    model: str
+    hardware: str
+    engine_version: str = "unknown"  # also inside `hardware`; kept readable for artefact listings
+
+
+def model_fingerprint(model: ModelSpec) -> str:
+    """Digest of the architecture (what config.json says), not of names and aliases."""
+    values = {k: v for k, v in asdict(model).items() if k not in ("name", "aliases", "source")}
+    return hashlib.sha256(json.dumps(values, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def hardware_fingerprint(gpu: GpuSpec, num_gpus: int, engine_version: str = "unknown", driver_version: str = "unknown") -> str:
+    text = json.dumps([gpu.name, num_gpus, engine_version, driver_version])
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+def config_key(config: EngineConfig) -> str:
+    return hashlib.sha256(json.dumps(config.to_dict(), sort_keys=True).encode()).hexdigest()[:16]
+
+
+@dataclass(frozen=True, slots=True)
+class TrialRecord:
+    """One row of the trials table. `metrics` is None for a rejected trial (see `gates`)."""
+
+    trial_id: int
+    run_id: str
+    created_at: float
+    model: str
+    model_fp: str
+    gpu: str
+    num_gpus: int
+    hardware_fp: str
+    shape: TrafficShape
+    shape_fp: str
+    evaluator: str
+    proposer: str
+    config: EngineConfig
+    status: str  # "evaluated" or "rejected"
+    gates: tuple[tuple[str, str, str], ...]  # (gate, status, reason)
+    metrics: Metrics | None
+    note: str
+
+    def is_fresh(self, fingerprints: Fingerprints) -> bool:
+        return self.model_fp == fingerprints.model and self.hardware_fp == fingerprints.hardware
+
+
+@dataclass(frozen=True, slots=True)
+class ArtefactRecord:
+    artefact_id: int
+    run_id: str
+    created_at: float
+    model: str
+    gpu: str
+    num_gpus: int
+    shape_name: str
+    shape_fp: str
+    evaluator: str
+    objective: str
+    config: EngineConfig
+    metrics: Metrics
+    baseline: Metrics
+    num_trials: int
+    warm_start: bool
+    reason: str
+    engine_version: str
+    pools: tuple[str, ...]
+
+
+class TrialStore:
+    """SQLite-backed trial store at `path` (created when absent)."""
+
+    def __init__(self, path: Path | str, busy_timeout_s: float = 30.0) -> None:
+        self.path = Path(path)
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        try:
+            self._db = sqlite3.connect(self.path, timeout=busy_timeout_s, isolation_level=None)
+            self._db.execute("PRAGMA journal_mode=WAL")
+            self._db.execute("PRAGMA synchronous=NORMAL")
+            if self._schema_version() is None:
+                self._create_schema()
+        except sqlite3.DatabaseError as exc:
+            self.close()
+            raise StoreError(_explain(self.path, exc)) from exc
+        except StoreError:
+            self.close()
+            raise
+
+    def _schema_version(self) -> int | None:
+        """The schema version of an existing store (a read: opening a busy store needs no lock)."""
+        exists = self._db.execute("SELECT 1 FROM sqlite_master WHERE type = 'table' AND name = 'meta'").fetchone()
+        row = self._db.execute("SELECT value FROM meta WHERE key = 'schema_version'").fetchone() if exists else None
+        if row is not None and int(row[0]) != SCHEMA_VERSION:
+            raise StoreError(f"{self.path}: trial store schema {row[0]}, this Polymorph reads {SCHEMA_VERSION}")
+        return None if row is None else int(row[0])
+
+    def _create_schema(self) -> None:
+        def create() -> None:
+            for statement in _SCHEMA.split(";"):
+                if statement.strip():
+                    self._db.execute(statement)
+            row = self._db.execute("SELECT value FROM meta WHERE key = 'schema_version'").fetchone()
+            if row is None:
+                self._db.execute("INSERT INTO meta VALUES ('schema_version', ?)", (str(SCHEMA_VERSION),))
+            elif int(row[0]) != SCHEMA_VERSION:
+                raise StoreError(f"{self.path}: trial store schema {row[0]}, this Polymorph reads {SCHEMA_VERSION}")
+
+        self._transaction(create)
+
+    def _transaction(self, body: Callable[[], T]) -> T:
+        """Run `body` in one write transaction (taken up front, so concurrent writers queue)."""
+        try:
+            self._db.execute("BEGIN IMMEDIATE")
+        except sqlite3.OperationalError as exc:
+            raise StoreError(_explain(self.path, exc)) from exc
+        try:
+            result = body()
+            self._db.execute("COMMIT")
+            return result
+        except sqlite3.Error as exc:
+            self._db.execute("ROLLBACK")
+            raise StoreError(_explain(self.path, exc)) from exc
+        except BaseException:
+            self._db.execute("ROLLBACK")
+            raise
+
+    def record_trial(
+        self, run_id: str, now: float, model: ModelSpec, gpu: GpuSpec, num_gpus: int, fingerprints: Fingerprints,
+        shape: TrafficShape, evaluator: str, proposer: str, config: EngineConfig, gates: Sequence[tuple[str, str, str]],
+        metrics: Metrics | None, note: str = "",
+    ) -> int:
+        row = (
+            run_id, now, model.name, fingerprints.model, gpu.name, num_gpus, fingerprints.hardware, shape.name,
+            shape_fingerprint(shape), json.dumps(shape.to_dict()), evaluator, proposer, json.dumps(config.to_dict()),
+            config_key(config), "rejected" if metrics is None else "evaluated", json.dumps([list(g) for g in gates]),
+            None if metrics is None else json.dumps(metrics.to_dict()), note,
+        )
+        insert = ("INSERT INTO trials (run_id, created_at, model, model_fp, gpu, num_gpus, hardware_fp, shape_name, shape_fp, "
+                  "shape_json, evaluator, proposer, config_json, config_key, status, gates_json, metrics_json, note) "
+                  "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)")
+        return self._transaction(lambda: int(self._db.execute(insert, row).lastrowid))  # type: ignore[arg-type]
+
+    def record_artefact(
+        self, run_id: str, now: float, model: ModelSpec, gpu: GpuSpec, num_gpus: int, fingerprints: Fingerprints,
+        shape: TrafficShape, evaluator: str, objective: str, config: EngineConfig, metrics: Metrics, baseline: Metrics,
+        num_trials: int, warm_start: bool, reason: str,
+    ) -> int:
+        row = (run_id, now, model.name, fingerprints.model, gpu.name, num_gpus, fingerprints.hardware, shape.name,
+               shape_fingerprint(shape), evaluator, objective, json.dumps(config.to_dict()), json.dumps(metrics.to_dict()),
+               json.dumps(baseline.to_dict()), num_trials, int(warm_start), reason, fingerprints.engine_version)
+        insert = ("INSERT INTO artefacts (run_id, created_at, model, model_fp, gpu, num_gpus, hardware_fp, shape_name, "
+                  "shape_fp, evaluator, objective, config_json, metrics_json, baseline_json, num_trials, warm_start, reason, "
+                  "engine_version) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)")
+        return self._transaction(lambda: int(self._db.execute(insert, row).lastrowid))  # type: ignore[arg-type]
+
+    def assign_pools(self, artefact_id: int, pools: Sequence[str]) -> None:
+        """Record which pools run a compiled artefact (the fleet calls this after a rollout)."""
+        update = "UPDATE artefacts SET pools_json = ? WHERE id = ?"
+        self._transaction(lambda: self._db.execute(update, (json.dumps(sorted(pools)), artefact_id)))
+
+    def trials(self, model: str, gpu: str, num_gpus: int, evaluator: str | None = None, run_id: str | None = None) -> list[TrialRecord]:
+        """Every trial of `model` on `num_gpus` x `gpu` (fresh and stale), oldest first."""
+        query = "SELECT * FROM trials WHERE model = ? AND gpu = ? AND num_gpus = ?"
+        params: list[object] = [model, gpu, num_gpus]
+        if evaluator is not None:
+            query, params = query + " AND evaluator = ?", [*params, evaluator]
+        if run_id is not None:
+            query, params = query + " AND run_id = ?", [*params, run_id]
+        return [_trial(row) for row in self._read(query + " ORDER BY id", params)]
+
+    def artefacts(self, model: str | None = None, gpu: str | None = None, limit: int = 20) -> list[ArtefactRecord]:
+        """Compiled artefacts, newest first, optionally for one model and GPU kind."""
+        query, params = "SELECT * FROM artefacts WHERE 1 = 1", []
+        if model is not None:
+            query, params = query + " AND model = ?", [*params, model]
+        if gpu is not None:
+            query, params = query + " AND gpu = ?", [*params, gpu]
+        return [_artefact(row) for row in self._read(query + " ORDER BY id DESC LIMIT ?", [*params, limit])]
+
+    def _read(self, query: str, params: Sequence[object]) -> list[dict[str, object]]:
+        try:
+            cursor = self._db.execute(query, params)
+            names = [d[0] for d in cursor.description]
+            return [dict(zip(names, row)) for row in cursor.fetchall()]
+        except sqlite3.DatabaseError as exc:
+            raise StoreError(_explain(self.path, exc)) from exc
+
+    def close(self) -> None:
+        db = getattr(self, "_db", None)
+        if db is not None:
+            db.close()
+            self._db = None  # type: ignore[assignment]
+
+    def __enter__(self) -> TrialStore:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def _trial(row: Mapping[str, object]) -> TrialRecord:
+    metrics = row["metrics_json"]
+    return TrialRecord(
+        trial_id=int(row["id"]), run_id=str(row["run_id"]), created_at=float(row["created_at"]),  # type: ignore[arg-type]
+        model=str(row["model"]), model_fp=str(row["model_fp"]), gpu=str(row["gpu"]), num_gpus=int(row["num_gpus"]),  # type: ignore[call-overload]
+        hardware_fp=str(row["hardware_fp"]), shape=TrafficShape.from_dict(json.loads(str(row["shape_json"]))),
+        shape_fp=str(row["shape_fp"]), evaluator=str(row["evaluator"]), proposer=str(row["proposer"]),
+        config=EngineConfig.from_dict(json.loads(str(row["config_json"]))), status=str(row["status"]),
+        gates=tuple(tuple(g) for g in json.loads(str(row["gates_json"]))),  # type: ignore[misc]
+        metrics=None if metrics is None else Metrics.from_dict(json.loads(str(metrics))), note=str(row["note"]),
+    )
+
+
+def _artefact(row: Mapping[str, object]) -> ArtefactRecord:
+    return ArtefactRecord(
+        artefact_id=int(row["id"]), run_id=str(row["run_id"]), created_at=float(row["created_at"]),  # type: ignore[arg-type]
+        model=str(row["model"]), gpu=str(row["gpu"]), num_gpus=int(row["num_gpus"]), shape_name=str(row["shape_name"]),  # type: ignore[call-overload]
+        shape_fp=str(row["shape_fp"]), evaluator=str(row["evaluator"]), objective=str(row["objective"]),
+        config=EngineConfig.from_dict(json.loads(str(row["config_json"]))),
+        metrics=Metrics.from_dict(json.loads(str(row["metrics_json"]))),
+        baseline=Metrics.from_dict(json.loads(str(row["baseline_json"]))), num_trials=int(row["num_trials"]),  # type: ignore[call-overload]
+        warm_start=bool(row["warm_start"]), reason=str(row["reason"]), engine_version=str(row["engine_version"]),
+        pools=tuple(json.loads(str(row["pools_json"]))),
+    )
+
+
+def _explain(path: Path, exc: sqlite3.Error) -> str:
+    text = str(exc)
+    if "locked" in text or "busy" in text:
+        return f"trial store {path} is locked by another process for too long ({text}); nothing was written"
+    if "not a database" in text or "malformed" in text:
+        return f"trial store {path} is not a readable SQLite trial store ({text}); move it aside or pass another --store"
+    return f"trial store {path}: {text}"

@@ -1,0 +1,69 @@
+"""`polymorph compile`, `compile history`, the trace summary and the worker process, end to end."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+from kernels.compiler import Budget, CompileRequest, CompileWorker
+from kernels.compiler.evaluators import ReplayEvaluator
+from kernels.compiler.trace_shape import prefix_share, shape_from_trace
+
+POLYMORPH = [sys.executable, "-m", "gateway.cli"]
+METRIC_KEYS = {"goodput_rps", "throughput_tokens_s", "ttft_p99_s", "tpot_p99_s", "cost_per_mtok"}
+
+
+def _polymorph(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([*POLYMORPH, *args], capture_output=True, text=True, timeout=120, check=False)
+
+
+def test_compile_json_contract_and_history(tmp_path: Path) -> None:
+    store = tmp_path / "trials.sqlite3"
+    done = _polymorph("compile", "--model", "llama-3.1-8b", "--gpu", "H100", "--shape", "reasoning", "--budget", "2",
+                      "--store", str(store), "--json")
+    assert done.returncode == 0, done.stderr
+    report = json.loads(done.stdout.strip().splitlines()[-1])
+    assert {"config", "sglang_args", "vllm_args", "predicted", "baseline", "trials", "warm_start", "store"} <= set(report)
+    assert METRIC_KEYS <= set(report["predicted"]) and METRIC_KEYS <= set(report["baseline"])
+    assert report["trials"] == 2 and report["warm_start"] is False and report["store"] == str(store)
+    assert report["sglang_args"][:2] == ["--model-path", "meta-llama/Llama-3.1-8B"] and report["vllm_args"][0] == "serve"
+    assert report["predicted"]["goodput_rps"] >= report["baseline"]["goodput_rps"] > 0
+    history = _polymorph("compile", "history", "--store", str(store), "--trials")
+    assert history.returncode == 0, history.stderr
+    assert "shape reasoning" in history.stdout and "winner:" in history.stdout and "engine-default" in history.stdout
+
+
+def test_compile_reports_bad_input_plainly(tmp_path: Path) -> None:
+    done = _polymorph("compile", "--model", "llama-3.1-8b", "--gpu", "H100", "--shape", "nope", "--no-store")
+    assert done.returncode != 0 and "built-in shapes: short-chat, long-context, reasoning, batch" in done.stderr
+    corrupt = tmp_path / "bad.sqlite3"
+    corrupt.write_bytes(b"garbage" * 200)
+    done = _polymorph("compile", "history", "--store", str(corrupt))
+    assert done.returncode != 0 and "not a readable SQLite trial store" in done.stderr
+
+
+def test_trace_becomes_a_shape_and_a_replay(tmp_path: Path) -> None:
+    trace = tmp_path / "t.jsonl"
+    rows = [{"timestamp": i * 100, "input_length": 1024 + 512 * (i % 3), "output_length": 64 + i, "hash_ids": [1, 2, 10 + i]}
+            for i in range(40)]
+    trace.write_text("\n".join(json.dumps(r) for r in rows) + "\nnot json\n")
+    shape, requests = shape_from_trace(trace, "mooncake", tier="standard")
+    assert len(requests) == 40 and requests[-1].arrival_s == 3.9  # Mooncake timestamps are milliseconds
+    assert shape.ttft_p99_s == 3.0 and shape.arrival_rate_rps == 40 / 3.9
+    assert prefix_share(requests) == (2 * 39) / (3 * 40)
+    from kernels.catalog import get_gpu, get_model
+    from kernels.config import EngineConfig
+
+    metrics = ReplayEvaluator(requests, speedups=(1, 4)).evaluate(get_model("llama-3.1-8b"), get_gpu("H100"), EngineConfig(), shape)
+    assert metrics.goodput_rps == 4 * 40 / 3.9 and metrics.ttft_p99_s < shape.ttft_p99_s
+
+
+def test_compile_runs_in_a_worker_process(tmp_path: Path) -> None:
+    store = tmp_path / "w.sqlite3"
+    with CompileWorker() as worker:
+        future = worker.submit(CompileRequest("llama-3.1-8b", "H100", 1, "batch", budget=Budget(trials=2), store_path=str(store),
+                                                   evaluator="analytic"))
+        result = future.result(timeout=120)
+    assert result is not None and result.trials == 2 and result.store_path == str(store)
