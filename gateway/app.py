@@ -12,6 +12,7 @@ import hmac
 import sys
 import time
 import traceback
+from collections.abc import Callable
 
 import aiohttp
 import orjson
@@ -22,6 +23,7 @@ from gateway.admin import AdminHandlers
 from gateway.config import GatewayConfig, Tenant
 from gateway.dashboard import add_dashboard_routes, is_admin_request
 from gateway.errors import ApiError, error_response
+from gateway.live_fleet import LiveFleet
 from gateway.openapi import DOCUMENT_BYTES
 from gateway.probes import HealthProber
 from gateway.proxy import Outcome, Proxy
@@ -81,6 +83,17 @@ async def _read_json(request: web.Request, max_body_bytes: int, timeout_s: float
         raise ApiError(400, f"The request body is not valid JSON: {exc}.", "invalid_json") from None
 
 
+def _met_slo(runtime: Runtime, tier: str, outcome: Outcome) -> bool:
+    """Did this request meet its tier's objectives? (A latency the gateway could not see counts as met.)"""
+    if outcome.status != 200 or outcome.stream_error is not None:
+        return False
+    objectives = runtime.config.tiers.get(tier)
+    return objectives is None or (
+        (outcome.ttft_s is None or outcome.ttft_s <= objectives.ttft_p99_s)
+        and (outcome.tpot_s is None or outcome.tpot_s <= objectives.tpot_p99_s)
+    )
+
+
 class Handlers:
     def __init__(self, state: GatewayState) -> None:
         self.state = state
@@ -113,6 +126,8 @@ class Handlers:
             if not tenant.may_use_model(model):
                 raise ApiError(403, f"This key may not use model {model[:200]!r}.", "model_not_allowed", "model")
             shape = runtime.classifier.classify(body, chat=chat, tenant=tenant.name, tier=tier)  # type: ignore[arg-type]
+            if state.live is not None:
+                state.live.telemetry.record_arrival(state.live.now(), shape.name, tier, shape.prompt_tokens)
             state.metrics.child(state.metrics.shapes, shape.name, shape.domain).inc()
             limiter = runtime.limiters[tenant.name]
             refusal = limiter.admit(shape.prompt_tokens + (max_tokens or shape.predicted_output_p50), loop.time())
@@ -146,7 +161,10 @@ class Handlers:
             if outcome.tpot_s is not None:
                 metrics.child(metrics.tpot, tier, outcome.pool).observe(outcome.tpot_s)
         if shape is not None:
-            self._record_series(runtime, tier, shape, outcome)
+            met_slo = _met_slo(runtime, tier, outcome)
+            self.state.series.record(time.time(), shape.name, tier, outcome.pool, outcome.status == 200, met_slo, outcome.ttft_s, outcome.tpot_s)
+            if self.state.live is not None:
+                self.state.live.telemetry.record_outcome(self.state.live.now(), shape.name, outcome.pool, met_slo, outcome.completion_tokens or 0)
         if outcome.completion_tokens is not None:
             metrics.child(metrics.tokens, tenant, "completion").inc(outcome.completion_tokens)
             if shape is not None and outcome.status == 200:
@@ -174,18 +192,6 @@ class Handlers:
                     "stream_error": outcome.stream_error,
                 }
             )
-
-    def _record_series(self, runtime: Runtime, tier: str, shape: Shape, outcome: Outcome) -> None:
-        ok = outcome.status == 200 and outcome.stream_error is None
-        objectives = runtime.config.tiers.get(tier)
-        met = ok and (
-            objectives is None
-            or (
-                (outcome.ttft_s is None or outcome.ttft_s <= objectives.ttft_p99_s)
-                and (outcome.tpot_s is None or outcome.tpot_s <= objectives.tpot_p99_s)
-            )
-        )
-        self.state.series.record(time.time(), shape.name, tier, outcome.pool, ok, met, outcome.ttft_s, outcome.tpot_s)
 
     async def models(self, request: web.Request) -> web.Response:
         if request.method != "GET":
@@ -234,10 +240,14 @@ async def _on_startup(app: web.Application) -> None:
     state.prober.start()
     if state.access_log is not None:
         state.access_log.start()
+    if state.live is not None:
+        state.live.start_loop()
 
 
 async def _on_cleanup(app: web.Application) -> None:
     state = app[STATE_KEY]
+    if state.live is not None:
+        await state.live.stop_loop()
     if state.prober is not None:
         await state.prober.stop()
     if state.access_log is not None:
@@ -248,9 +258,17 @@ async def _on_cleanup(app: web.Application) -> None:
         state.upstream_pool.close()
 
 
-def build_app(config: GatewayConfig, replica_urls: dict[str, list[str]] | None = None) -> web.Application:
-    """The gateway as an aiohttp app. Raises ClassifierLoadError early if the classifier cannot load."""
+def build_app(
+    config: GatewayConfig,
+    replica_urls: dict[str, list[str]] | None = None,
+    live_fleet: Callable[[GatewayState], LiveFleet] | None = None,
+) -> web.Application:
+    """The gateway as an aiohttp app. Raises ClassifierLoadError early if the classifier cannot load.
+
+    ``live_fleet`` builds the control loop over the replicas an actuator started (fleet.controller)."""
     state = GatewayState(config, replica_urls or {})
+    if live_fleet is not None:
+        state.live = live_fleet(state)
     app = web.Application(client_max_size=config.server.max_body_bytes)
     app[STATE_KEY] = state
     h = Handlers(state)

@@ -101,6 +101,16 @@ class PoolSpec:
 
 
 @dataclass(frozen=True, slots=True)
+class ControllerSettingsFile:
+    """``fleet.controller``: the control loop that repartitions emulated replicas among pool shapes."""
+
+    enabled: bool = False
+    tick_s: float = 5.0
+    decision_log: Path | None = None  # JSON lines, appended; the last ones are also at GET /admin/decisions
+    capacity_cache: Path | None = None
+
+
+@dataclass(frozen=True, slots=True)
 class GatewayConfig:
     source: str
     server: ServerSettings
@@ -111,6 +121,7 @@ class GatewayConfig:
     shapes: ShapeRules
     pools: tuple[PoolSpec, ...]
     emulator_speed: float = 1.0
+    controller: ControllerSettingsFile = field(default_factory=ControllerSettingsFile)
     watched_files: tuple[Path, ...] = field(default=())
     tenants_dir: Path | None = None
 
@@ -310,8 +321,19 @@ def _check_engine(doc: YamlDoc, path: FieldPath, model: str | None, gpu: str | N
         raise doc.error((*path, "engine"), str(exc)) from None
 
 
-def _fleet(doc: YamlDoc, shapes: ShapeRules) -> tuple[tuple[PoolSpec, ...], float]:
-    r = _Reader(doc, ("fleet",), doc.data.get("fleet"), {"pools", "emulator_speed"})
+def _controller(doc: YamlDoc, base: Path, raw: object) -> ControllerSettingsFile:
+    r = _Reader(doc, ("fleet", "controller"), raw, {"enabled", "tick_s", "decision_log", "capacity_cache"})
+    log, cache = r.text("decision_log", None), r.text("capacity_cache", None)
+    return ControllerSettingsFile(
+        enabled=r.flag("enabled", False),
+        tick_s=r.number("tick_s", 5.0, lo=0.1, hi=3600),
+        decision_log=(base / log).resolve() if log else None,
+        capacity_cache=Path(cache).expanduser() if cache else None,
+    )
+
+
+def _fleet(doc: YamlDoc, shapes: ShapeRules, base: Path) -> tuple[tuple[PoolSpec, ...], float, ControllerSettingsFile]:
+    r = _Reader(doc, ("fleet",), doc.data.get("fleet"), {"pools", "emulator_speed", "controller"})
     raw = r.data.get("pools")
     if not isinstance(raw, list) or not raw:
         raise doc.error(("fleet", "pools"), "must be a non-empty list of pools")
@@ -321,7 +343,8 @@ def _fleet(doc: YamlDoc, shapes: ShapeRules) -> tuple[tuple[PoolSpec, ...], floa
         if pool.name in seen:
             raise doc.error(("fleet", "pools", i, "name"), f"pool name {pool.name!r} is used twice")
         seen.add(pool.name)
-    return pools, r.number("emulator_speed", 1.0, lo=0.01, hi=10000)
+    speed = r.number("emulator_speed", 1.0, lo=0.01, hi=10000)
+    return pools, speed, _controller(doc, base, r.data.get("controller"))
 
 
 # --- tenants -------------------------------------------------------------------------------------
@@ -420,7 +443,7 @@ def load_config(path: Path) -> GatewayConfig:
     tiers = _tiers(doc)
     shapes = _shapes(doc)
     tenants, tenant_files, tenants_dir = _tenants(doc, path.parent, tiers)
-    pools, speed = _fleet(doc, shapes)
+    pools, speed, controller = _fleet(doc, shapes, path.parent)
     return GatewayConfig(
         source=str(path),
         server=_server(doc),
@@ -431,6 +454,7 @@ def load_config(path: Path) -> GatewayConfig:
         shapes=shapes,
         pools=pools,
         emulator_speed=speed,
+        controller=controller,
         watched_files=(path, *tenant_files),
         tenants_dir=tenants_dir,
     )

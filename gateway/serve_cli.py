@@ -10,12 +10,18 @@ import os
 import resource
 import shutil
 import signal
-import socket
 import sys
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from gateway.config import DEMO_ADMIN_TOKEN, DEMO_API_KEY, GatewayConfig
+
+if TYPE_CHECKING:
+    from fleet.actuators.local import LocalActuator
+    from gateway.live_fleet import LiveFleet
+    from gateway.state import GatewayState
 
 
 def register(commands: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
@@ -65,7 +71,10 @@ def _load(args: argparse.Namespace) -> GatewayConfig:
     return replace(config, server=server)
 
 
-def _start_local_fleet(config: GatewayConfig, log_dir: Path | None):  # type: ignore[no-untyped-def]
+_EMULATE_COMMAND = (sys.executable, "-m", "gateway.cli", "emulate")
+
+
+def _start_local_fleet(config: GatewayConfig, log_dir: Path | None) -> tuple[LocalActuator, dict[str, list[str]]]:
     """Start the emulated replicas the config declares; returns the actuator and pool -> URLs."""
     import orjson
 
@@ -74,7 +83,7 @@ def _start_local_fleet(config: GatewayConfig, log_dir: Path | None):  # type: ig
     actuator = LocalActuator(log_dir or Path(tempfile.mkdtemp(prefix="polymorph-replicas-")))
     urls: dict[str, list[str]] = {}
     started = []
-    command = (sys.executable, "-m", "gateway.cli", "emulate")
+    command = _EMULATE_COMMAND
     for pool in config.pools:
         for i in range(pool.num_emulated):
             assert pool.gpu is not None
@@ -112,7 +121,12 @@ def _raise_open_file_limit() -> None:
         resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
 
 
-async def _serve(config: GatewayConfig, replica_urls: dict[str, list[str]], config_path: Path | None, sock: socket.socket | None) -> None:
+async def _serve(
+    config: GatewayConfig,
+    replica_urls: dict[str, list[str]],
+    config_path: Path | None,
+    live_fleet: Callable[[GatewayState], LiveFleet] | None = None,
+) -> None:
     from aiohttp import web
 
     logging.getLogger("aiohttp.server").addFilter(_OneLineParseErrors())
@@ -121,13 +135,10 @@ async def _serve(config: GatewayConfig, replica_urls: dict[str, list[str]], conf
     from gateway.app import STATE_KEY, build_app
     from gateway.reload import ConfigWatcher
 
-    app = build_app(config, replica_urls)
+    app = build_app(config, replica_urls, live_fleet)
     runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
     await runner.setup()
-    if sock is not None:
-        site: web.BaseSite = web.SockSite(runner, sock, backlog=4096)
-    else:
-        site = web.TCPSite(runner, config.server.host, config.server.port, backlog=4096, reuse_port=True)
+    site = web.TCPSite(runner, config.server.host, config.server.port, backlog=4096, reuse_port=True)
     await site.start()
     watcher = ConfigWatcher(app[STATE_KEY], config_path) if config_path is not None else None
     if watcher is not None:
@@ -142,10 +153,34 @@ async def _serve(config: GatewayConfig, replica_urls: dict[str, list[str]], conf
     await runner.cleanup()
 
 
-def _run_worker(config: GatewayConfig, replica_urls: dict[str, list[str]], config_path: Path | None) -> None:
+def _run_worker(
+    config: GatewayConfig,
+    replica_urls: dict[str, list[str]],
+    config_path: Path | None,
+    live_fleet: Callable[[GatewayState], LiveFleet] | None = None,
+) -> None:
     import uvloop
 
-    uvloop.run(_serve(config, replica_urls, config_path, None))
+    uvloop.run(_serve(config, replica_urls, config_path, live_fleet))
+
+
+def _live_fleet_factory(config: GatewayConfig, actuator: LocalActuator) -> Callable[[GatewayState], LiveFleet] | None:
+    """The control loop over the emulated replicas, when the config enables it."""
+    if not config.controller.enabled:
+        return None
+    emulated = [p for p in config.pools if p.num_emulated]
+    if not emulated:
+        print("polymorph: fleet.controller needs emulated replicas to move; the controller is off", file=sys.stderr)
+        return None
+
+    def build(state: GatewayState) -> LiveFleet:
+        from gateway.live_fleet import LiveFleet
+
+        live = LiveFleet(state, actuator, _EMULATE_COMMAND, emulated[0].model, config.emulator_speed, config.controller)
+        live.adopt()
+        return live
+
+    return build
 
 
 def _run_serve(args: argparse.Namespace) -> int:
@@ -163,8 +198,10 @@ def _run_serve(args: argparse.Namespace) -> int:
     print(f"polymorph: serving on {where} with {args.workers} worker(s); pools: {', '.join(p.name for p in config.pools)}", file=sys.stderr, flush=True)
     try:
         if args.workers <= 1:
-            _run_worker(config, replica_urls, config_path)
+            _run_worker(config, replica_urls, config_path, _live_fleet_factory(config, actuator))
             return 0
+        if config.controller.enabled:
+            print("polymorph: fleet.controller runs only with --workers 1; serving the configured pools as they are", file=sys.stderr)
         return _run_workers(args.workers, config, replica_urls, config_path)
     except ClassifierLoadError as exc:
         print(f"polymorph: cannot load the classifier: {exc}", file=sys.stderr)

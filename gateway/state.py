@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import time
 from typing import TYPE_CHECKING
 
@@ -18,6 +19,7 @@ from gateway.series import Series
 from gateway.upstream import UpstreamPool
 
 if TYPE_CHECKING:
+    from gateway.live_fleet import LiveFleet
     from gateway.probes import HealthProber
     from gateway.proxy import Proxy
 
@@ -38,6 +40,7 @@ class GatewayState:
         self.upstream_pool: UpstreamPool | None = None
         self.proxy: Proxy | None = None
         self.prober: HealthProber | None = None
+        self.live: LiveFleet | None = None  # the control loop, when fleet.controller is enabled
 
     def urls_for(self, config: GatewayConfig) -> dict[str, list[str]]:
         """Static URLs from the config plus the replicas an actuator started for each pool."""
@@ -45,7 +48,10 @@ class GatewayState:
 
     def apply(self, config: GatewayConfig) -> Runtime:
         """Swap in a new config version; in-flight requests keep the runtime they started with."""
-        self.runtime = build_runtime(config, self.urls_for(config), self.runtime, asyncio.get_running_loop().time())
+        runtime = build_runtime(config, self.urls_for(config), self.runtime, asyncio.get_running_loop().time())
+        if self.live is not None:  # the controller owns the pools now; the config seeded them
+            runtime = dataclasses.replace(runtime, pools=self.runtime.pools, replica_by_name=self.runtime.replica_by_name)
+        self.runtime = runtime
         self._publish_runtime()
         return self.runtime
 

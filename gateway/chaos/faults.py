@@ -12,7 +12,15 @@ import asyncio
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from gateway.chaos.load import CLEAR, OK, ChaosClient, Request, chat_request, open_loop, percentile
+from gateway.chaos.load import (
+    CLEAR,
+    OK,
+    ChaosClient,
+    Request,
+    chat_request,
+    open_loop,
+    percentile,
+)
 from gateway.chaos.report import Check, ScenarioResult, summarize
 from gateway.chaos.stack import ChaosStack, PoolPlan, StackPlan, TenantPlan
 

@@ -18,7 +18,15 @@ from dataclasses import dataclass
 
 import orjson
 
-from gateway.chaos.load import OK, Answer, ChaosClient, chat_request, closed_loop, open_loop, percentile
+from gateway.chaos.load import (
+    OK,
+    Answer,
+    ChaosClient,
+    chat_request,
+    closed_loop,
+    open_loop,
+    percentile,
+)
 from gateway.chaos.report import Check, ScenarioResult, summarize
 from gateway.chaos.stack import ChaosStack, PoolPlan, StackPlan, TenantPlan
 

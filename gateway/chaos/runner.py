@@ -15,10 +15,30 @@ import tempfile
 from collections.abc import Sequence
 from pathlib import Path
 
-from gateway.chaos.faults import FAULT_SCENARIOS, LOAD_KEY, MODEL, FaultRunner, FaultSettings, fault_plan
+from gateway.chaos.faults import (
+    FAULT_SCENARIOS,
+    LOAD_KEY,
+    MODEL,
+    FaultRunner,
+    FaultSettings,
+    fault_plan,
+)
 from gateway.chaos.hostile import hostile_input, run_schemathesis
-from gateway.chaos.pressure import OverloadSettings, idle_plan, idle_streams, overload, overload_plan, raise_fd_limit
-from gateway.chaos.report import Check, ScenarioResult, json_summary, render_table, skipped
+from gateway.chaos.pressure import (
+    OverloadSettings,
+    idle_plan,
+    idle_streams,
+    overload,
+    overload_plan,
+    raise_fd_limit,
+)
+from gateway.chaos.report import (
+    Check,
+    ScenarioResult,
+    json_summary,
+    render_table,
+    skipped,
+)
 from gateway.chaos.stack import ChaosStack
 
 HOSTILE_SCENARIOS = ("hostile-input", "schemathesis")

@@ -1,0 +1,74 @@
+"""The control loop live: the gateway's controller drains, moves and restarts emulated replicas under
+load, logs every decision, and no request fails while it does."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+import urllib.request
+from pathlib import Path
+
+import aiohttp
+
+from tests.support.procs import start_gateway, write_tenant
+
+KEY, ADMIN = "sk-test-live", "admin-token-live"
+SPEED = 20.0  # emulated GPUs, and the controller's clock, run 20x faster than real time
+
+
+def _admin(url: str, path: str) -> dict[str, object]:
+    request = urllib.request.Request(url + path, headers={"Authorization": f"Bearer {ADMIN}"})
+    with urllib.request.urlopen(request, timeout=5) as resp:
+        return json.loads(resp.read())  # type: ignore[no-any-return]
+
+
+async def _traffic(url: str, duration_s: float, rate_rps: float) -> list[int]:
+    statuses: list[int] = []
+    body = {"model": "llama-3.1-8b", "messages": [{"role": "user", "content": "Say hello to the team, briefly."}], "max_tokens": 64, "ignore_eos": True}
+
+    async def one(session: aiohttp.ClientSession) -> None:
+        async with session.post(url + "/v1/chat/completions", json=body, headers={"Authorization": f"Bearer {KEY}"}) as resp:
+            await resp.read()
+            statuses.append(resp.status)
+
+    async with aiohttp.ClientSession() as session:
+        tasks = []
+        started = time.monotonic()
+        while time.monotonic() - started < duration_s:
+            tasks.append(asyncio.create_task(one(session)))
+            await asyncio.sleep(1 / rate_rps)
+        await asyncio.gather(*tasks)
+    return statuses
+
+
+def test_controller_repartitions_under_load_without_failing_a_request(tmp_path: Path) -> None:
+    (tmp_path / "tenants").mkdir()
+    write_tenant(tmp_path / "tenants", "live", KEY, max_concurrency=1000, rate_limits={"requests_per_min": 1_000_000})
+    config = {
+        "server": {"admin_token": ADMIN, "access_log": False},
+        "tenants_dir": "tenants",
+        "fleet": {
+            "pools": [{"name": "mixed", "model": "llama-3.1-8b", "gpu": "H100-SXM", "shapes": ["short-chat"], "replicas": {"emulated": 2}}],
+            "emulator_speed": SPEED,
+            "controller": {"enabled": True, "tick_s": 5.0, "decision_log": "decisions.jsonl"},
+        },
+    }
+    path = tmp_path / "config.yaml"
+    path.write_text(json.dumps(config))
+    gateway = start_gateway(tmp_path, ["--config", str(path)])
+    try:
+        statuses = asyncio.run(_traffic(gateway.url, duration_s=14.0, rate_rps=25.0))
+        decisions = _admin(gateway.url, "/admin/decisions")["decisions"]
+        state = _admin(gateway.url, "/admin/state")
+    finally:
+        gateway.stop()
+    assert statuses and set(statuses) == {200}, f"{len(statuses)} requests: {sorted(set(statuses))}"
+    kinds = [d["kind"] for d in decisions]  # type: ignore[union-attr]
+    assert kinds[:3] == ["drift", "plan", "step"], kinds
+    moved = decisions[2]["evidence"]["moves"]  # type: ignore[index]
+    assert moved and all(m[2] == "short-chat@H100-SXM" for m in moved)
+    pools = {p["name"]: p for p in state["pools"]}  # type: ignore[union-attr]
+    assert "short-chat@H100-SXM" in pools and pools["short-chat@H100-SXM"]["replicas"]
+    logged = [json.loads(line) for line in (tmp_path / "decisions.jsonl").read_text().splitlines()]
+    assert [entry["kind"] for entry in logged] == kinds
