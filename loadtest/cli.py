@@ -5,6 +5,8 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from loadtest.sim_cli import register_bench_adapt, register_simulate
+
 _DESCRIPTION = """\
 Replay production traffic (a trace) or a named scenario against any OpenAI-compatible endpoint
 (Polymorph, sglang, vLLM, another gateway), open loop by default, and write results.json,
@@ -80,6 +82,7 @@ def register(commands: argparse._SubParsersAction) -> None:  # type: ignore[type
     )
     add_fast_backend_arguments(backend)
     backend.set_defaults(handler=_run_fast_backend)
+    register_simulate(commands)
 
 
 def add_fast_backend_arguments(parser: argparse.ArgumentParser) -> None:
@@ -142,6 +145,7 @@ def register_bench(benches: argparse._SubParsersAction) -> None:  # type: ignore
     p.add_argument("--trials", type=int, default=3, help="trials per rate (each with its own seed)")
     p.add_argument("--seed", type=int, default=0, help="arrival seed")
     p.set_defaults(handler=_run_bench_loadgen)
+    register_bench_adapt(benches)
 
 
 def _run_bench_loadgen(args: argparse.Namespace) -> int:

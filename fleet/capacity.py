@@ -1,0 +1,114 @@
+"""How much traffic of one shape a replica serves within its SLO, from the performance model.
+
+``PerfCapacity.estimate(gpu, config, load, slo)`` runs ``kernels.predict.max_rate_under_slo`` on the
+shape's length distribution: the cross product of its equal-mass prompt and output points
+(fleet.lengths; the means when a load carries no points) as a Poisson load on the engine scheduler,
+the same engine the simulator and emulator run, against the p99 TTFT and TPOT of the shape's
+strictest tier. Sizing pools from mean lengths under-provisions heavy-tailed shapes (the long prompts
+set the p99 TTFT); the points carry the tail. Points are on a quarter-octave grid, so nearby windows
+share a cache entry and a stationary mix costs nothing after its first plan. The cache can persist to
+a JSON file (the bench keeps one between runs).
+
+``choose_config`` is the one place that picks a pool's engine configuration for a shape; it tries a
+small candidate set today and is where the configuration compiler (kernels.compiler) plugs in.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Protocol
+
+from fleet.lengths import snap_tokens
+from fleet.telemetry import ShapeLoad
+from fleet.tiers import TierSlo
+from kernels.catalog import get_gpu, get_model
+from kernels.config import EngineConfig
+from kernels.perf import PerfModel
+from kernels.predict import Workload, max_rate_under_slo, simulate
+
+# sglang's defaults, small chunks (short prompts, tight TPOT), large chunks (long prompts, fast TTFT)
+CANDIDATE_CONFIGS: tuple[EngineConfig, ...] = (
+    EngineConfig(),
+    EngineConfig(chunked_prefill_size=2048),
+    EngineConfig(chunked_prefill_size=8192),
+)
+
+
+@dataclass(frozen=True, slots=True)
+class Capacity:
+    rate_rps: float  # per replica, within the SLO
+    concurrency: float  # requests in flight per replica at that rate (Little's law on the prediction)
+
+
+class CapacityModel(Protocol):
+    def estimate(self, gpu: str, config: EngineConfig, load: ShapeLoad, slo: TierSlo) -> Capacity: ...
+
+
+def length_points(load: ShapeLoad) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """The load's (prompt, output) points on the grid; its snapped means when it has none."""
+    prompts = load.prompt_points or (snap_tokens(load.mean_prompt_tokens),)
+    outputs = load.output_points or (snap_tokens(load.mean_output_tokens or 1),)
+    return prompts, outputs
+
+
+class PerfCapacity:
+    """Capacity from kernels.predict, cached per (model, GPU, config, snapped lengths, SLO)."""
+
+    def __init__(self, model: str, cache_path: Path | None = None, rel_tol: float = 0.05, num_requests: int = 400) -> None:
+        self.model = model
+        self.cache_path = cache_path
+        self.rel_tol = rel_tol
+        self.num_requests = num_requests
+        self._key_to_capacity: dict[str, Capacity] = {}
+        self.num_evaluations = 0
+        if cache_path is not None and cache_path.is_file():
+            for key, (rate, conc) in json.loads(cache_path.read_text()).items():
+                self._key_to_capacity[key] = Capacity(rate, conc)
+
+    def estimate(self, gpu: str, config: EngineConfig, load: ShapeLoad, slo: TierSlo) -> Capacity:
+        prompts, outputs = length_points(load)
+        key = json.dumps([self.model, gpu, config.to_dict(), prompts, outputs, slo.ttft_p99_s, slo.tpot_p99_s], sort_keys=True)
+        found = self._key_to_capacity.get(key)
+        if found is None:
+            found = self._key_to_capacity[key] = self._evaluate(gpu, config, prompts, outputs, slo)
+            self._save()
+        return found
+
+    def _evaluate(self, gpu: str, config: EngineConfig, prompts: tuple[int, ...], outputs: tuple[int, ...], slo: TierSlo) -> Capacity:
+        self.num_evaluations += 1
+        perf = PerfModel(get_model(self.model), get_gpu(gpu), config)
+        if not perf.fits or max(prompts) + max(outputs) > perf.kv_capacity_tokens:
+            return Capacity(0.0, 0.0)
+        workloads = [Workload(p, o, num_requests=self.num_requests) for p in prompts for o in outputs]
+        rate = max_rate_under_slo(perf, workloads, ttft_p99_s=slo.ttft_p99_s, tpot_p99_s=slo.tpot_p99_s, rel_tol=self.rel_tol)
+        if rate <= 0:
+            return Capacity(0.0, 0.0)
+        at = simulate(perf, [Workload(w.isl, w.osl, rate=rate, num_requests=self.num_requests) for w in workloads], [1.0] * len(workloads))
+        mean_osl = sum(outputs) / len(outputs)
+        return Capacity(rate, rate * (at.ttft_mean_s + at.tpot_mean_s * mean_osl))
+
+    def _save(self) -> None:
+        if self.cache_path is None:
+            return
+        self.cache_path.parent.mkdir(parents=True, exist_ok=True)
+        data = {key: [c.rate_rps, c.concurrency] for key, c in sorted(self._key_to_capacity.items())}
+        partial = self.cache_path.with_suffix(f".{os.getpid()}.tmp")
+        partial.write_text(json.dumps(data))
+        os.replace(partial, self.cache_path)  # atomic: a concurrent reader never sees half a file
+
+
+def choose_config(capacity: CapacityModel, gpu: str, load: ShapeLoad, slo: TierSlo) -> tuple[EngineConfig, Capacity]:
+    """The engine configuration that serves ``load`` fastest within ``slo`` on one ``gpu`` replica.
+
+    The swap point for kernels.compiler.compile_config: replace the body with one call to it.
+    Ties keep the earlier candidate, so sglang's defaults win unless another config really helps.
+    """
+    best = (CANDIDATE_CONFIGS[0], capacity.estimate(gpu, CANDIDATE_CONFIGS[0], load, slo))
+    for config in CANDIDATE_CONFIGS[1:]:
+        found = capacity.estimate(gpu, config, load, slo)
+        if found.rate_rps > best[1].rate_rps * 1.02:
+            best = (config, found)
+    return best

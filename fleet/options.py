@@ -1,0 +1,112 @@
+"""Pool options for the planner: one per (traffic shape, GPU kind), configured and sized by the model.
+
+A pool is named ``<shape>@<gpu>``. Its engine configuration is the one ``choose_config`` picks for the
+shape's current length profile and strictest tier; its capacity per replica comes from the capacity
+model. The controller, and the simulator's static and oracle policies, all plan through here, so every
+policy is judged by the same model.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+from fleet.capacity import CapacityModel, choose_config
+from fleet.planner import PlanProblem, PoolOption
+from fleet.telemetry import ShapeLoad, TrafficMix
+from fleet.tiers import TierSlo, strictest, tier_weight
+from kernels.catalog import get_gpu, get_model
+from kernels.config import EngineConfig
+from kernels.perf import PerfModel
+
+
+@dataclass(frozen=True, slots=True)
+class MoveCost:
+    """What moving a replica costs: drain, then an engine restart. The one place these assumptions live.
+
+    Defaults, for Llama-3.1-8B-class models on H100/H200 (all configurable):
+
+    * weights read at 2 GB/s per GPU: 16 GB of bf16 weights in ~8 s. Published start-up logs bracket
+      it: ~2 s for the four safetensors shards of Llama-3.1-8B from a page-cached local snapshot
+      (sgl-project/sglang#15426) and 53 s from a slow shared disk (pytorch/serve#3315, 13.4 s/shard);
+      2 GB/s is a local NVMe read. A cold image or weight download is not charged.
+    * CUDA-graph capture 15 s: vLLM captures 67 graphs by default, "more than 10s" depending on model
+      and GPU (vllm-project/vllm#20098), and up to a minute before its warm-up fix (vllm#29275);
+      sglang captures one graph per batch size up to cuda_graph_max_bs in the same way.
+    * warm-up 5 s (first requests, JIT kernels, health check): an assumption, not measured.
+
+    Large models are far slower: sglang reports 3-6+ minutes for e.g. Qwen3-235B FP8 on 4 GPUs
+    (sgl-project/sglang#27139), which is why the planner charges the restart against its gain.
+    """
+
+    load_gb_per_s: float = 2.0
+    cuda_graph_capture_s: float = 15.0
+    warmup_s: float = 5.0
+    drain_s: float = 20.0  # expected wait for in-flight requests (the simulator measures the real one)
+
+    def restart_s(self, model: str, gpu: str, config: EngineConfig) -> float:
+        """Engine start-up: each GPU reads its weight shard in parallel, then graphs and warm-up."""
+        weight_bytes = PerfModel(get_model(model), get_gpu(gpu), config).weight_bytes_per_gpu
+        return weight_bytes / (self.load_gb_per_s * 1e9) + self.cuda_graph_capture_s + self.warmup_s
+
+
+def pool_name(shape: str, gpu: str) -> str:
+    return f"{shape}@{gpu}"
+
+
+def config_json(config: EngineConfig) -> str:
+    return json.dumps({k: v for k, v in config.to_dict().items() if v != getattr(EngineConfig(), k)}, sort_keys=True)
+
+
+@dataclass(frozen=True, slots=True)
+class Options:
+    pools: tuple[PoolOption, ...]
+    pool_to_config: tuple[tuple[str, EngineConfig], ...]
+    pool_to_concurrency: tuple[tuple[str, float], ...]  # in flight per replica at capacity (router saturation)
+
+    def configs_json(self) -> dict[str, str]:
+        return {name: config_json(c) for name, c in self.pool_to_config}
+
+
+def pool_options(
+    loads: tuple[ShapeLoad, ...],
+    gpus: tuple[str, ...],
+    capacity: CapacityModel,
+    tiers: Mapping[str, TierSlo],
+) -> Options:
+    pools: list[PoolOption] = []
+    configs: list[tuple[str, EngineConfig]] = []
+    concurrency: list[tuple[str, float]] = []
+    for load in loads:
+        slo = strictest(load.tier_shares(), tiers)
+        weight = tier_weight(load.tier_shares(), tiers)
+        for gpu in gpus:
+            config, cap = choose_config(capacity, gpu, load, slo)
+            if cap.rate_rps <= 0:
+                continue
+            name = pool_name(load.name, gpu)
+            pools.append(PoolOption(name, gpu, load.name, config.num_gpus, cap.rate_rps, weight))
+            configs.append((name, config))
+            concurrency.append((name, cap.concurrency))
+    return Options(tuple(pools), tuple(configs), tuple(concurrency))
+
+
+def problem_for(
+    options: Options,
+    mixes: tuple[TrafficMix, ...],
+    gpu_to_budget: Mapping[str, int],
+    current: Mapping[str, int] | None = None,
+    move_cost_s: float = 0.0,
+    horizon_s: float = 600.0,
+) -> PlanProblem:
+    """A planning problem over ``mixes`` (equally weighted); a replica change costs its pool's
+    weighted capacity for ``move_cost_s`` out of ``horizon_s`` (halved: each move changes two pools)."""
+    demands = tuple(tuple((s.name, s.rate_rps) for s in mix.shapes) for mix in mixes)
+    costs = tuple(
+        (p.name, p.weight * p.rate_per_replica_rps * move_cost_s / horizon_s / 2) for p in options.pools
+    ) if move_cost_s > 0 else ()
+    return PlanProblem(
+        options.pools, tuple(sorted(gpu_to_budget.items())), demands, tuple(1.0 for _ in mixes),
+        tuple(sorted((current or {}).items())), costs,
+    )

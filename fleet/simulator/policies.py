@@ -1,0 +1,150 @@
+"""The five fleet policies the simulator compares, built on the same planner and capacity model.
+
+* ``round-robin``: one pool of every GPU with sglang's default configuration, least-load routing.
+* ``static-initial``: the best partition and configurations for the first 10 minutes' mix (the first
+  half of runs shorter than 20 minutes), then frozen.
+* ``static-hindsight``: the best single partition for every minute of the run at once (it knows the
+  future; the planner maximises the goodput summed over all windows).
+* ``adaptive``: starts like static-initial, then Polymorph's controller (drift, plan, rollout, verify).
+* ``oracle``: at every window start, re-plans for that window's true mix and swaps replicas at once
+  (no drain, no restart; the old engines finish their in-flight requests off the books).
+"""
+
+from __future__ import annotations
+
+from bisect import bisect_left
+from collections.abc import Mapping
+
+import numpy as np
+
+from fleet.capacity import CapacityModel
+from fleet.controller import Controller, ControllerSettings, initial_slots
+from fleet.decisions import DecisionLog, decision
+from fleet.lengths import length_bin
+from fleet.options import MoveCost, Options, pool_options, problem_for
+from fleet.planner import fill_budget, plan
+from fleet.rollout import SlotState, diff_moves
+from fleet.simulator.world import FleetSim
+from fleet.telemetry import TrafficMix, mix_from_counts
+from fleet.tiers import TierSlo
+
+POLICIES = ("round-robin", "static-initial", "static-hindsight", "adaptive", "oracle")
+INITIAL_WINDOW_S = 600.0
+WINDOW_S = 60.0
+
+
+def true_mix(sim: FleetSim, start_s: float, end_s: float) -> TrafficMix:
+    """The mix the workload really sends in ``[start_s, end_s)`` (what an oracle knows), with the
+    same length histograms telemetry keeps."""
+    counts: dict[str, list] = {}
+    bins: dict[str, tuple[dict[int, int], dict[int, int]]] = {}
+    specs, shapes = sim.specs, sim.shapes
+    for index in range(bisect_left(sim.arrivals_s, start_s), bisect_left(sim.arrivals_s, end_s)):
+        spec, shape = specs[index], shapes[index]
+        entry = counts.setdefault(shape, [0, 0.0, 0.0, 0, {}])
+        entry[0] += 1
+        entry[1] += spec.input_tokens
+        entry[2] += spec.output_tokens
+        entry[3] += 1
+        entry[4][spec.tier] = entry[4].get(spec.tier, 0) + 1
+        prompt_bins, output_bins = bins.setdefault(shape, ({}, {}))
+        for hist, tokens in ((prompt_bins, spec.input_tokens), (output_bins, spec.output_tokens)):
+            k = length_bin(tokens)
+            hist[k] = hist.get(k, 0) + 1
+    return mix_from_counts(end_s, end_s - start_s, {k: tuple(v) for k, v in counts.items()}, bins)  # type: ignore[misc]
+
+
+def initial_window_s(duration_s: float) -> float:
+    return min(INITIAL_WINDOW_S, duration_s / 2)
+
+
+def _deploy(sim: FleetSim, options: Options, counts: Mapping[str, int]) -> list[SlotState]:
+    sim.set_saturation(options.pool_to_concurrency)
+    slots = initial_slots(counts, options)
+    sim.deploy(slots)
+    return slots
+
+
+def _plan_for(mixes: tuple[TrafficMix, ...], profile: TrafficMix, budget: Mapping[str, int],
+              capacity: CapacityModel, tiers: Mapping[str, TierSlo]) -> tuple[Options, dict[str, int]]:
+    options = pool_options(profile.shapes, tuple(sorted(budget)), capacity, tiers)
+    problem = problem_for(options, mixes, budget)
+    found = plan(problem)
+    if found is None:
+        raise ValueError(f"no allocation of {dict(budget)} fits the pool options")
+    return options, fill_budget(problem, found).replicas()
+
+
+def setup(
+    policy: str, sim: FleetSim, budget: Mapping[str, int], capacity: CapacityModel,
+    tiers: Mapping[str, TierSlo], log: DecisionLog, move_cost: MoveCost,
+) -> Controller | None:
+    """Deploy the policy's starting fleet on ``sim`` and hook its control loop to the ticks."""
+    duration = sim.workload.duration_s
+    if policy == "round-robin":
+        slots = [SlotState(f"{gpu}/{k}", "all", gpu, "{}") for gpu, n in sorted(budget.items()) for k in range(n)]
+        sim.deploy(slots)
+        return None
+    first = true_mix(sim, 0.0, initial_window_s(duration))
+    if policy == "static-hindsight":
+        windows = tuple(true_mix(sim, t, min(duration, t + WINDOW_S)) for t in np.arange(0.0, duration, WINDOW_S))
+        options, counts = _plan_for(windows, true_mix(sim, 0.0, duration), budget, capacity, tiers)
+        _deploy(sim, options, counts)
+        return None
+    options, counts = _plan_for((first,), first, budget, capacity, tiers)
+    _deploy(sim, options, counts)
+    if policy == "static-initial":
+        return None
+    if policy == "oracle":
+        _hook_oracle(sim, budget, capacity, tiers, log)
+        return None
+    if policy != "adaptive":
+        raise ValueError(f"unknown policy {policy!r} (choose from {', '.join(POLICIES)})")
+    model = sim.settings.model
+    settings = ControllerSettings(model, dict(budget), dict(tiers), move_cost=move_cost)
+    controller = Controller(settings, sim.telemetry, capacity, sim, first)
+    sim.settings.restart_s = lambda gpu, config: move_cost.restart_s(model, gpu, config)
+
+    def tick(now: float) -> None:
+        log.extend(controller.tick(now, sim.slot_states()))
+        if controller.options is not None:
+            sim.set_saturation(controller.options.pool_to_concurrency)
+
+    sim.on_tick = tick
+    return controller
+
+
+class OracleState:
+    def __init__(self) -> None:
+        self.num_repartitions = 0
+        self.next_plan_at = WINDOW_S
+
+
+def _hook_oracle(sim: FleetSim, budget: Mapping[str, int], capacity: CapacityModel,
+                 tiers: Mapping[str, TierSlo], log: DecisionLog) -> None:
+    """Every window, the best plan for the next window's true mix, swapped in at once (no drain, no
+    restart: the limit any real controller can approach)."""
+    state = OracleState()
+    sim.oracle = state  # type: ignore[attr-defined]
+
+    def tick(now: float) -> None:
+        if now < state.next_plan_at or now >= sim.workload.duration_s:
+            return
+        state.next_plan_at = now + WINDOW_S
+        window = true_mix(sim, now, now + WINDOW_S)
+        if not window.shapes:
+            return
+        # lengths and tiers from a 5-minute span around the window: one minute's sample is too noisy
+        # to size a pool by (and would miss the capacity cache on every window)
+        profile = true_mix(sim, max(0.0, now - 2 * WINDOW_S), now + 3 * WINDOW_S)
+        options, counts = _plan_for((window,), profile, budget, capacity, tiers)
+        sim.set_saturation(options.pool_to_concurrency)
+        pool_to_gpu = {p.name: p.gpu for p in options.pools}
+        moves = diff_moves(sim.slot_states(), counts, pool_to_gpu, options.configs_json())
+        if moves:
+            state.num_repartitions += 1
+            log.append(decision(now, "plan", moves=tuple(moves), outcome="oracle", diff=counts))
+            for move in moves:
+                sim.swap(move.slot, move.to_pool, move.config_json, now)
+
+    sim.on_tick = tick

@@ -1,0 +1,237 @@
+"""The simulated fleet: pools of virtual replicas behind the real router, fed by a workload.
+
+``FleetSim`` is also the simulator's ``Actuator`` (fleet.rollout): drain marks a replica as draining
+for the router, stop removes it, start builds a new engine with the new configuration that becomes
+healthy ``restart_s`` later, activate makes it routable in its pool.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from classifiers.shape import Shape, ShapeRules, default_shape_rules
+from fleet.health import CircuitBreaker
+from fleet.pool import PoolState, ReplicaState
+from fleet.rollout import SlotState
+from fleet.router import Reject, RouterSettings, route
+from fleet.simulator.events import Event, EventLoop
+from fleet.simulator.replica import VirtualReplica
+from fleet.simulator.traffic import SimRequest, Traffic
+from fleet.telemetry import Telemetry
+from fleet.tiers import DEFAULT_TIERS, TierSlo
+from kernels.catalog import get_gpu, get_model
+from kernels.config import EngineConfig
+from kernels.engine_types import EngineRequest
+from kernels.perf import PerfModel
+
+KINDS = ("iteration", "arrival", "tick")  # simultaneous events run in this order
+
+
+def classify(spec: SimRequest, rules: ShapeRules) -> str:
+    """The simulator's classifier: the shape rules on the true lengths (a perfect output predictor)."""
+    return rules.select(spec.tier, spec.domain, spec.tenant, spec.input_tokens, spec.output_tokens)
+
+
+@dataclass(slots=True)
+class Outcomes:
+    """Per-request results, index-aligned with the workload's specs (NaN: not reached)."""
+
+    first_at: np.ndarray
+    finished_at: np.ndarray
+    overhead_s: np.ndarray
+    met_slo: np.ndarray
+    num_dropped: int = 0
+
+    @classmethod
+    def empty(cls, num: int) -> Outcomes:
+        return cls(np.full(num, np.nan), np.full(num, np.nan), np.zeros(num), np.zeros(num, dtype=bool))
+
+
+@dataclass(slots=True)
+class SimSettings:
+    model: str
+    tiers: dict[str, TierSlo] = field(default_factory=lambda: dict(DEFAULT_TIERS))
+    rules: ShapeRules = field(default_factory=default_shape_rules)
+    router: RouterSettings = field(default_factory=RouterSettings)
+    tick_s: float = 5.0
+    restart_s: Callable[[str, EngineConfig], float] = lambda gpu, config: 0.0
+
+
+class FleetSim:
+    def __init__(self, settings: SimSettings, workload: Traffic, telemetry: Telemetry) -> None:
+        self.settings = settings
+        self.workload = workload
+        self.specs = workload.specs
+        self.telemetry = telemetry
+        self.shapes = [classify(s, settings.rules) for s in self.specs]
+        self.arrivals_s = [s.arrival_s for s in self.specs]
+        self.outcomes = Outcomes.empty(len(self.specs))
+        self.pools: dict[str, PoolState] = {}
+        self.pool_to_max_running: dict[str, int] = {}
+        self.slots: dict[str, VirtualReplica] = {}
+        self.slot_to_gpu: dict[str, str] = {}
+        self.slot_to_config_json: dict[str, str] = {}
+        self.loop = EventLoop(KINDS)
+        self.loop.on("iteration", self._on_iteration)
+        self.loop.on("arrival", self._on_arrival)
+        self.on_tick: Callable[[float], None] = lambda now: None
+        self.loop.on("tick", self._on_tick)
+        self._model = get_model(settings.model)
+        self._num_done = 0
+
+    # --- deployment ---------------------------------------------------------------------------------
+    def deploy(self, slots: list[SlotState], now: float = 0.0) -> None:
+        for slot in slots:
+            self.slot_to_gpu[slot.slot] = slot.gpu
+            self.start(slot.slot, slot.pool, slot.config_json, now, ready_at=now)
+            self.activate(slot.slot, now)
+
+    def slot_states(self) -> list[SlotState]:
+        out = []
+        for name, rep in sorted(self.slots.items()):
+            out.append(SlotState(name, rep.pool, self.slot_to_gpu[name], self.slot_to_config_json[name]))
+        return out
+
+    def _pool(self, name: str) -> PoolState:
+        pool = self.pools.get(name)
+        if pool is None:
+            shape = name.split("@", 1)[0]
+            shapes = frozenset(self.settings.rules.names) if shape == "all" else frozenset({shape})
+            pool = PoolState(name, None, shapes, None, self.pool_to_max_running.get(name, 64))
+            self.pools[name] = pool
+        return pool
+
+    # --- Actuator -----------------------------------------------------------------------------------
+    def drain(self, slot: str, now: float) -> None:
+        """Routable no more; requests still waiting in its engine (no token produced yet) are taken
+        back and routed again, as a gateway retries a request that has sent no bytes: a drain then
+        waits only for the running batch, not for a queue built up under overload."""
+        rep = self.slots[slot]
+        rep.state.draining = True
+        for req_id in rep.engine.waiting_req_ids():
+            index = int(req_id)
+            spec = self.specs[index]
+            rep.engine.abort(req_id, now)
+            del rep.req_to_domain[req_id]
+            rep.state.end(spec.input_tokens + spec.output_tokens)
+            for event in self._dispatch(index, now):
+                self.loop.push(*event)
+
+    def num_in_flight(self, slot: str) -> int:
+        rep = self.slots.get(slot)
+        return rep.num_in_flight if rep is not None else 0
+
+    def stop(self, slot: str, now: float) -> None:
+        rep = self.slots.pop(slot)
+        pool = self.pools[rep.pool]
+        if rep.state in pool.replicas:
+            pool.replicas.remove(rep.state)
+
+    def start(self, slot: str, pool: str, config_json: str, now: float, ready_at: float | None = None) -> None:
+        gpu = self.slot_to_gpu[slot]
+        config = EngineConfig.from_dict(json.loads(config_json))
+        self.slot_to_config_json[slot] = config_json
+        perf = PerfModel(self._model, get_gpu(gpu), config)
+        state = ReplicaState(slot, f"sim://{slot}", pool, CircuitBreaker(3, 5.0), affinity_salt=hash(slot) & 0xFFFF)
+        when = now + self.settings.restart_s(gpu, config) if ready_at is None else ready_at
+        self.slots[slot] = VirtualReplica(slot, pool, perf, state, when)
+
+    def swap(self, slot: str, pool: str, config_json: str, now: float) -> None:
+        """The oracle's move: instant and free. The old engine leaves the router and finishes its
+        in-flight requests off the books (its iterations keep running); a new one serves from ``now``."""
+        old = self.slots[slot]
+        members = self.pools[old.pool].replicas
+        if old.state in members:
+            members.remove(old.state)
+        self.start(slot, pool, config_json, now, ready_at=now)
+        self.activate(slot, now)
+
+    def is_healthy(self, slot: str, now: float) -> bool:
+        rep = self.slots.get(slot)
+        return rep is not None and now >= rep.ready_at
+
+    def activate(self, slot: str, now: float) -> None:
+        rep = self.slots[slot]
+        self._pool(rep.pool).replicas.append(rep.state)
+
+    def set_saturation(self, pool_to_concurrency: Iterable[tuple[str, float]]) -> None:
+        """In-flight requests per replica at which a pool counts as saturated (router overflow)."""
+        for pool, concurrency in pool_to_concurrency:
+            self.pool_to_max_running[pool] = max(1, math.ceil(concurrency))
+            if pool in self.pools:
+                self.pools[pool].max_running_per_replica = self.pool_to_max_running[pool]
+
+    # --- events -------------------------------------------------------------------------------------
+    def run(self, end_s: float, grace_s: float = 1800.0) -> None:
+        for index, spec in enumerate(self.specs):
+            self.loop.push(spec.arrival_s, "arrival", index)
+        for k in range(1, int(end_s / self.settings.tick_s) + 1):
+            self.loop.push(k * self.settings.tick_s, "tick")
+        self.loop.run(end_s)
+        self.loop.run(end_s + grace_s, stop=lambda: self._num_done >= len(self.specs))
+
+    def _on_tick(self, now: float, _: object) -> None:
+        self.on_tick(now)
+
+    def _on_arrival(self, now: float, index: int) -> Iterable[Event]:
+        spec = self.specs[index]
+        self.telemetry.record_arrival(now, self.shapes[index], spec.tier, spec.input_tokens)
+        return self._dispatch(index, now)
+
+    def _dispatch(self, index: int, now: float) -> Iterable[Event]:
+        spec = self.specs[index]
+        shape_name = self.shapes[index]
+        prefix_fp = spec.hash_ids[0] if spec.hash_ids else 0
+        shape = Shape(shape_name, spec.domain, 1.0, spec.input_tokens, spec.output_tokens, spec.output_tokens,
+                      spec.tier, spec.tenant, prefix_fp, None, True)
+        decision = route(shape, self.settings.model, list(self.pools.values()), now, self.settings.router)
+        if isinstance(decision, Reject):
+            return self._drop(index)
+        rep = self.slots[decision.replica]
+        req = EngineRequest(str(index), spec.input_tokens, spec.output_tokens, spec.domain, spec.hash_ids, spec.arrival_s)
+        if not rep.add(req, now):
+            return self._drop(index)
+        rep.state.begin(spec.input_tokens + spec.output_tokens)
+        self.outcomes.overhead_s[index] = rep.perf.request_overhead_s
+        plan = rep.next_plan(now) or rep.cut_for_arrival(now)
+        return [(plan.ended_at, "iteration", (rep, rep.plan_seq))] if plan is not None else ()
+
+    def _drop(self, index: int) -> tuple[()]:
+        self.outcomes.num_dropped += 1
+        self._num_done += 1
+        return ()
+
+    def _on_iteration(self, now: float, payload: tuple[VirtualReplica, int]) -> Iterable[Event]:
+        rep, seq = payload
+        if seq != rep.plan_seq or rep.plan is None:
+            return ()  # superseded by a cut
+        outputs = rep.finish_plan(now)
+        out = self.outcomes
+        for req_id in outputs.first_token_req_ids:
+            out.first_at[int(req_id)] = now
+        for req_id in outputs.finished_req_ids:
+            self._finish(int(req_id), rep, now)
+        plan = rep.next_plan(now)
+        return [(plan.ended_at, "iteration", (rep, rep.plan_seq))] if plan is not None else ()
+
+    def _finish(self, index: int, rep: VirtualReplica, now: float) -> None:
+        spec, out = self.specs[index], self.outcomes
+        out.finished_at[index] = now
+        ttft = out.first_at[index] - spec.arrival_s + out.overhead_s[index]
+        tpot = (now - out.first_at[index]) / (spec.output_tokens - 1) if spec.output_tokens > 1 else 0.0
+        slo = self.settings.tiers.get(spec.tier) or self.settings.tiers["standard"]
+        met = bool(slo.met(ttft, tpot))
+        out.met_slo[index] = met
+        rep.state.end(spec.input_tokens + spec.output_tokens)
+        self.telemetry.record_outcome(now, self.shapes[index], rep.pool, met, spec.output_tokens)
+        self._num_done += 1
+
+
+def nan_percentile(values: np.ndarray, q: float) -> float:
+    finite = values[np.isfinite(values)]
+    return float(np.percentile(finite, q)) if finite.size else math.nan

@@ -1,0 +1,201 @@
+"""Sense: a sliding-window traffic mix per shape and SLO attainment per pool, O(1) per record.
+
+The gateway calls ``record_arrival`` when it has classified a request and ``record_outcome`` when the
+response ends; the simulator calls the same two methods on its virtual clock. Time is bucketed
+(``bucket_s``) in a ring of ``window_s / bucket_s`` buckets, so a record is a few dict updates and a
+window is a sum over the ring. Arrivals, not completions, measure demand: under overload completions
+only show what the fleet managed to serve.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+from fleet.lengths import add_counts, equal_mass_points, length_bin
+
+
+@dataclass(frozen=True, slots=True)
+class ShapeLoad:
+    """One shape's traffic over a window."""
+
+    name: str
+    rate_rps: float
+    mean_prompt_tokens: float
+    mean_output_tokens: float
+    tier_to_share: tuple[tuple[str, float], ...]
+    # equally weighted length points (fleet.lengths); () when only the means are known
+    prompt_points: tuple[int, ...] = ()
+    output_points: tuple[int, ...] = ()
+
+    def tier_shares(self) -> dict[str, float]:
+        return dict(self.tier_to_share)
+
+
+@dataclass(frozen=True, slots=True)
+class PoolSlo:
+    pool: str
+    num_requests: int
+    num_met: int
+
+    @property
+    def attainment(self) -> float:
+        return self.num_met / self.num_requests if self.num_requests else 1.0
+
+
+@dataclass(frozen=True, slots=True)
+class TrafficMix:
+    """The mix over ``[ended_at - window_s, ended_at)``: per-shape loads, sorted by name."""
+
+    ended_at: float
+    window_s: float
+    shapes: tuple[ShapeLoad, ...]
+    pools: tuple[PoolSlo, ...] = ()
+
+    @property
+    def total_rate_rps(self) -> float:
+        return sum(s.rate_rps for s in self.shapes)
+
+    def shape(self, name: str) -> ShapeLoad | None:
+        for load in self.shapes:
+            if load.name == name:
+                return load
+        return None
+
+    def goodput_rps(self) -> float:
+        return sum(p.num_met for p in self.pools) / self.window_s if self.window_s else 0.0
+
+    def to_json(self) -> dict[str, object]:
+        return {
+            "window_s": self.window_s,
+            "shapes": {
+                s.name: {"rate_rps": round(s.rate_rps, 3), "prompt_tokens": round(s.mean_prompt_tokens),
+                         "output_tokens": round(s.mean_output_tokens), "prompt_points": list(s.prompt_points),
+                         "output_points": list(s.output_points), "tiers": dict(s.tier_to_share)}
+                for s in self.shapes
+            },
+            "pool_attainment": {p.pool: round(p.attainment, 4) for p in self.pools},
+        }
+
+
+def mix_from_counts(
+    ended_at: float,
+    window_s: float,
+    shape_to_counts: Mapping[str, tuple[int, float, float, int, Mapping[str, int]]],
+    shape_to_bins: Mapping[str, tuple[Mapping[int, int], Mapping[int, int]]] | None = None,
+) -> TrafficMix:
+    """Build a mix from per-shape (arrivals, prompt tokens, output tokens, outcomes, tier counts) and,
+    optionally, per-shape (prompt, output) length histograms (fleet.lengths bins)."""
+    loads = []
+    for name in sorted(shape_to_counts):
+        num, prompt, output, num_out, tiers = shape_to_counts[name]
+        if num == 0:
+            continue
+        shares = tuple(sorted((t, n / num) for t, n in tiers.items() if n))
+        prompt_bins, output_bins = (shape_to_bins or {}).get(name, ({}, {}))
+        loads.append(ShapeLoad(name, num / window_s, prompt / num, output / num_out if num_out else 0.0, shares,
+                               equal_mass_points(prompt_bins), equal_mass_points(output_bins)))
+    return TrafficMix(ended_at, window_s, tuple(loads))
+
+
+class _Bucket:
+    __slots__ = ("shape_to_arrivals", "pool_to_outcomes", "shape_to_outputs")
+
+    def __init__(self) -> None:
+        self.shape_to_arrivals: dict[str, list] = {}  # shape -> [num, prompt_tokens, {tier: num}, {bin: num}]
+        self.shape_to_outputs: dict[str, list] = {}  # shape -> [num, completion_tokens, {bin: num}]
+        self.pool_to_outcomes: dict[str, list[int]] = {}  # pool -> [num, num_met]
+
+
+class Telemetry:
+    """Ring of time buckets; every method takes ``now`` (seconds on the caller's clock)."""
+
+    def __init__(self, window_s: float = 120.0, bucket_s: float = 5.0) -> None:
+        if not (window_s > 0 and bucket_s > 0) or window_s < bucket_s:
+            raise ValueError(f"need window_s >= bucket_s > 0, got {window_s} and {bucket_s}")
+        self.window_s = window_s
+        self.bucket_s = bucket_s
+        self._num_buckets = int(math.ceil(window_s / bucket_s))
+        self._ring = [_Bucket() for _ in range(self._num_buckets)]
+        self._current = -1  # absolute index of the newest bucket
+        self._first: int | None = None  # absolute index of the first bucket ever written
+
+    def _bucket(self, now: float) -> _Bucket:
+        index = int(now // self.bucket_s)
+        if index != self._current:
+            if index < self._current:  # a late record (clock skew between workers): count it as current
+                return self._ring[self._current % self._num_buckets]
+            for stale in range(max(self._current + 1, index - self._num_buckets + 1), index + 1):
+                self._ring[stale % self._num_buckets] = _Bucket()
+            self._current = index
+            if self._first is None:
+                self._first = index
+        return self._ring[index % self._num_buckets]
+
+    def record_arrival(self, now: float, shape: str, tier: str, prompt_tokens: int) -> None:
+        bucket = self._bucket(now)
+        entry = bucket.shape_to_arrivals.get(shape)
+        if entry is None:
+            entry = bucket.shape_to_arrivals[shape] = [0, 0, {}, {}]
+        entry[0] += 1
+        entry[1] += prompt_tokens
+        tiers, bins = entry[2], entry[3]
+        tiers[tier] = tiers.get(tier, 0) + 1
+        index = length_bin(prompt_tokens)
+        bins[index] = bins.get(index, 0) + 1
+
+    def record_outcome(self, now: float, shape: str, pool: str, met_slo: bool, completion_tokens: int) -> None:
+        bucket = self._bucket(now)
+        out = bucket.shape_to_outputs.get(shape)
+        if out is None:
+            out = bucket.shape_to_outputs[shape] = [0, 0, {}]
+        out[0] += 1
+        out[1] += completion_tokens
+        index = length_bin(completion_tokens)
+        out[2][index] = out[2].get(index, 0) + 1
+        pool_entry = bucket.pool_to_outcomes.get(pool)
+        if pool_entry is None:
+            pool_entry = bucket.pool_to_outcomes[pool] = [0, 0]
+        pool_entry[0] += 1
+        pool_entry[1] += 1 if met_slo else 0
+
+    def covered_s(self, now: float) -> float:
+        """How much of the window holds data (less than window_s during warm-up)."""
+        if self._first is None:
+            return 0.0
+        return min(self.window_s, now - self._first * self.bucket_s)
+
+    def window(self, now: float, span_s: float | None = None) -> TrafficMix:
+        """The mix over the last window, or its last ``span_s`` (complete buckets only, so the newest
+        partial bucket cannot bias rates)."""
+        self._bucket(now)
+        num_full = min(self._num_buckets - 1, self._current - (self._first or 0))
+        if span_s is not None:
+            num_full = min(num_full, max(1, int(span_s // self.bucket_s)))
+        counts: dict[str, tuple[int, float, float, int, dict[str, int]]] = {}
+        pools: dict[str, list[int]] = {}
+        bins: dict[str, tuple[dict[int, int], dict[int, int]]] = {}
+        for back in range(1, num_full + 1):
+            bucket = self._ring[(self._current - back) % self._num_buckets]
+            for shape, (num, prompt, tiers, prompt_bins) in bucket.shape_to_arrivals.items():
+                n0, p0, o0, no0, t0 = counts.get(shape, (0, 0.0, 0.0, 0, {}))
+                merged = dict(t0)
+                for tier, n in tiers.items():
+                    merged[tier] = merged.get(tier, 0) + n
+                counts[shape] = (n0 + num, p0 + prompt, o0, no0, merged)
+                add_counts(bins.setdefault(shape, ({}, {}))[0], prompt_bins)
+            for shape, (num_out, tokens, output_bins) in bucket.shape_to_outputs.items():
+                n0, p0, o0, no0, t0 = counts.get(shape, (0, 0.0, 0.0, 0, {}))
+                counts[shape] = (n0, p0, o0 + tokens, no0 + num_out, t0)
+                add_counts(bins.setdefault(shape, ({}, {}))[1], output_bins)
+            for pool, (num, met) in bucket.pool_to_outcomes.items():
+                acc = pools.setdefault(pool, [0, 0])
+                acc[0] += num
+                acc[1] += met
+        window_s = num_full * self.bucket_s
+        if window_s <= 0:
+            return TrafficMix(now, 0.0, ())
+        mix = mix_from_counts(self._current * self.bucket_s, window_s, counts, bins)
+        slos = tuple(PoolSlo(name, n, m) for name, (n, m) in sorted(pools.items()))
+        return TrafficMix(mix.ended_at, window_s, mix.shapes, slos)

@@ -1,0 +1,62 @@
+"""``polymorph bench adapt``: every named scenario x every fleet policy in virtual time, one table, one JSON line.
+
+All runs share one capacity model (and its on-disk cache), so every policy is planned with the same
+predictions. The defaults (see fleet/README.md for why) size the fleet so that drift-step's
+post-drift mix needs most of it at its SLO: 4 H100 + 4 H200 for llama-3.1-8b, the scenarios' time
+stretched 2x (drift-step's change lands at 600 s, the end of static-initial's planning window) and
+run for 1800 s. ``--quick`` runs two scenarios for 240 s on a small fleet (for tests).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+from fleet.capacity import PerfCapacity
+from fleet.simulator.policies import POLICIES
+from fleet.simulator.run import SimResult, simulate
+from loadtest.scenario import builtin_names
+from loadtest.simulate import budget_from_args, stretched_workload
+
+NAMED = ("stationary", "drift-step", "drift-ramp", "diurnal", "flash-crowd", "tenant-mix")
+
+
+def _ratio(a: float, b: float) -> float | None:
+    return round(a / b, 3) if b > 0 else None
+
+
+def main_bench(args: argparse.Namespace) -> int:
+    scenarios = tuple(args.scenarios.split(",")) if args.scenarios else NAMED
+    unknown = [s for s in scenarios if s not in builtin_names()]
+    if unknown:
+        print(f"polymorph bench adapt: unknown scenarios {unknown}")
+        return 2
+    policies = tuple(args.policies.split(",")) if args.policies else POLICIES
+    budget = budget_from_args(args)
+    duration = 240.0 if args.quick else args.duration
+    scenarios = scenarios[:2] if args.quick else scenarios
+    capacity = PerfCapacity(args.model, None if args.no_cache else Path(args.capacity_cache))
+    results: dict[str, dict[str, SimResult]] = {}
+    print(f"{'scenario':<12} {'policy':<17} {'goodput':>8} {'post-drift':>10} {'SLO%':>6} {'ttft p99':>9} {'tpot p99':>9} "
+          f"{'moves':>5} {'recomp':>6} {'drop':>5} {'wall s':>7}")
+    for name in scenarios:
+        workload = stretched_workload(name, duration, args.rate, args.stretch, args.seed)
+        for policy in policies:
+            r = simulate(workload, policy, budget, capacity, args.model)
+            results.setdefault(name, {})[policy] = r
+            print(f"{name:<12} {policy:<17} {r.goodput_rps:8.2f} {r.post_drift_goodput_rps:10.2f} {100 * r.slo_attainment:6.1f} "
+                  f"{r.ttft_p99_s:9.2f} {r.tpot_p99_s:9.3f} {r.repartitions:5d} {r.recompiles:6d} {r.dropped_requests:5d} {r.wall_s:7.1f}", flush=True)
+    summary: dict[str, object] = {"fleet": budget, "rate_rps": args.rate, "duration_s": duration, "stretch": args.stretch, "model": args.model}
+    for name, by_policy in results.items():
+        entry: dict[str, object] = {"goodput_rps": {p: round(r.goodput_rps, 3) for p, r in by_policy.items()},
+                                    "dropped": sum(r.dropped_requests for r in by_policy.values())}
+        adaptive = by_policy.get("adaptive")
+        if adaptive is not None:
+            entry["adaptive_over"] = {p: _ratio(adaptive.goodput_rps, r.goodput_rps) for p, r in by_policy.items() if p != "adaptive"}
+            entry["post_drift_adaptive_over"] = {p: _ratio(adaptive.post_drift_goodput_rps, r.post_drift_goodput_rps)
+                                                 for p, r in by_policy.items() if p != "adaptive"}
+        summary[name] = entry
+    summary["capacity_evaluations"] = capacity.num_evaluations
+    print(json.dumps(summary, sort_keys=True))
+    return 0

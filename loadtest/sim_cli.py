@@ -1,0 +1,80 @@
+"""Arguments of `polymorph simulate` and `polymorph bench adapt` (registered by loadtest/cli.py)."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+POLICY_NAMES = ("round-robin", "static-initial", "static-hindsight", "adaptive", "oracle")
+
+
+def _add_sim_args(p: argparse.ArgumentParser, fleet: str, rate: float | None, stretch: float) -> None:
+    p.add_argument("--model", default="llama-3.1-8b", help="catalogue model every pool serves")
+    p.add_argument("--fleet", default=fleet, help="GPU budget per kind, GPU:COUNT pairs")
+    p.add_argument("--gpus", type=int, default=None, help="total GPUs, spread over --fleet's kinds in its proportions")
+    p.add_argument("--rate", type=float, default=rate, help="scale the scenario to this mean request rate (req/s; default: the scenario's)")
+    p.add_argument("--stretch", type=float, default=stretch,
+                   help="stretch the scenario's time axis this many times (phase onsets, periods, bursts), keeping --rate")
+    p.add_argument("--seed", type=int, default=None, help="workload seed (default: the scenario's)")
+    p.add_argument("--capacity-cache", default=str(Path.home() / ".cache" / "polymorph" / "capacity.json"),
+                   help="JSON file caching capacity-model answers between runs")
+    p.add_argument("--no-cache", action="store_true", help="do not read or write --capacity-cache")
+
+
+def register_simulate(commands: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+    p = commands.add_parser(
+        "simulate",
+        help="run a fleet policy on a scenario or trace in virtual time",
+        description=(
+            "Replay a loadtest scenario or trace against a simulated fleet: the real router, drift detector, "
+            "planner, rollout and controller, and one kernels.engine.Engine per replica, on a virtual clock. "
+            "Policies: round-robin (one pool, default engine config), static-initial (best plan for the first "
+            "10 minutes, frozen), static-hindsight (best fixed plan for the whole run), adaptive (Polymorph's "
+            "controller; moves cost drain + restart), oracle (re-plans each minute, swaps for free). Prints goodput, "
+            "SLO attainment, p99 TTFT/TPOT, repartitions, recompiles and dropped requests."
+        ),
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    source = p.add_mutually_exclusive_group(required=True)
+    source.add_argument("--scenario", help="a built-in scenario name (e.g. drift-step) or a scenario YAML path")
+    source.add_argument("--trace", help="a trace file (see --format)")
+    p.add_argument("--format", default="native", help="trace format: azure, burstgpt, mooncake, native")
+    p.add_argument("--policy", default="adaptive", choices=POLICY_NAMES, help="fleet policy")
+    p.add_argument("--duration", type=float, default=None, help="seconds of traffic (default: the scenario's, times --stretch)")
+    p.add_argument("--decisions", default=None, help="append the decision log (JSON lines) to this file")
+    p.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
+    _add_sim_args(p, "H100-SXM:8,H200:8", None, 1.0)
+    p.set_defaults(handler=_run_simulate)
+
+
+def register_bench_adapt(benches: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+    p = benches.add_parser(
+        "adapt",
+        help="every named scenario x every fleet policy in the virtual-time simulator",
+        description=(
+            "Run `polymorph simulate` for each named scenario (stationary, drift-step, drift-ramp, diurnal, "
+            "flash-crowd, tenant-mix) with each policy (round-robin, static-initial, static-hindsight, adaptive, "
+            "oracle) on one fleet, print a table and, last, one JSON line with goodput per policy and the "
+            "adaptive policy's ratios to the others (whole run and after the last drift onset). The default "
+            "fleet, rate, stretch and duration are explained in fleet/README.md."
+        ),
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    p.add_argument("--scenarios", default=None, help="comma-separated subset of the named scenarios")
+    p.add_argument("--policies", default=None, help="comma-separated subset of the policies")
+    p.add_argument("--duration", type=float, default=1800.0, help="seconds of traffic per scenario")
+    p.add_argument("--quick", action="store_true", help="two scenarios, 240 s each (for tests)")
+    _add_sim_args(p, "H100-SXM:4,H200:4", 30.0, 2.0)
+    p.set_defaults(handler=_run_bench_adapt)
+
+
+def _run_simulate(args: argparse.Namespace) -> int:
+    from loadtest.simulate import main_simulate
+
+    return main_simulate(args)
+
+
+def _run_bench_adapt(args: argparse.Namespace) -> int:
+    from loadtest.bench_adapt import main_bench
+
+    return main_bench(args)

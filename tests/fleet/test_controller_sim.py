@@ -1,0 +1,126 @@
+"""Controller (drift -> plan -> step -> verify -> rollback) and the virtual-time simulator end to end."""
+
+from __future__ import annotations
+
+from fleet.capacity import Capacity
+from fleet.controller import Controller, ControllerSettings
+from fleet.drift import DriftSettings
+from fleet.rollout import SlotState
+from fleet.simulator.events import EventLoop
+from fleet.simulator.run import simulate
+from fleet.telemetry import Telemetry
+from kernels.config import EngineConfig
+from loadtest.scenario import build_workload, load_scenario
+from tests.fleet.test_planner_rollout import FakeActuator
+
+
+class TableCapacity:
+    """Capacity per shape from a table: fast, and exact for the tests."""
+
+    def __init__(self, shape_to_rate: dict[str, float]) -> None:
+        self.shape_to_rate = shape_to_rate
+
+    def estimate(self, gpu: str, config: EngineConfig, load, slo) -> Capacity:  # type: ignore[no-untyped-def]
+        rate = self.shape_to_rate.get(load.name, 1.0)
+        return Capacity(rate, rate * 2.0)
+
+
+def test_event_loop_orders_same_instant_by_kind_then_seq() -> None:
+    seen: list[str] = []
+    loop = EventLoop(("iteration", "arrival", "tick"))
+    for kind in ("tick", "arrival", "iteration"):
+        loop.on(kind, lambda now, payload, kind=kind: seen.append(f"{kind}{payload}"))
+    loop.push(1.0, "tick", 1)
+    loop.push(1.0, "arrival", 1)
+    loop.push(1.0, "arrival", 2)
+    loop.push(1.0, "iteration", 1)
+    loop.push(0.5, "tick", 0)
+    loop.run(2.0)
+    assert seen == ["tick0", "iteration1", "arrival1", "arrival2", "tick1"]
+
+
+def _feed(tel: Telemetry, start: float, end: float, shape: str, rate: float, met: bool) -> None:
+    k = 0
+    while start + k / rate < end:
+        at = start + k / rate
+        tel.record_arrival(at, shape, "standard", 1000)
+        tel.record_outcome(at, shape, f"{shape}@H100-SXM", met, 100)
+        k += 1
+
+
+def test_a_step_that_makes_things_worse_is_rolled_back_with_backoff() -> None:
+    tel = Telemetry()
+    _feed(tel, 0.0, 200.0, "a", 10.0, True)
+    reference = tel.window(200.0)
+    settings = ControllerSettings("llama-3.1-8b", {"H100-SXM": 4}, drift=DriftSettings(min_interval_s=0.0), verify_after_s=30.0,
+                                  max_step_fraction=0.5)
+    actuator = FakeActuator({}, restart_s=0.0)
+    controller = Controller(settings, tel, TableCapacity({"a": 5.0, "b": 5.0}), actuator, reference)
+    slots = [SlotState(f"G/{k}", "a@H100-SXM", "H100-SXM", "{}") for k in range(4)]
+    _feed(tel, 200.0, 250.0, "b", 10.0, True)  # the mix flips to shape b
+    kinds: list[str] = []
+    for now in range(205, 250, 5):
+        made = controller.tick(float(now), slots)
+        kinds += [d.kind for d in made]
+        if "step" in kinds:
+            moved = {m.slot: m.to_pool for d in made for m in d.moves if d.kind == "step"}
+            slots = [SlotState(s.slot, moved.get(s.slot, s.pool), s.gpu, s.config_json) for s in slots]
+            break
+    assert kinds[:3] == ["drift", "plan", "step"] and controller.busy
+    step_at = float(now)
+    _feed(tel, 250.0, 400.0, "b", 10.0, False)  # after the step nothing meets its SLO
+    decisions = []
+    for later in range(int(step_at) + 5, int(step_at) + 90, 5):
+        decisions += controller.tick(float(later), slots)
+    assert [d.kind for d in decisions] == ["verify", "rollback"]
+    verify, rollback = decisions
+    assert dict(verify.evidence)["ok"] is False
+    assert all(m.to_pool.startswith("a@") for m in rollback.moves) and dict(rollback.evidence)["backoff_s"] == 300.0
+
+
+def test_simulator_adaptive_repartitions_without_dropping_requests() -> None:
+    workload = build_workload(load_scenario("drift-step"), duration_s=400.0, rate_rps=4.0)
+    capacity = TableCapacity({"short-chat": 3.0, "long-context": 0.6, "reasoning": 1.0, "batch": 1.0})
+    result = simulate(workload, "adaptive", {"H100-SXM": 3, "H200": 3}, capacity)
+    assert result.repartitions >= 1
+    assert result.dropped_requests == 0 and result.unfinished_requests == 0
+    assert result.num_requests == len(workload.specs) and 0 < result.slo_attainment <= 1
+
+
+def test_simulator_is_deterministic_and_policies_share_the_workload() -> None:
+    workload = build_workload(load_scenario("stationary"), duration_s=120.0, rate_rps=3.0)
+    capacity = TableCapacity({"short-chat": 3.0, "long-context": 0.6, "reasoning": 1.0, "batch": 1.0})
+    first = simulate(workload, "static-initial", {"H100-SXM": 2}, capacity)
+    again = simulate(workload, "static-initial", {"H100-SXM": 2}, capacity)
+    rr = simulate(workload, "round-robin", {"H100-SXM": 2}, capacity)
+    assert first.goodput_rps == again.goodput_rps and first.ttft_p99_s == again.ttft_p99_s
+    assert rr.num_requests == first.num_requests and rr.dropped_requests == 0
+
+
+def test_oracle_is_never_below_a_static_policy() -> None:
+    workload = build_workload(load_scenario("drift-step"), duration_s=480.0, rate_rps=6.0)
+    capacity = TableCapacity({"short-chat": 4.0, "long-context": 0.5, "reasoning": 0.8, "batch": 1.0})
+    budget = {"H100-SXM": 6}
+    goodput = {p: simulate(workload, p, budget, capacity).goodput_rps for p in ("static-initial", "static-hindsight", "oracle")}
+    assert goodput["oracle"] >= max(goodput["static-initial"], goodput["static-hindsight"]) * 0.99
+
+
+def test_simulator_takes_plain_request_objects_and_keeps_the_json_keys() -> None:
+    from dataclasses import dataclass
+
+    from fleet.simulator.traffic import SimTraffic
+
+    @dataclass(frozen=True)
+    class Req:
+        arrival_s: float
+        input_tokens: int = 300
+        output_tokens: int = 50
+        domain: str = "chat"
+        tenant: str = "t"
+        tier: str = "interactive"
+        hash_ids: tuple[int, ...] = ()
+
+    traffic = SimTraffic("plain", [Req(k * 0.5) for k in range(60)], 30.0)
+    result = simulate(traffic, "round-robin", {"H100-SXM": 1}, TableCapacity({}))
+    keys = {"goodput_rps", "slo_attainment", "throughput_tokens_s", "ttft_p99_s", "tpot_p99_s", "repartitions", "recompiles", "dropped_requests"}
+    assert keys <= set(result.to_json()) and result.num_requests == 60 and result.dropped_requests == 0

@@ -1,0 +1,75 @@
+"""Telemetry windows and the drift detector: exact windows, hysteresis, and no drift on stationary traffic."""
+
+from __future__ import annotations
+
+from classifiers.shape import default_shape_rules
+from fleet.drift import DriftDetector, DriftSettings, js_divergence, score
+from fleet.telemetry import Telemetry
+from fleet.simulator.world import classify
+from loadtest.scenario import build_workload, load_scenario
+
+
+def test_window_counts_complete_buckets_only() -> None:
+    tel = Telemetry(window_s=20.0, bucket_s=5.0)
+    for k in range(40):  # 2 requests/s of one shape for 20 s
+        tel.record_arrival(k * 0.5, "chat", "batch" if k % 2 else "interactive", 100)
+        tel.record_outcome(k * 0.5, "chat", "p", k % 2 == 0, 50)
+    mix = tel.window(20.0)
+    assert mix.window_s == 15.0  # three complete buckets; the ring keeps one for the bucket being filled
+    (chat,) = mix.shapes
+    assert chat.rate_rps == 2.0 and chat.mean_prompt_tokens == 100 and chat.mean_output_tokens == 50
+    assert chat.tier_shares() == {"batch": 0.5, "interactive": 0.5}
+    assert mix.pools[0].attainment == 0.5 and mix.goodput_rps() == 1.0
+    assert tel.window(100.0).shapes == ()  # everything aged out
+
+
+def test_divergence_bounds() -> None:
+    assert js_divergence({"a": 1.0}, {"a": 1.0}) == 0.0
+    assert abs(js_divergence({"a": 1.0}, {"b": 1.0}) - 1.0) < 1e-12
+
+
+def _feed(tel: Telemetry, scenario: str, rate: float, duration_s: float) -> list:
+    workload = build_workload(load_scenario(scenario), duration_s=duration_s, rate_rps=rate)
+    rules = default_shape_rules()
+    return [(s.arrival_s, classify(s, rules), s) for s in workload.specs]
+
+
+def _run_detector(scenario: str, rate: float, duration_s: float) -> list[float]:
+    tel, det = Telemetry(), DriftDetector(DriftSettings())
+    events = _feed(tel, scenario, rate, duration_s)
+    fired, reference, i = [], None, 0
+    for tick in range(5, int(duration_s) + 1, 5):
+        while i < len(events) and events[i][0] < tick:
+            at, shape, spec = events[i]
+            tel.record_arrival(at, shape, spec.tier, spec.input_tokens)
+            tel.record_outcome(at, shape, "p", True, spec.output_tokens)
+            i += 1
+        if reference is None and tel.covered_s(tick) >= 120:
+            reference = tel.window(tick)  # the plan made at the end of warm-up
+            det.on_plan(tick)
+        if reference is not None:
+            _, verdict = det.observe(tick, tel.window(tick), reference, tel.covered_s(tick))
+            if verdict is not None:
+                fired.append(verdict.at)
+                reference = tel.window(tick)
+                det.on_plan(tick)
+    return fired
+
+
+def test_stationary_traffic_never_drifts_after_warm_up() -> None:
+    assert _run_detector("stationary", 20.0, 1200.0) == []
+
+
+def test_drift_step_is_detected_once_after_the_dwell() -> None:
+    fired = _run_detector("drift-step", 20.0, 600.0)
+    assert len(fired) >= 1 and 300 + DriftSettings().dwell_s <= fired[0] <= 400
+
+
+def test_score_names_the_signal_that_moved() -> None:
+    tel_a, tel_b = Telemetry(), Telemetry()
+    for k in range(600):
+        tel_a.record_arrival(k * 0.1, "chat", "standard", 500)
+        tel_b.record_arrival(k * 0.05, "chat", "standard", 500)  # same mix at twice the rate
+        tel_b.record_arrival(k * 0.05 + 0.01, "chat", "standard", 500)
+    result = score(tel_b.window(60.0), tel_a.window(60.0), DriftSettings())
+    assert result.reason == "rate change" and result.divergence == 0.0 and result.score > 1
