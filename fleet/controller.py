@@ -122,6 +122,8 @@ class Controller:
         before = evaluate(problem, counts)
         pool_to_gpu = {p.name: p.gpu for p in options.pools}
         moves = diff_moves(slots, new_plan.replicas(), pool_to_gpu, options.configs_json())
+        # capacity goes where the demand moved first; in-place recompiles (a tuning) come last
+        moves.sort(key=lambda m: m.from_pool == m.to_pool)
         diff = {p: [counts.get(p, 0), n] for p, n in new_plan.pool_to_num_replicas if counts.get(p, 0) != n}
         out = [decision(now, "plan", outcome="apply" if moves else "keep", diff=diff,
                         predicted_goodput_before_rps=round(before.predicted_goodput_rps, 3),
