@@ -16,7 +16,7 @@ from collections.abc import Callable
 from typing import Any
 
 from selenium import webdriver
-from selenium.common.exceptions import TimeoutException
+from selenium.common.exceptions import StaleElementReferenceException, TimeoutException
 from selenium.webdriver.chrome.service import Service
 from selenium.webdriver.common.by import By
 from selenium.webdriver.support.ui import WebDriverWait
@@ -57,9 +57,18 @@ def _sign_in_with_form(driver: webdriver.Chrome, base: str, token: str) -> str:
     field.clear()
     field.send_keys(token)
     driver.find_element(By.ID, "sign-in").click()
+    _wait(driver, lambda d: _is_stale(field), 10)  # the form's page has been replaced by the answer
     _wait(driver, lambda d: d.execute_script("return document.readyState") == "complete", 10)
-    errors = driver.find_elements(By.ID, "login-error")
-    return errors[0].text if errors else ""
+    # read in one script call, so a late re-render cannot leave us holding a stale element
+    return str(driver.execute_script("var e = document.getElementById('login-error'); return e ? e.textContent.trim() : '';"))
+
+
+def _is_stale(element: object) -> bool:
+    try:
+        element.is_enabled()  # type: ignore[attr-defined]
+    except StaleElementReferenceException:
+        return True
+    return False
 
 
 def _full_page_png(driver: webdriver.Chrome, path: str) -> None:
