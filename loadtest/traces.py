@@ -9,13 +9,22 @@ Pure: file reading only.
 from __future__ import annotations
 
 import csv
+import dataclasses
 import io
 import json
 from collections.abc import Callable, Iterator
 from datetime import datetime
 from pathlib import Path
 
-from loadtest.spec import DEFAULT_DOMAIN, DEFAULT_TENANT, DEFAULT_TIER, RequestSpec, RowIssue, Workload, make_workload
+from loadtest.spec import (
+    DEFAULT_DOMAIN,
+    DEFAULT_TENANT,
+    DEFAULT_TIER,
+    RequestSpec,
+    RowIssue,
+    Workload,
+    make_workload,
+)
 
 FORMATS: tuple[str, ...] = ("azure", "burstgpt", "mooncake", "native")
 _AZURE_COLUMNS = ("TIMESTAMP", "ContextTokens", "GeneratedTokens")
@@ -62,17 +71,7 @@ def read_trace(path: Path | str, trace_format: str, domain: str = DEFAULT_DOMAIN
 
 
 def _shift(spec: RequestSpec, start_s: float, label: str) -> RequestSpec:
-    return RequestSpec(
-        arrival_s=spec.arrival_s - start_s,
-        input_tokens=spec.input_tokens,
-        output_tokens=spec.output_tokens,
-        domain=spec.domain,
-        tenant=spec.tenant,
-        tier=spec.tier,
-        hash_ids=spec.hash_ids,
-        text=spec.text,
-        label=spec.label or label,
-    )
+    return dataclasses.replace(spec, arrival_s=spec.arrival_s - start_s, label=spec.label or label)
 
 
 def sniff_format(text: str) -> str | None:
