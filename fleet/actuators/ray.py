@@ -1,0 +1,210 @@
+"""The Ray actuator: each replica is a Ray actor holding its GPUs, so one controller drives a multi-node cluster.
+
+A start reserves the configuration's GPUs (``tp x dp``) as a STRICT_PACK placement group of one
+bundle, places a ``_ReplicaHost`` actor in it with ``num_gpus`` = all of them, and the actor runs the
+replica server as its child process on its node's IP and a free port (the command comes from
+``argv_for``: ``polymorph emulate`` for emulated replicas, a rendered ``sglang.launch_server`` for
+real ones). One bundle, not one per GPU: a bundle is the most one actor can use, and sglang's server
+is one process that must see all its GPUs; Ray sets the actor's ``CUDA_VISIBLE_DEVICES`` to them and
+the child inherits it. The group makes the reservation atomic and lets a move start the new replica
+before the old one has let go: Ray places the new group once the old one is removed.
+
+Stopping is graceful: the actor terminates its child and waits for it (a real engine frees its GPU
+memory only when its process exits), and only then are the actor killed and its group removed. Every
+``Actuator`` call returns at once; the waits run in worker threads. Routing stays with whoever owns
+the router's pools (the gateway): the actuator tells it through ``Routing``.
+
+Ray is an optional dependency (``pip install -e '.[ray]'``); this module is imported only when a Ray
+fleet is used. The caller connects to the cluster (``ray.init(...)``) before making the actuator.
+"""
+
+from __future__ import annotations
+
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Protocol
+
+import orjson
+import ray
+from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+from fleet.actuators.local import LaunchSpec, LocalActuator
+from fleet.rollout import SlotState
+from kernels.config import EngineConfig
+
+ArgvFor = Callable[[str, str], tuple[str, ...]]  # (gpu kind, engine config JSON) -> replica command line
+
+
+class Routing(Protocol):
+    """Whoever owns the router's pools; the actuator calls it from its caller's or worker threads."""
+
+    def drain(self, slot: str) -> None: ...  # route nothing new to the slot
+    def remove(self, slot: str) -> None: ...  # the slot's replica is going away
+    def add(self, slot: str, url: str, pool: str, gpu: str, config_json: str) -> None: ...  # routable in ``pool``
+    def num_in_flight(self, slot: str) -> int: ...
+
+
+class _ReplicaHost:
+    """A Ray actor that holds one replica's GPUs and runs its server as a child process."""
+
+    def __init__(self, name: str, argv: tuple[str, ...], log_dir: str) -> None:
+        # Constructed on the actor's main thread, so the child's parent-death signal fires only when
+        # the actor's process dies (ray.kill included): no replica outlives its reservation.
+        self._local = LocalActuator(Path(log_dir), host=ray.util.get_node_ip_address())
+        self._replica = self._local.start(LaunchSpec(name, argv))
+
+    def url(self) -> str:
+        return self._replica.url
+
+    def gpu_ids(self) -> list[Any]:
+        return list(ray.get_gpu_ids())
+
+    def shutdown(self, grace_s: float) -> None:
+        self._local.stop(self._replica, grace_s)
+
+
+_RemoteHost = ray.remote(_ReplicaHost)
+
+
+@dataclass(slots=True)
+class _Replica:
+    """One start of a slot: its reservation, its actor and, once it answered, its URL."""
+
+    group: PlacementGroup
+    actor: Any  # ray.actor.ActorHandle
+    url_ref: Any  # ray.ObjectRef of the actor's URL
+    url: str | None = None
+    healthy: bool = False
+    error: str | None = None  # why it will never be healthy (actor died, never placed)
+
+
+@dataclass(slots=True)
+class _Slot:
+    name: str
+    gpu: str
+    pool: str
+    config_json: str
+    replica: _Replica | None = None
+
+
+class RayActuator:
+    """The controller's ``Actuator`` over Ray actors; ``add_slot`` + ``start`` place the initial fleet."""
+
+    def __init__(self, routing: Routing, argv_for: ArgvFor, log_dir: Path, start_timeout_s: float = 600.0, stop_grace_s: float = 30.0) -> None:
+        self.routing = routing
+        self.argv_for = argv_for
+        self.log_dir = log_dir
+        self.start_timeout_s = start_timeout_s
+        self.stop_grace_s = stop_grace_s
+        self.slots: dict[str, _Slot] = {}
+        self._workers = ThreadPoolExecutor(max_workers=64, thread_name_prefix="polymorph-ray")
+
+    def add_slot(self, slot: str, gpu: str, pool: str, config_json: str) -> None:
+        """A slot on GPUs of kind ``gpu``, not started yet (``start`` it, then ``activate`` once healthy)."""
+        self.slots[slot] = _Slot(slot, gpu, pool, config_json)
+
+    def slot_states(self) -> list[SlotState]:
+        return [SlotState(s.name, s.pool, s.gpu, s.config_json) for s in self.slots.values()]
+
+    # -- the Actuator protocol ----------------------------------------------------------------
+
+    def drain(self, slot: str, now: float) -> None:
+        self.routing.drain(slot)
+
+    def num_in_flight(self, slot: str) -> int:
+        return self.routing.num_in_flight(slot)
+
+    def stop(self, slot: str, now: float) -> None:
+        found = self.slots[slot]
+        replica, found.replica = found.replica, None
+        self.routing.remove(slot)
+        if replica is not None:
+            self._workers.submit(self._retire, replica)
+
+    def start(self, slot: str, pool: str, config_json: str, now: float) -> None:
+        found = self.slots[slot]
+        num_gpus = EngineConfig.from_dict(orjson.loads(config_json)).num_gpus
+        name = f"polymorph-{slot}-{time.time_ns()}"
+        group = placement_group([{"GPU": num_gpus}], strategy="STRICT_PACK", name=name)
+        actor = _RemoteHost.options(
+            name=name,
+            num_cpus=0,  # a replica's CPU use is its engine's, not a Ray task's
+            num_gpus=num_gpus,
+            scheduling_strategy=PlacementGroupSchedulingStrategy(group, placement_group_bundle_index=0),
+            max_restarts=0,
+        ).remote(name, self.argv_for(found.gpu, config_json), str(self.log_dir))
+        replica = _Replica(group, actor, actor.url.remote())
+        found.replica, found.pool, found.config_json = replica, pool, config_json
+        self._workers.submit(self._wait_healthy, found, replica)
+
+    def is_healthy(self, slot: str, now: float) -> bool:
+        replica = self.slots[slot].replica
+        return replica is not None and replica.healthy
+
+    def activate(self, slot: str, now: float) -> None:
+        found = self.slots[slot]
+        assert found.replica is not None and found.replica.url is not None, f"{slot} activated before it was healthy"
+        self.routing.add(slot, found.replica.url, found.pool, found.gpu, found.config_json)
+
+    # -- what callers may want to see ----------------------------------------------------------
+
+    def url(self, slot: str) -> str | None:
+        replica = self.slots[slot].replica
+        return replica.url if replica is not None else None
+
+    def error(self, slot: str) -> str | None:
+        replica = self.slots[slot].replica
+        return replica.error if replica is not None else None
+
+    def gpu_ids(self, slot: str) -> list[Any]:
+        """The GPU ids Ray gave the slot's actor (blocks: for diagnostics and tests)."""
+        replica = self.slots[slot].replica
+        assert replica is not None and replica.url is not None, f"{slot} is not running"
+        return list(ray.get(replica.actor.gpu_ids.remote(), timeout=30))
+
+    def close(self) -> None:
+        """Stop every replica and wait until their GPUs are released (for shutdown; blocks)."""
+        for slot in list(self.slots):
+            self.stop(slot, 0.0)
+        self._workers.shutdown(wait=True)
+
+    # -- worker threads ------------------------------------------------------------------------
+
+    def _wait_healthy(self, found: _Slot, replica: _Replica) -> None:
+        deadline = time.monotonic() + self.start_timeout_s
+        while found.replica is replica and time.monotonic() < deadline:
+            if replica.url is None:
+                ready, _ = ray.wait([replica.url_ref], timeout=1.0)
+                if not ready:
+                    continue  # its group waits for GPUs, or its actor is starting
+                try:
+                    replica.url = ray.get(replica.url_ref)
+                except ray.exceptions.RayError as exc:
+                    replica.error = f"replica actor failed: {exc}"
+                    return
+            try:
+                with urllib.request.urlopen(replica.url + "/health", timeout=1.0) as resp:
+                    if resp.status == 200:
+                        replica.healthy = True
+                        return
+            except (urllib.error.URLError, OSError):
+                time.sleep(0.2)
+        if found.replica is replica:
+            replica.error = f"not healthy within {self.start_timeout_s:g} s"
+
+    def _retire(self, replica: _Replica) -> None:
+        # Graceful only if the actor is up: a replica still waiting for its group has no child yet.
+        started, _ = ray.wait([replica.url_ref], timeout=0)
+        if started:
+            try:
+                ray.get(replica.actor.shutdown.remote(self.stop_grace_s), timeout=self.stop_grace_s + 10.0)
+            except ray.exceptions.RayError:
+                pass  # the actor is already dead (its child got the parent-death signal) or hung: killed below
+        ray.kill(replica.actor, no_restart=True)
+        remove_placement_group(replica.group)
