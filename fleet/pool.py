@@ -7,8 +7,10 @@ event loop is their only writer (one thread), so no locks are needed.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 from fleet.health import CircuitBreaker
+from fleet.queueing import PoolQueue
 
 
 @dataclass(slots=True, eq=False)
@@ -21,19 +23,27 @@ class ReplicaState:
     affinity_salt: int = 0
     num_in_flight: int = 0
     outstanding_tokens: int = 0  # predicted prompt + output tokens of the requests in flight
+    extra_work: float = 0.0  # in-flight work beyond one unit per request (fleet.router.work_units)
     draining: bool = False
     offers_health: bool = True  # False once /health answered 404: active probes skip it
 
     def serves(self, model: str) -> bool:
         return self.models is None or model in self.models
 
-    def begin(self, tokens: int) -> None:
+    def begin(self, tokens: int, work: float = 1.0) -> None:
         self.num_in_flight += 1
         self.outstanding_tokens += tokens
+        self.extra_work += work - 1.0
 
-    def end(self, tokens: int) -> None:
+    def end(self, tokens: int, work: float = 1.0) -> None:
         self.num_in_flight -= 1
         self.outstanding_tokens -= tokens
+        self.extra_work -= work - 1.0
+
+    @property
+    def work_in_flight(self) -> float:
+        """The requests in flight in units of its pool's own requests (each counts 1 unless weighed)."""
+        return self.num_in_flight + self.extra_work
 
 
 @dataclass(slots=True, eq=False)
@@ -42,8 +52,18 @@ class PoolState:
     models: frozenset[str] | None  # None: any model its replicas report
     shapes: frozenset[str]
     gpu: str | None
-    max_running_per_replica: int
+    max_running_per_replica: int  # in flight per replica at which the pool counts as saturated
     replicas: list[ReplicaState] = field(default_factory=list)
+    # From the capacity model (0: unknown): requests/s one replica serves within its shape's SLO, what
+    # one replica's GPUs cost per hour, and its shape's mean lengths (to weigh other shapes' requests).
+    # The router's SLO-chance and cost scores read them.
+    rate_per_replica_rps: float = 0.0
+    cost_per_hour: float = 0.0
+    mean_prompt_tokens: float = 0.0
+    mean_output_tokens: float = 0.0
+    # Requests waiting for room in this pool, by tier priority and deadline; None: the caller keeps no
+    # queue and the router never answers Wait for this pool.
+    queue: PoolQueue[Any] | None = None
 
     def serves(self, model: str) -> bool:
         if self.models is not None:
@@ -54,7 +74,14 @@ class PoolState:
     def num_in_flight(self) -> int:
         return sum(r.num_in_flight for r in self.replicas)
 
+    def num_routable(self, now: float) -> int:
+        return sum(1 for r in self.replicas if not r.draining and r.breaker.available(now))
+
     def load_fraction(self, now: float) -> float:
-        """In-flight requests over what the available replicas run at once (inf when none is available)."""
-        capacity = sum(self.max_running_per_replica for r in self.replicas if not r.draining and r.breaker.available(now))
-        return self.num_in_flight / capacity if capacity else float("inf")
+        """Work in flight over what the available replicas run at once (inf when none is available)."""
+        capacity = self.num_routable(now) * self.max_running_per_replica
+        return sum(r.work_in_flight for r in self.replicas) / capacity if capacity else float("inf")
+
+    def cost_per_request(self) -> float:
+        """GPU cost of one request served at capacity (0 when rate or price is unknown)."""
+        return self.cost_per_hour / (3600.0 * self.rate_per_replica_rps) if self.rate_per_replica_rps > 0 else 0.0

@@ -6,7 +6,10 @@ and the instant its TTFT objective expires; when the queue is full the least urg
 priority, then latest deadline) is shed, which may be the newcomer itself, so ``batch`` is shed
 before ``interactive`` waits. ``take(now)`` returns the most urgent live entry and sheds the ones
 whose deadline has passed (they would miss their SLO anyway; shedding them early with 429 and
-``Retry-After`` lets the client back off). Pure: the caller passes ``now``; O(log n) per call.
+``Retry-After`` lets the client back off). ``num_ahead(priority)`` counts the live entries a newcomer
+of that priority would wait behind (the router's SLO-chance estimate reads it); ``expire(now)`` sheds
+every entry past its deadline, wherever it sits. Pure: the caller passes ``now``; O(log n) per call
+(``expire`` is O(n)).
 """
 
 from __future__ import annotations
@@ -45,6 +48,7 @@ class PoolQueue(Generic[Item]):
         self._least: list[tuple[int, float, int, _Entry[Item]]] = []  # min-heap of (-priority, -deadline, -seq)
         self._seq = itertools.count()
         self._num_live = 0
+        self._priority_to_num: dict[int, int] = {}
 
     def __len__(self) -> int:
         return self._num_live
@@ -56,15 +60,19 @@ class PoolQueue(Generic[Item]):
             worst = self._peek_least()
             if worst is None or (worst.priority, worst.deadline_at) <= (priority, deadline_at):
                 return Shed(item, "queue full", self.retry_after_s)
-            worst.live = False
-            self._num_live -= 1
+            self._remove(worst)
             shed: Shed[Item] | None = Shed(worst.item, "queue full", self.retry_after_s)
         else:
             shed = None
         heapq.heappush(self._urgent, entry)
         heapq.heappush(self._least, (-priority, -deadline_at, -entry.seq, entry))
         self._num_live += 1
+        self._priority_to_num[priority] = self._priority_to_num.get(priority, 0) + 1
         return shed
+
+    def num_ahead(self, priority: int) -> int:
+        """Live entries served before a newcomer of ``priority`` (its own priority and the more urgent ones)."""
+        return sum(n for p, n in self._priority_to_num.items() if p <= priority)
 
     def take(self, now: float) -> tuple[Item | None, list[Shed[Item]]]:
         """The most urgent entry still within its deadline, and the entries shed because theirs passed."""
@@ -73,13 +81,24 @@ class PoolQueue(Generic[Item]):
             entry = heapq.heappop(self._urgent)
             if not entry.live:
                 continue
-            entry.live = False
-            self._num_live -= 1
+            self._remove(entry)
             if entry.deadline_at < now:
                 expired.append(Shed(entry.item, "deadline passed", self.retry_after_s))
                 continue
             return entry.item, expired
         return None, expired
+
+    def expire(self, now: float) -> list[Shed[Item]]:
+        """Shed every live entry whose deadline has passed (a lower-priority one may sit behind live ones)."""
+        expired = [e for e in self._urgent if e.live and e.deadline_at < now]
+        for entry in expired:
+            self._remove(entry)
+        return [Shed(e.item, "deadline passed", self.retry_after_s) for e in sorted(expired)]
+
+    def _remove(self, entry: _Entry[Item]) -> None:
+        entry.live = False
+        self._num_live -= 1
+        self._priority_to_num[entry.priority] -= 1
 
     def _peek_least(self) -> _Entry[Item] | None:
         while self._least and not self._least[0][3].live:

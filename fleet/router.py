@@ -1,27 +1,43 @@
 """Choose a pool and a replica for one request. Pure policy: state in, decision out, no I/O.
 
-Pool choice prefers the pools compiled for the request's shape and overflows to the least-loaded
-other pool of the same model once those are saturated. Replica choice inside a pool is least
-outstanding work, with prefix affinity: the request's prefix fingerprint ranks replicas by
-rendezvous hashing and the top-ranked one is taken unless it carries more than ``affinity_slack``
-times the pool's mean load (consistent hashing with bounded load), so prefix caches get hits
-without hot-spotting.
+Pool choice scores every pool that serves the model by the predicted chance that this request meets
+its tier's TTFT objective there (``slo_chance``), a closed form on the hot path: a pool whose
+routable replicas carry less than ``max_running_per_replica`` work each starts it at once (the
+capacity model sized that concurrency to meet the SLO); otherwise it waits for the ``k`` units of
+work ahead of it beyond that limit to leave (in flight, plus queued requests of its priority or a
+more urgent one), and the pool completes work at its capacity rate ``n x rate_per_replica_rps`` as
+a Poisson process, so the chance is P(Poisson(rate x wait budget) >= k). Work is counted in the
+pool's own requests (``work_units``: another shape's request weighs its dominant length ratio to
+the pool's mean prompt and output), so long prompts overflowing into a chat pool fill it as the
+prefill and KV they hold, not as one chat each. The wait budget is
+``wait_share`` of the tier's TTFT objective (the rest is the engine's own queueing and prefill).
+Pools with a chance of at least ``good_chance`` come first: the shape's own pools (compiled for it)
+by load, then other pools by cost per request (overflow takes the cheapest capacity that can serve
+it); below that, pools by chance. No per-request simulation: O(pools + replicas) arithmetic.
 
-When capacity is short, higher tiers go first: with ``tiers`` given, a request of a tier whose
-priority is at least ``RouterSettings.shed_priority`` (``batch`` by default) is shed with 429 and
-``Retry-After`` once every pool it could use is at ``shed_load_fraction`` or more, while higher
-tiers are still placed (and fleet.queueing orders whoever waits). Shedding the loose tier before
-the pools are full keeps the headroom interactive requests need to meet their TTFT.
+Replica choice inside a pool is least outstanding work, with prefix affinity: the request's prefix
+fingerprint ranks replicas by rendezvous hashing and the top-ranked one is taken unless it carries
+more than ``affinity_slack`` times the pool's mean load (consistent hashing with bounded load), so
+prefix caches get hits without hot-spotting.
+
+When capacity is short, higher tiers go first. With ``tiers`` given and the best pool saturated:
+if the pool keeps a queue (``PoolState.queue``), the answer is ``Wait`` (park it there, by priority
+and deadline, until a replica has room; fleet.queueing sheds whoever's deadline passes first, so
+``batch`` waits behind ``interactive`` and is shed before it), or a 429 ``shed`` at once when the
+chance is below ``shed_chance`` (it would only expire in the queue). Without a queue, a request of
+a tier at or below ``shed_priority`` (``batch`` by default) is shed with 429 and ``Retry-After`` once
+every pool it could use is at ``shed_load_fraction`` or more, while higher tiers are still placed.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
 
 from classifiers.shape import Shape
 from fleet.pool import PoolState, ReplicaState
-from fleet.tiers import TierSlo
+from fleet.tiers import DEFAULT_TIERS, TierSlo
 
 
 @dataclass(frozen=True, slots=True)
@@ -30,6 +46,17 @@ class Route:
     replica: str
     url: str
     overflow: bool  # True when the shape's own pools were saturated or absent
+
+
+@dataclass(frozen=True, slots=True)
+class Wait:
+    """Park the request in ``pool``'s queue until a replica has room, or shed it at ``deadline_at``."""
+
+    pool: str
+    priority: int
+    deadline_at: float
+    slo_chance: float
+    overflow: bool
 
 
 @dataclass(frozen=True, slots=True)
@@ -45,7 +72,10 @@ class RouterSettings:
     affinity_slack: float = 1.5
     shed_priority: int = 2  # tiers at this priority or lower (a larger number) are shed first
     shed_load_fraction: float = 1.0
-    shed_retry_after_s: float = 2.0
+    shed_retry_after_s: float = 2.0  # the least Retry-After a shed answer carries
+    good_chance: float = 0.9  # a pool at least this likely to meet the SLO is good enough: own shape, then cost
+    shed_chance: float = 0.05  # below this, a request is shed at once instead of waiting in a queue
+    wait_share: float = 0.5  # share of the tier's TTFT objective a request may spend waiting for a replica
 
 
 def route(
@@ -56,26 +86,99 @@ def route(
     settings: RouterSettings,
     exclude: Collection[str] = (),
     tiers: Mapping[str, TierSlo] | None = None,
-) -> Route | Reject:
+) -> Route | Wait | Reject:
     """Pick where ``shape`` goes; ``exclude`` lists replica names already tried for this request;
-    ``tiers`` (optional) enables shedding of the lowest tiers when every usable pool is loaded."""
+    ``tiers`` (optional) enables waiting in pool queues and shedding when capacity is short."""
     serving = [p for p in pools if p.serves(model)]
     if not serving:
         return Reject(404, "model_not_found", f"no pool serves model {model!r}", 0.0)
-    own = [p for p in serving if shape.name in p.shapes]
-    ordered = _by_load(own, now) + _by_load([p for p in serving if p not in own], now)
-    saturated_own = [p for p in ordered[: len(own)] if p.load_fraction(now) >= 1.0]
-    if own and len(saturated_own) == len(own):
-        # Overflow only to a pool with room; if every pool is full, stay with the shape's own pools.
-        with_room = [p for p in ordered[len(own):] if p.load_fraction(now) < 1.0]
-        ordered = with_room + ordered[: len(own)] + [p for p in ordered[len(own):] if p not in with_room]
-    if tiers is not None and _should_shed(shape, ordered, now, settings, tiers):
-        return Reject(429, "shed", f"capacity is short; tier {shape.tier!r} is shed first", settings.shed_retry_after_s)
+    slo = (tiers or DEFAULT_TIERS).get(shape.tier) or DEFAULT_TIERS["standard"]
+    wait_s = settings.wait_share * slo.ttft_p99_s
+    scored = sorted((_rank(p, shape, now, slo.priority, wait_s, settings), i, p) for i, p in enumerate(serving))
+    ordered = [p for _, _, p in scored]
+    if tiers is not None:
+        best = ordered[0]
+        own = shape.name in best.shapes
+        n, work = best.num_routable(now), work_units(shape, best)
+        if best.queue is not None and n > 0 and _num_to_leave(best, now, slo.priority, n, work) > 0:
+            chance = slo_chance(best, now, slo.priority, wait_s, work)
+            if chance < settings.shed_chance and best.rate_per_replica_rps > 0:
+                return Reject(429, "shed", f"capacity is short; a tier {shape.tier!r} request would miss its SLO",
+                              max(settings.shed_retry_after_s, _clear_s(best, now, slo.priority, work)))
+            return Wait(best.name, slo.priority, now + wait_s, chance, overflow=not own)
+        if _should_shed(shape, ordered, now, settings, tiers):
+            return Reject(429, "shed", f"capacity is short; tier {shape.tier!r} is shed first", settings.shed_retry_after_s)
     for pool in ordered:
         replica = pick_replica(shape, model, pool.replicas, now, settings, exclude)
         if replica is not None:
-            return Route(pool.name, replica.name, replica.url, overflow=pool not in own)
+            return Route(pool.name, replica.name, replica.url, overflow=shape.name not in pool.shapes)
     return Reject(503, "no_healthy_replica", f"no healthy replica can serve model {model!r} right now", 1.0)
+
+
+def slo_chance(pool: PoolState, now: float, priority: int, wait_s: float, work: float = 1.0) -> float:
+    """Predicted chance that a request of ``priority`` and ``work`` gets a running slot in ``pool`` within ``wait_s``."""
+    n = pool.num_routable(now)
+    if n == 0:
+        return 0.0
+    k = _num_to_leave(pool, now, priority, n, work)
+    if k <= 0:
+        return 1.0
+    return poisson_at_least(k, n * pool.rate_per_replica_rps * wait_s)
+
+
+def poisson_at_least(k: int, mean: float) -> float:
+    """P(N >= k) for N ~ Poisson(mean): exact up to mean 100; above it, as P(chi2 with 2k degrees of
+    freedom <= 2 mean) by the Wilson-Hilferty cube-root approximation (O(1), tails within ~1%)."""
+    if k <= 0:
+        return 1.0
+    if mean <= 0:
+        return 0.0
+    if mean > 100.0:
+        spread = 2.0 / (18.0 * k)
+        z = ((mean / k) ** (1.0 / 3.0) - (1.0 - spread)) / math.sqrt(spread)
+        return 0.5 * math.erfc(-z / math.sqrt(2.0))
+    if k > mean + 10.0 * math.sqrt(mean) + 10.0:
+        return 0.0  # beyond ten standard deviations: below 1e-20
+    term = total = math.exp(-mean)
+    for i in range(1, k):
+        term *= mean / i
+        total += term
+    return max(0.0, 1.0 - total)
+
+
+def work_units(shape: Shape, pool: PoolState) -> float:
+    """One request's share of ``pool``'s concurrency, in units of the pool's own requests.
+
+    The capacity model sized ``max_running_per_replica`` and the rate for the pool's own shape, so
+    its requests count 1. Another shape's request (an overflow) counts its dominant length ratio to
+    the pool's mean prompt and output, at least 1: a 6k-token prompt in a pool sized for 1k-token
+    chats holds six chats' worth of prefill and KV. Pools with unknown means count every request 1.
+    """
+    if shape.name in pool.shapes or pool.mean_prompt_tokens <= 0 or pool.mean_output_tokens <= 0:
+        return 1.0
+    return max(1.0, shape.prompt_tokens / pool.mean_prompt_tokens, shape.predicted_output_p50 / pool.mean_output_tokens)
+
+
+def _num_to_leave(pool: PoolState, now: float, priority: int, num_routable: int, work: float) -> int:
+    """Own-shape requests that must leave ``pool`` before a newcomer of ``priority`` and ``work`` runs."""
+    in_flight = sum(r.work_in_flight for r in pool.replicas if not r.draining and r.breaker.available(now))
+    ahead = in_flight + (pool.queue.num_ahead(priority) if pool.queue is not None else 0)
+    return math.ceil(ahead + work - num_routable * pool.max_running_per_replica - 1e-9)
+
+
+def _clear_s(pool: PoolState, now: float, priority: int, work: float) -> float:
+    """Expected time until a newcomer of ``priority`` would get a slot: when to retry."""
+    n = pool.num_routable(now)
+    rate = n * pool.rate_per_replica_rps
+    return max(0, _num_to_leave(pool, now, priority, n, work)) / rate if rate > 0 else 0.0
+
+
+def _rank(pool: PoolState, shape: Shape, now: float, priority: int, wait_s: float, settings: RouterSettings) -> tuple[float, ...]:
+    chance = slo_chance(pool, now, priority, wait_s, work_units(shape, pool))
+    other = shape.name not in pool.shapes
+    if chance >= settings.good_chance:
+        return (0.0, float(other), pool.cost_per_request() if other else 0.0, pool.load_fraction(now))
+    return (1.0, -chance, float(other), pool.load_fraction(now))
 
 
 def _should_shed(shape: Shape, ordered: list[PoolState], now: float, settings: RouterSettings, tiers: Mapping[str, TierSlo]) -> bool:
@@ -83,10 +186,6 @@ def _should_shed(shape: Shape, ordered: list[PoolState], now: float, settings: R
     if slo is None or slo.priority < settings.shed_priority:
         return False
     return all(p.load_fraction(now) >= settings.shed_load_fraction for p in ordered)
-
-
-def _by_load(pools: list[PoolState], now: float) -> list[PoolState]:
-    return sorted(pools, key=lambda p: p.load_fraction(now))
 
 
 def pick_replica(

@@ -32,6 +32,7 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Callable
+from dataclasses import replace
 
 from kernels.config import EngineConfig
 from kernels.engine_state import (
@@ -143,6 +144,39 @@ class Engine:
         self._check_invariants(plan)
         self._in_flight = plan
         return plan
+
+    def cut(self, plan: IterationPlan, at: float) -> IterationPlan:
+        """Shorten the fast-forwarded ``plan`` in flight to the first step boundary at or after ``at``.
+
+        For a caller whose clock learns of an arrival mid-stretch: the prefix replaces the plan in
+        flight (``update`` takes it) and the newcomer is admitted at its end, as a stepping engine
+        would. KV reserved for the dropped steps stays with the requests and serves their next
+        steps. ``plan`` itself is returned when there is nothing to cut: one step, ``at`` past its
+        end, or a request of its batch aborted since (the stretch's timing no longer applies).
+        """
+        assert plan is self._in_flight, "cut() needs the plan in flight"
+        if plan.num_steps <= 1 or at >= plan.ended_at:
+            return plan
+        decode_seqs = [self._running.get(req_id) for req_id in plan.decode_req_ids]
+        if any(seq is None for seq in decode_seqs):
+            return plan
+        num_seqs = len(decode_seqs)
+        mean_rate = sum(self._tokens_per_step(seq, num_seqs) for seq in decode_seqs if seq is not None) / (num_seqs * SPEC_ONE)
+        context = plan.shape.sum_decode_context
+        elapsed = at - plan.started_at
+        low, high = 1, plan.num_steps  # the smallest number of steps whose stretch reaches `elapsed`
+        while low < high:
+            mid = (low + high) // 2
+            if self.perf.decode_run_time_s(num_seqs, context, mid, mean_rate) >= elapsed:
+                high = mid
+            else:
+                low = mid + 1
+        num_steps = low
+        if num_steps >= plan.num_steps:
+            return plan
+        cut = replace(plan, num_steps=num_steps, duration_s=self.perf.decode_run_time_s(num_seqs, context, num_steps, mean_rate))
+        self._in_flight = cut
+        return cut
 
     def _reserve_decode(self, preempted: list[SeqState]) -> list[SeqState]:
         """KV room for one decode step per decoding request, preempting the newest on shortage.

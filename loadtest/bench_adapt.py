@@ -39,17 +39,19 @@ def main_bench(args: argparse.Namespace) -> int:
     capacity = PerfCapacity(args.model, None if args.no_cache else Path(args.capacity_cache))
     results: dict[str, dict[str, SimResult]] = {}
     print(f"{'scenario':<12} {'policy':<17} {'goodput':>8} {'post-drift':>10} {'SLO%':>6} {'ttft p99':>9} {'tpot p99':>9} "
-          f"{'moves':>5} {'recomp':>6} {'drop':>5} {'wall s':>7}")
+          f"{'moves':>5} {'recomp':>6} {'shed':>6} {'drop':>5} {'wall s':>7}")
     for name in scenarios:
         workload = stretched_workload(name, duration, args.rate, args.stretch, args.seed)
         for policy in policies:
             r = simulate(workload, policy, budget, capacity, args.model)
             results.setdefault(name, {})[policy] = r
             print(f"{name:<12} {policy:<17} {r.goodput_rps:8.2f} {r.post_drift_goodput_rps:10.2f} {100 * r.slo_attainment:6.1f} "
-                  f"{r.ttft_p99_s:9.2f} {r.tpot_p99_s:9.3f} {r.repartitions:5d} {r.recompiles:6d} {r.dropped_requests:5d} {r.wall_s:7.1f}", flush=True)
+                  f"{r.ttft_p99_s:9.2f} {r.tpot_p99_s:9.3f} {r.repartitions:5d} {r.recompiles:6d} {r.shed_requests:6d} {r.dropped_requests:5d} "
+                  f"{r.wall_s:7.1f}", flush=True)
     summary: dict[str, object] = {"fleet": budget, "rate_rps": args.rate, "duration_s": duration, "stretch": args.stretch, "model": args.model}
     for name, by_policy in results.items():
         entry: dict[str, object] = {"goodput_rps": {p: round(r.goodput_rps, 3) for p, r in by_policy.items()},
+                                    "shed": {p: r.shed_requests for p, r in by_policy.items()},
                                     "dropped": sum(r.dropped_requests for r in by_policy.values())}
         adaptive = by_policy.get("adaptive")
         if adaptive is not None:

@@ -1,6 +1,7 @@
 """The five fleet policies the simulator compares, built on the same planner and capacity model.
 
-* ``round-robin``: one pool of every GPU with sglang's default configuration, least-load routing.
+* ``round-robin``: one pool of every GPU with sglang's default configuration, least-load routing
+  straight into the engines (no tier queues or shedding: what most deployments run today).
 * ``static-initial``: the best partition and configurations for the first 10 minutes' mix (the first
   half of runs shorter than 20 minutes), then frozen.
 * ``static-hindsight``: the best single partition for every minute of the run at once (it knows the
@@ -18,6 +19,8 @@ from collections.abc import Mapping
 import numpy as np
 
 from fleet.capacity import CapacityModel
+from fleet.compile_sources import VirtualTimeConfigSource
+from fleet.compiled import ConfigSource
 from fleet.controller import Controller, ControllerSettings, initial_slots
 from fleet.decisions import DecisionLog, decision
 from fleet.lengths import length_bin
@@ -58,16 +61,17 @@ def initial_window_s(duration_s: float) -> float:
     return min(INITIAL_WINDOW_S, duration_s / 2)
 
 
-def _deploy(sim: FleetSim, options: Options, counts: Mapping[str, int]) -> list[SlotState]:
-    sim.set_saturation(options.pool_to_concurrency)
+def _deploy(sim: FleetSim, options: Options, mix: TrafficMix, counts: Mapping[str, int]) -> list[SlotState]:
+    sim.set_pool_model(options, mix)
     slots = initial_slots(counts, options)
     sim.deploy(slots)
     return slots
 
 
 def _plan_for(mixes: tuple[TrafficMix, ...], profile: TrafficMix, budget: Mapping[str, int],
-              capacity: CapacityModel, tiers: Mapping[str, TierSlo]) -> tuple[Options, dict[str, int]]:
-    options = pool_options(profile.shapes, tuple(sorted(budget)), capacity, tiers)
+              capacity: CapacityModel, tiers: Mapping[str, TierSlo],
+              configs: ConfigSource | None = None) -> tuple[Options, dict[str, int]]:
+    options = pool_options(profile.shapes, tuple(sorted(budget)), capacity, tiers, configs)
     problem = problem_for(options, mixes, budget)
     found = plan(problem)
     if found is None:
@@ -78,37 +82,45 @@ def _plan_for(mixes: tuple[TrafficMix, ...], profile: TrafficMix, budget: Mappin
 def setup(
     policy: str, sim: FleetSim, budget: Mapping[str, int], capacity: CapacityModel,
     tiers: Mapping[str, TierSlo], log: DecisionLog, move_cost: MoveCost,
+    configs: VirtualTimeConfigSource | None = None,
 ) -> Controller | None:
-    """Deploy the policy's starting fleet on ``sim`` and hook its control loop to the ticks."""
+    """Deploy the policy's starting fleet on ``sim`` and hook its control loop to the ticks. With
+    ``configs`` every policy but round-robin runs compiled configurations: plans made before the run
+    (and the oracle's) get them at once, the adaptive controller when its compiles are done."""
     duration = sim.workload.duration_s
+    offline = None if configs is None else configs.at_once()
     if policy == "round-robin":
+        sim.settings.admission = False
         slots = [SlotState(f"{gpu}/{k}", "all", gpu, "{}") for gpu, n in sorted(budget.items()) for k in range(n)]
         sim.deploy(slots)
         return None
     first = true_mix(sim, 0.0, initial_window_s(duration))
     if policy == "static-hindsight":
         windows = tuple(true_mix(sim, t, min(duration, t + WINDOW_S)) for t in np.arange(0.0, duration, WINDOW_S))
-        options, counts = _plan_for(windows, true_mix(sim, 0.0, duration), budget, capacity, tiers)
-        _deploy(sim, options, counts)
+        whole = true_mix(sim, 0.0, duration)
+        options, counts = _plan_for(windows, whole, budget, capacity, tiers, offline)
+        _deploy(sim, options, whole, counts)
         return None
-    options, counts = _plan_for((first,), first, budget, capacity, tiers)
-    _deploy(sim, options, counts)
+    options, counts = _plan_for((first,), first, budget, capacity, tiers, offline)
+    _deploy(sim, options, first, counts)
     if policy == "static-initial":
         return None
     if policy == "oracle":
-        _hook_oracle(sim, budget, capacity, tiers, log)
+        _hook_oracle(sim, budget, capacity, tiers, log, offline)
         return None
     if policy != "adaptive":
         raise ValueError(f"unknown policy {policy!r} (choose from {', '.join(POLICIES)})")
     model = sim.settings.model
     settings = ControllerSettings(model, dict(budget), dict(tiers), move_cost=move_cost)
-    controller = Controller(settings, sim.telemetry, capacity, sim, first)
+    controller = Controller(settings, sim.telemetry, capacity, sim, first, configs)
+    if configs is not None:
+        controller.options = options  # the start's envelopes: a wobble around them does not recompile
     sim.settings.restart_s = lambda gpu, config: move_cost.restart_s(model, gpu, config)
 
     def tick(now: float) -> None:
         log.extend(controller.tick(now, sim.slot_states()))
         if controller.options is not None:
-            sim.set_saturation(controller.options.pool_to_concurrency)
+            sim.set_pool_model(controller.options, controller.reference_mix)
 
     sim.on_tick = tick
     return controller
@@ -121,7 +133,7 @@ class OracleState:
 
 
 def _hook_oracle(sim: FleetSim, budget: Mapping[str, int], capacity: CapacityModel,
-                 tiers: Mapping[str, TierSlo], log: DecisionLog) -> None:
+                 tiers: Mapping[str, TierSlo], log: DecisionLog, configs: ConfigSource | None = None) -> None:
     """Every window, the best plan for the next window's true mix, swapped in at once (no drain, no
     restart: the limit any real controller can approach)."""
     state = OracleState()
@@ -137,8 +149,8 @@ def _hook_oracle(sim: FleetSim, budget: Mapping[str, int], capacity: CapacityMod
         # lengths and tiers from a 5-minute span around the window: one minute's sample is too noisy
         # to size a pool by (and would miss the capacity cache on every window)
         profile = true_mix(sim, max(0.0, now - 2 * WINDOW_S), now + 3 * WINDOW_S)
-        options, counts = _plan_for((window,), profile, budget, capacity, tiers)
-        sim.set_saturation(options.pool_to_concurrency)
+        options, counts = _plan_for((window,), profile, budget, capacity, tiers, configs)
+        sim.set_pool_model(options, profile)
         pool_to_gpu = {p.name: p.gpu for p in options.pools}
         moves = diff_moves(sim.slot_states(), counts, pool_to_gpu, options.configs_json())
         if moves:

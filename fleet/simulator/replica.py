@@ -1,55 +1,24 @@
 """One virtual replica: a kernels.engine.Engine stepped on the simulator's clock.
 
 An arrival that lands in the middle of a fast-forwarded decode stretch cuts the stretch at the first
-step boundary at or after the arrival (``cut_plan``), so the newcomer joins the batch when a real
+step boundary at or after the arrival (``Engine.cut``), so the newcomer joins the batch when a real
 engine would let it in, while quiet replicas still jump from completion to completion in one plan.
 """
 
 from __future__ import annotations
 
-from dataclasses import replace
-
 from fleet.pool import ReplicaState
 from kernels.engine import Engine
-from kernels.engine_state import SPEC_ONE
 from kernels.engine_types import EngineRequest, IterationPlan, StepOutputs
 from kernels.perf import PerfModel
 
 _LONG_HORIZON_S = 3600.0
 
 
-def cut_plan(engine: Engine, plan: IterationPlan, at: float, domains: list[str]) -> IterationPlan:
-    """The prefix of a fast-forwarded ``plan`` that ends at the first step boundary at or after ``at``.
-
-    The engine reserved KV for all of the plan's steps; the unused reservation stays with the requests
-    and is used by their next steps. Replaces the engine's in-flight plan (kernels.engine has no public
-    cut yet: see fleet/README.md).
-    """
-    if plan.num_steps <= 1 or at >= plan.ended_at:
-        return plan
-    perf = engine.perf
-    num_seqs = len(plan.decode_req_ids)
-    mean_rate = sum(max(SPEC_ONE, round(perf.spec_tokens_per_step(d, num_seqs) * SPEC_ONE)) for d in domains) / (num_seqs * SPEC_ONE)
-    context = plan.shape.sum_decode_context
-    elapsed = at - plan.started_at
-    low, high = 1, plan.num_steps  # smallest k whose stretch reaches `elapsed`
-    while low < high:
-        mid = (low + high) // 2
-        if perf.decode_run_time_s(num_seqs, context, mid, mean_rate) >= elapsed:
-            high = mid
-        else:
-            low = mid + 1
-    if low >= plan.num_steps:
-        return plan
-    cut = replace(plan, num_steps=low, duration_s=perf.decode_run_time_s(num_seqs, context, low, mean_rate))
-    engine._in_flight = cut  # noqa: SLF001 - see the docstring
-    return cut
-
-
 class VirtualReplica:
     """Engine + the router's view of it (``state``) + when its start-up completes."""
 
-    __slots__ = ("slot", "pool", "engine", "perf", "state", "ready_at", "plan", "plan_seq", "req_to_domain")
+    __slots__ = ("engine", "perf", "plan", "plan_seq", "pool", "ready_at", "req_to_domain", "slot", "state")
 
     def __init__(self, slot: str, pool: str, perf: PerfModel, state: ReplicaState, ready_at: float) -> None:
         self.slot = slot
@@ -81,7 +50,7 @@ class VirtualReplica:
         plan = self.plan
         if plan is None or plan.num_steps <= 1 or plan.ended_at <= now:
             return None
-        cut = cut_plan(self.engine, plan, now, [self.req_to_domain[r] for r in plan.decode_req_ids])
+        cut = self.engine.cut(plan, now)
         if cut is plan:
             return None
         self.plan = cut

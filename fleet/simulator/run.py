@@ -10,6 +10,7 @@ from dataclasses import asdict, dataclass
 import numpy as np
 
 from fleet.capacity import CapacityModel
+from fleet.compile_sources import VirtualTimeConfigSource
 from fleet.decisions import DecisionLog
 from fleet.options import MoveCost
 from fleet.simulator.policies import setup
@@ -37,6 +38,7 @@ class SimResult:
     repartitions: int
     recompiles: int
     dropped_requests: int
+    shed_requests: int  # refused with 429 before any token (not good, no GPU time): capacity was short
     unfinished_requests: int
     num_decisions: int
     num_events: int
@@ -54,11 +56,12 @@ def simulate(
     model: str = DEFAULT_MODEL,
     log: DecisionLog | None = None,
     move_cost: MoveCost | None = None,
+    configs: VirtualTimeConfigSource | None = None,
 ) -> SimResult:
     started = time.perf_counter()
     log = log if log is not None else DecisionLog()
     sim = FleetSim(SimSettings(model), workload, Telemetry())
-    controller = setup(policy, sim, budget, capacity, dict(DEFAULT_TIERS), log, move_cost or MoveCost())
+    controller = setup(policy, sim, budget, capacity, dict(DEFAULT_TIERS), log, move_cost or MoveCost(), configs)
     sim.run(workload.duration_s)
     return _summarise(sim, policy, budget, log, controller, time.perf_counter() - started)
 
@@ -88,6 +91,7 @@ def _summarise(sim: FleetSim, policy: str, budget: Mapping[str, int], log: Decis
         throughput_tokens_s=float(tokens[done].sum()) / duration,
         ttft_p99_s=nan_percentile(ttft[done], 99), tpot_p99_s=nan_percentile(tpot[done], 99),
         repartitions=int(repartitions), recompiles=int(getattr(controller, "num_recompiles", 0)),
-        dropped_requests=out.num_dropped, unfinished_requests=int(len(workload.specs) - done.sum() - out.num_dropped),
+        dropped_requests=out.num_dropped, shed_requests=out.num_shed,
+        unfinished_requests=int(len(workload.specs) - done.sum() - out.num_dropped - out.num_shed),
         num_decisions=sum(log.kind_to_count.values()), num_events=sim.loop.num_events, wall_s=wall_s,
     )

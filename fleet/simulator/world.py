@@ -3,6 +3,13 @@
 ``FleetSim`` is also the simulator's ``Actuator`` (fleet.rollout): drain marks a replica as draining
 for the router, stop removes it, start builds a new engine with the new configuration that becomes
 healthy ``restart_s`` later, activate makes it routable in its pool.
+
+Every pool keeps a ``PoolQueue``, and the router is given the tiers, as a gateway would run it: a
+request the best pool has no room for waits in that pool's queue (priority, then deadline) and is
+admitted when a replica's in-flight count drops below the pool's saturation limit; one whose wait
+budget passes, or that the router predicts cannot make its SLO, is shed (a 429 before any token:
+counted in ``num_shed``, not good, and it costs no GPU time). ``dropped`` stays for requests no
+replica can hold, or that a forced stop (a drain past its deadline) cuts off.
 """
 
 from __future__ import annotations
@@ -16,13 +23,15 @@ import numpy as np
 
 from classifiers.shape import Shape, ShapeRules, default_shape_rules
 from fleet.health import CircuitBreaker
+from fleet.options import Options
 from fleet.pool import PoolState, ReplicaState
+from fleet.queueing import PoolQueue, Shed
 from fleet.rollout import SlotState
-from fleet.router import Reject, RouterSettings, route
+from fleet.router import Reject, RouterSettings, Wait, pick_replica, route, work_units
 from fleet.simulator.events import Event, EventLoop
 from fleet.simulator.replica import VirtualReplica
 from fleet.simulator.traffic import SimRequest, Traffic
-from fleet.telemetry import Telemetry
+from fleet.telemetry import Telemetry, TrafficMix
 from fleet.tiers import DEFAULT_TIERS, TierSlo
 from kernels.catalog import get_gpu, get_model
 from kernels.config import EngineConfig
@@ -45,11 +54,16 @@ class Outcomes:
     finished_at: np.ndarray
     overhead_s: np.ndarray
     met_slo: np.ndarray
+    shed: np.ndarray  # refused with 429 before any token (by the router, or a queue's deadline or bound)
     num_dropped: int = 0
 
     @classmethod
     def empty(cls, num: int) -> Outcomes:
-        return cls(np.full(num, np.nan), np.full(num, np.nan), np.zeros(num), np.zeros(num, dtype=bool))
+        return cls(np.full(num, np.nan), np.full(num, np.nan), np.zeros(num), np.zeros(num, dtype=bool), np.zeros(num, dtype=bool))
+
+    @property
+    def num_shed(self) -> int:
+        return int(self.shed.sum())
 
 
 @dataclass(slots=True)
@@ -59,6 +73,10 @@ class SimSettings:
     rules: ShapeRules = field(default_factory=default_shape_rules)
     router: RouterSettings = field(default_factory=RouterSettings)
     tick_s: float = 5.0
+    queue_len: int = 1024  # per pool: the bound on requests waiting for room
+    # tiers to the router and a queue per pool; False: plain least-load routing straight into the
+    # engines' FIFO queues, as deployments without SLO-aware admission run (the round-robin baseline)
+    admission: bool = True
     restart_s: Callable[[str, EngineConfig], float] = lambda gpu, config: 0.0
 
 
@@ -73,6 +91,8 @@ class FleetSim:
         self.outcomes = Outcomes.empty(len(self.specs))
         self.pools: dict[str, PoolState] = {}
         self.pool_to_max_running: dict[str, int] = {}
+        self.pool_to_model: dict[str, tuple[float, float, float, float]] = {}  # pool -> PoolState's capacity-model fields
+        self.work = [1.0] * len(self.specs)  # each admitted request's fleet.router.work_units in its pool
         self.slots: dict[str, VirtualReplica] = {}
         self.slot_to_gpu: dict[str, str] = {}
         self.slot_to_config_json: dict[str, str] = {}
@@ -102,7 +122,9 @@ class FleetSim:
         if pool is None:
             shape = name.split("@", 1)[0]
             shapes = frozenset(self.settings.rules.names) if shape == "all" else frozenset({shape})
-            pool = PoolState(name, None, shapes, None, self.pool_to_max_running.get(name, 64))
+            queue = PoolQueue[int](self.settings.queue_len, self.settings.router.shed_retry_after_s) if self.settings.admission else None
+            pool = PoolState(name, None, shapes, None, self.pool_to_max_running.get(name, 64), queue=queue)
+            self._model_pool(pool)
             self.pools[name] = pool
         return pool
 
@@ -118,19 +140,23 @@ class FleetSim:
             spec = self.specs[index]
             rep.engine.abort(req_id, now)
             del rep.req_to_domain[req_id]
-            rep.state.end(spec.input_tokens + spec.output_tokens)
-            for event in self._dispatch(index, now):
-                self.loop.push(*event)
+            rep.state.end(spec.input_tokens + spec.output_tokens, self.work[index])
+            self._dispatch(index, now)
 
     def num_in_flight(self, slot: str) -> int:
         rep = self.slots.get(slot)
         return rep.num_in_flight if rep is not None else 0
 
     def stop(self, slot: str, now: float) -> None:
+        """Remove the replica; requests still on it (a drain stopped at its deadline) are dropped."""
         rep = self.slots.pop(slot)
         pool = self.pools[rep.pool]
         if rep.state in pool.replicas:
             pool.replicas.remove(rep.state)
+        for req_id in list(rep.req_to_domain):
+            rep.engine.abort(req_id, now)
+            self._drop(int(req_id))
+        rep.req_to_domain.clear()
 
     def start(self, slot: str, pool: str, config_json: str, now: float, ready_at: float | None = None) -> None:
         gpu = self.slot_to_gpu[slot]
@@ -157,14 +183,26 @@ class FleetSim:
 
     def activate(self, slot: str, now: float) -> None:
         rep = self.slots[slot]
-        self._pool(rep.pool).replicas.append(rep.state)
+        pool = self._pool(rep.pool)
+        pool.replicas.append(rep.state)
+        self._pump(pool, now)
 
-    def set_saturation(self, pool_to_concurrency: Iterable[tuple[str, float]]) -> None:
-        """In-flight requests per replica at which a pool counts as saturated (router overflow)."""
-        for pool, concurrency in pool_to_concurrency:
-            self.pool_to_max_running[pool] = max(1, math.ceil(concurrency))
-            if pool in self.pools:
-                self.pools[pool].max_running_per_replica = self.pool_to_max_running[pool]
+    def set_pool_model(self, options: Options, mix: TrafficMix) -> None:
+        """What the router knows of each pool from the capacity model (``options``, planned for
+        ``mix``): the in-flight requests per replica at which it counts as saturated, its rate per
+        replica, its GPUs' price and its shape's mean lengths."""
+        for option, (name, concurrency) in zip(options.pools, options.pool_to_concurrency, strict=True):
+            load = mix.shape(option.shape)
+            self.pool_to_max_running[name] = max(1, math.ceil(concurrency))
+            self.pool_to_model[name] = (option.rate_per_replica_rps, get_gpu(option.gpu).price_per_gpu_hour * option.gpus_per_replica,
+                                        load.mean_prompt_tokens if load else 0.0, load.mean_output_tokens if load else 0.0)
+            if name in self.pools:
+                self._model_pool(self.pools[name])
+
+    def _model_pool(self, pool: PoolState) -> None:
+        pool.max_running_per_replica = self.pool_to_max_running.get(pool.name, 64)
+        if pool.name in self.pool_to_model:
+            pool.rate_per_replica_rps, pool.cost_per_hour, pool.mean_prompt_tokens, pool.mean_output_tokens = self.pool_to_model[pool.name]
 
     # --- events -------------------------------------------------------------------------------------
     def run(self, end_s: float, grace_s: float = 1800.0) -> None:
@@ -174,37 +212,98 @@ class FleetSim:
             self.loop.push(k * self.settings.tick_s, "tick")
         self.loop.run(end_s)
         self.loop.run(end_s + grace_s, stop=lambda: self._num_done >= len(self.specs))
+        for pool in self.pools.values():  # still waiting when the run ends: their deadlines have passed
+            while pool.queue is not None and len(pool.queue):
+                self._shed(pool.queue.take(math.inf)[1])
 
     def _on_tick(self, now: float, _: object) -> None:
         self.on_tick(now)
+        for pool in list(self.pools.values()):
+            if pool.queue is None or not len(pool.queue):
+                continue
+            self._shed(pool.queue.expire(now))
+            if pool.num_routable(now) == 0:  # its replicas moved away: route the waiting requests again
+                while True:
+                    index, expired = pool.queue.take(now)
+                    self._shed(expired)
+                    if index is None:
+                        break
+                    self._dispatch(index, now)
+            else:
+                self._pump(pool, now)
 
-    def _on_arrival(self, now: float, index: int) -> Iterable[Event]:
+    def _on_arrival(self, now: float, index: int) -> None:
         spec = self.specs[index]
         self.telemetry.record_arrival(now, self.shapes[index], spec.tier, spec.input_tokens)
-        return self._dispatch(index, now)
+        self._dispatch(index, now)
 
-    def _dispatch(self, index: int, now: float) -> Iterable[Event]:
+    def _shape(self, index: int) -> Shape:
         spec = self.specs[index]
-        shape_name = self.shapes[index]
         prefix_fp = spec.hash_ids[0] if spec.hash_ids else 0
-        shape = Shape(shape_name, spec.domain, 1.0, spec.input_tokens, spec.output_tokens, spec.output_tokens,
-                      spec.tier, spec.tenant, prefix_fp, None, True)
-        decision = route(shape, self.settings.model, list(self.pools.values()), now, self.settings.router)
+        return Shape(self.shapes[index], spec.domain, 1.0, spec.input_tokens, spec.output_tokens, spec.output_tokens,
+                     spec.tier, spec.tenant, prefix_fp, None, True)
+
+    def _dispatch(self, index: int, now: float) -> None:
+        """Route a new (or handed-back) request: to a replica, into a pool's queue, or shed."""
+        decision = route(self._shape(index), self.settings.model, list(self.pools.values()), now, self.settings.router,
+                         tiers=self.settings.tiers if self.settings.admission else None)
+        if isinstance(decision, Wait):
+            queue = self.pools[decision.pool].queue
+            assert queue is not None
+            # the wait budget runs from the arrival (a request handed back by a drain has used some)
+            deadline = decision.deadline_at - (now - self.specs[index].arrival_s)
+            if deadline < now:
+                self._shed([Shed(index, "deadline passed", 0.0)])
+                return
+            shed = queue.offer(index, decision.priority, deadline)
+            if shed is not None:
+                self._shed([shed])
+            return
         if isinstance(decision, Reject):
-            return self._drop(index)
-        rep = self.slots[decision.replica]
+            if decision.status == 429:
+                self._shed([Shed(index, decision.reason, decision.retry_after_s)])
+            else:
+                self._drop(index)
+            return
+        self._admit(index, self.slots[decision.replica], now)
+
+    def _admit(self, index: int, rep: VirtualReplica, now: float) -> None:
+        spec = self.specs[index]
         req = EngineRequest(str(index), spec.input_tokens, spec.output_tokens, spec.domain, spec.hash_ids, spec.arrival_s)
         if not rep.add(req, now):
-            return self._drop(index)
-        rep.state.begin(spec.input_tokens + spec.output_tokens)
+            self._drop(index)
+            return
+        self.work[index] = work_units(self._shape(index), self.pools[rep.pool])
+        rep.state.begin(spec.input_tokens + spec.output_tokens, self.work[index])
         self.outcomes.overhead_s[index] = rep.perf.request_overhead_s
         plan = rep.next_plan(now) or rep.cut_for_arrival(now)
-        return [(plan.ended_at, "iteration", (rep, rep.plan_seq))] if plan is not None else ()
+        if plan is not None:
+            self.loop.push(plan.ended_at, "iteration", (rep, rep.plan_seq))
 
-    def _drop(self, index: int) -> tuple[()]:
+    def _pump(self, pool: PoolState, now: float) -> None:
+        """Admit waiting requests, most urgent first, while a routable replica of ``pool`` has room."""
+        queue = pool.queue
+        while queue is not None and len(queue):
+            room = [r for r in pool.replicas
+                    if not r.draining and r.breaker.available(now) and r.work_in_flight < pool.max_running_per_replica]
+            if not room:
+                return
+            index, expired = queue.take(now)
+            self._shed(expired)
+            if index is None:
+                return
+            replica = pick_replica(self._shape(index), self.settings.model, room, now, self.settings.router)
+            assert replica is not None
+            self._admit(index, self.slots[replica.name], now)
+
+    def _drop(self, index: int) -> None:
         self.outcomes.num_dropped += 1
         self._num_done += 1
-        return ()
+
+    def _shed(self, shed: Iterable[Shed[int]]) -> None:
+        for item in shed:
+            self.outcomes.shed[item.item] = True
+            self._num_done += 1
 
     def _on_iteration(self, now: float, payload: tuple[VirtualReplica, int]) -> Iterable[Event]:
         rep, seq = payload
@@ -217,7 +316,10 @@ class FleetSim:
         for req_id in outputs.finished_req_ids:
             self._finish(int(req_id), rep, now)
         plan = rep.next_plan(now)
-        return [(plan.ended_at, "iteration", (rep, rep.plan_seq))] if plan is not None else ()
+        seq = rep.plan_seq
+        if outputs.finished_req_ids and rep.state in (pool := self.pools[rep.pool]).replicas:
+            self._pump(pool, now)  # an admission here that replaces the plan pushes its own event
+        return [(plan.ended_at, "iteration", (rep, seq))] if plan is not None and rep.plan_seq == seq else ()
 
     def _finish(self, index: int, rep: VirtualReplica, now: float) -> None:
         spec, out = self.specs[index], self.outcomes
@@ -227,7 +329,7 @@ class FleetSim:
         slo = self.settings.tiers.get(spec.tier) or self.settings.tiers["standard"]
         met = bool(slo.met(ttft, tpot))
         out.met_slo[index] = met
-        rep.state.end(spec.input_tokens + spec.output_tokens)
+        rep.state.end(spec.input_tokens + spec.output_tokens, self.work[index])
         self.telemetry.record_outcome(now, self.shapes[index], rep.pool, met, spec.output_tokens)
         self._num_done += 1
 

@@ -78,7 +78,7 @@ def test_pool_queue_serves_by_priority_and_sheds_the_least_urgent() -> None:
 
 def test_fleet_never_imports_loadtest() -> None:
     root = Path(__file__).resolve().parents[2] / "fleet"
-    offenders = [str(p) for p in root.rglob("*.py") if re.search(r"^\s*(from|import) loadtest", p.read_text(), re.M)]
+    offenders = [str(p) for p in root.rglob("*.py") if re.search(r"^\s*(from|import) loadtest", p.read_text(), re.MULTILINE)]
     assert offenders == []
 
 
@@ -104,3 +104,30 @@ def test_fill_budget_deploys_every_gpu_and_prefers_undoing_a_shrink() -> None:
     kept = PlanProblem(pools, (("G", 6),), ((("a", 10.0), ("b", 30.0)),), (1.0,), current=(("a@G", 5), ("b@G", 1)),
                        move_cost=(("a@G", 0.5), ("b@G", 0.5)))
     assert fill_budget(kept, plan(kept)).replicas() == {"a@G": 5, "b@G": 1}  # nothing worth a move: stay
+
+
+def test_pool_queue_counts_who_is_ahead_and_expires_anywhere() -> None:
+    queue: PoolQueue[str] = PoolQueue(max_len=8)
+    queue.offer("i", 0, 5.0)
+    queue.offer("s", 1, 2.0)
+    queue.offer("b1", 2, 1.0)
+    queue.offer("b2", 2, 30.0)
+    assert (queue.num_ahead(0), queue.num_ahead(1), queue.num_ahead(2)) == (1, 2, 4)
+    assert [s.item for s in queue.expire(3.0)] == ["s", "b1"]  # behind a live interactive entry, still expired
+    assert len(queue) == 2 and queue.num_ahead(2) == 2
+    assert queue.take(3.0) == ("i", []) and queue.num_ahead(2) == 1
+
+
+def test_an_overflowing_long_prompt_weighs_its_length_in_a_chat_pool() -> None:
+    from fleet.router import work_units
+
+    pool = _pool(in_flight=0)
+    long = replace(BATCH, name="long-context", prompt_tokens=6000, predicted_output_p50=300)
+    assert work_units(long, pool) == 1.0  # no mean lengths known: one request, one unit
+    pool.mean_prompt_tokens, pool.mean_output_tokens = 1000.0, 200.0
+    assert work_units(long, pool) == 6.0 and work_units(replace(long, name="short-chat"), pool) == 1.0
+    replica = pool.replicas[0]
+    replica.begin(6300, work_units(long, pool))
+    assert replica.work_in_flight == 6.0 and pool.load_fraction(0.0) == 1.5  # 6 of 4 units: saturated
+    replica.end(6300, work_units(long, pool))
+    assert replica.work_in_flight == 0.0 and replica.num_in_flight == 0

@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
+import pytest
+
 from fleet.capacity import Capacity
 from fleet.controller import Controller, ControllerSettings
 from fleet.drift import DriftSettings
@@ -15,14 +19,16 @@ from tests.fleet.test_planner_rollout import FakeActuator
 
 
 class TableCapacity:
-    """Capacity per shape from a table: fast, and exact for the tests."""
+    """Capacity per shape from a table: fast, and exact for the tests. Its concurrency (the router's
+    saturation limit) allows 30 s per request in flight, more than any test request takes, so the
+    table's rates, not the admission limit, decide what a pool serves."""
 
     def __init__(self, shape_to_rate: dict[str, float]) -> None:
         self.shape_to_rate = shape_to_rate
 
     def estimate(self, gpu: str, config: EngineConfig, load, slo) -> Capacity:  # type: ignore[no-untyped-def]
         rate = self.shape_to_rate.get(load.name, 1.0)
-        return Capacity(rate, rate * 2.0)
+        return Capacity(rate, rate * 30.0)
 
 
 def test_event_loop_orders_same_instant_by_kind_then_seq() -> None:
@@ -110,8 +116,6 @@ def test_oracle_swaps_lose_no_request_and_no_goodput() -> None:
 
 
 def test_simulator_takes_plain_request_objects_and_keeps_the_json_keys() -> None:
-    from dataclasses import dataclass
-
     from fleet.simulator.traffic import SimTraffic
 
     @dataclass(frozen=True)
@@ -128,3 +132,67 @@ def test_simulator_takes_plain_request_objects_and_keeps_the_json_keys() -> None
     result = simulate(traffic, "round-robin", {"H100-SXM": 1}, TableCapacity({}))
     keys = {"goodput_rps", "slo_attainment", "throughput_tokens_s", "ttft_p99_s", "tpot_p99_s", "repartitions", "recompiles", "dropped_requests"}
     assert keys <= set(result.to_json()) and result.num_requests == 60 and result.dropped_requests == 0
+
+
+def test_overload_sheds_batch_while_interactive_meets_its_slo() -> None:
+    # one replica, batch arriving at several times what it serves: straight into the engine (no
+    # admission) every request joins its FIFO and the interactive ones miss; with the pool queue they
+    # go first, batch waits its budget and the excess is shed with 429 (not dropped, no GPU time)
+    import numpy as np
+
+    from fleet.rollout import SlotState
+    from fleet.simulator.traffic import SimTraffic
+    from fleet.simulator.world import FleetSim, SimSettings
+
+    @dataclass(frozen=True)
+    class Req:
+        arrival_s: float
+        tier: str
+        input_tokens: int = 300
+        output_tokens: int = 100
+        domain: str = "chat"
+        tenant: str = "t"
+        hash_ids: tuple[int, ...] = ()
+
+    specs = sorted([Req(k / 120.0, "batch") for k in range(120 * 30)] + [Req(0.013 + k / 5.0, "interactive", output_tokens=40) for k in range(5 * 30)],
+                   key=lambda r: r.arrival_s)
+    tiers = np.array([r.tier for r in specs])
+    inter, batch = tiers == "interactive", tiers == "batch"
+    outcomes = {}
+    for admission in (True, False):
+        sim = FleetSim(SimSettings("llama-3.1-8b", admission=admission), SimTraffic("overload", specs, 30.0), Telemetry())
+        sim.deploy([SlotState("H100-SXM/0", "all", "H100-SXM", "{}")])
+        sim.run(30.0)
+        outcomes[admission] = out = sim.outcomes
+        assert out.num_dropped == 0 and not (out.met_slo & out.shed).any() and np.isfinite(out.finished_at[~out.shed]).all()
+    out = outcomes[True]
+    assert not out.shed[inter].any() and out.met_slo[inter].mean() >= 0.95
+    assert out.shed[batch].mean() > 0.3 and out.met_slo[batch].sum() > 0  # batch served up to what is left, the rest shed
+    assert outcomes[False].num_shed == 0 and outcomes[False].met_slo[inter].mean() < 0.5  # FIFO behind the batch backlog
+
+
+def test_engine_cut_ends_a_fast_forwarded_stretch_at_the_next_step_boundary() -> None:
+    from kernels.engine_types import EngineRequest
+    from tests.kernels.engine_helpers import TablePerf, make_engine
+
+    perf = TablePerf(kv_capacity_tokens=50_000)
+    whole, cut = make_engine(perf, page_size=16), make_engine(perf, page_size=16)
+    for engine in (whole, cut):
+        for k in range(3):
+            engine.add_request(EngineRequest(f"r{k}", 64, 200 + k), 0.0)
+        first = engine.schedule(0.0)
+        assert first is not None
+        engine.update(first, first.ended_at)
+    start = first.ended_at
+    stretch = whole.schedule(start, horizon_s=1e9)
+    plan = cut.schedule(start, horizon_s=1e9)
+    assert stretch is not None and plan is not None and stretch.num_steps > 10
+    at = start + stretch.duration_s / 3
+    shorter = cut.cut(plan, at)
+    assert 1 <= shorter.num_steps < stretch.num_steps and shorter.ended_at >= at
+    assert perf.decode_run_time_s(3, plan.shape.sum_decode_context, shorter.num_steps - 1) < at - start  # the first boundary at or after
+    assert cut.cut(shorter, shorter.ended_at) is shorter  # nothing left to cut
+    outputs = cut.update(shorter, shorter.ended_at)
+    assert set(outputs.num_new_tokens) == {shorter.num_steps}
+    rest = cut.schedule(shorter.ended_at, horizon_s=1e9)
+    assert rest is not None and rest.ended_at == pytest.approx(stretch.ended_at, rel=1e-9)  # the same finish as uncut

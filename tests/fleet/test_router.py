@@ -1,13 +1,19 @@
-"""Routing policy: shape pools first, overflow when saturated, prefix affinity with bounded load."""
+"""Routing policy: SLO-chance pool scores, shape pools first, overflow when saturated, queue or shed by tier, prefix affinity."""
 
 from __future__ import annotations
 
+import math
 from dataclasses import replace
+
+import pytest
+from scipy.stats import poisson
 
 from classifiers.shape import Shape
 from fleet.health import CircuitBreaker, HealthState
 from fleet.pool import PoolState, ReplicaState
-from fleet.router import Reject, Route, RouterSettings, pick_replica, route
+from fleet.queueing import PoolQueue
+from fleet.router import Reject, Route, RouterSettings, Wait, pick_replica, poisson_at_least, route, slo_chance
+from fleet.tiers import DEFAULT_TIERS
 
 SETTINGS = RouterSettings()
 SHAPE = Shape("short-chat", "chat", 0.9, 100, 50, 120, "standard", "demo", 0, None, False)
@@ -99,3 +105,56 @@ def test_circuit_breaker_ejects_cools_down_and_probes_once() -> None:
     breaker.on_dispatch()
     breaker.on_success()
     assert breaker.state is HealthState.HEALTHY and breaker.available(11.6) and breaker.num_ejections == 2
+
+
+def _modelled(name: str, shapes: set[str], in_flight: int, rate: float, cost_per_hour: float = 1.0, queued: bool = False) -> PoolState:
+    """A pool of two replicas that saturates at 4 in flight each, with a capacity-model rate."""
+    pool = _pool(name, shapes, num_replicas=2, max_running=4)
+    pool.rate_per_replica_rps, pool.cost_per_hour = rate, cost_per_hour
+    pool.replicas[0].num_in_flight, pool.replicas[1].num_in_flight = in_flight - in_flight // 2, in_flight // 2
+    pool.queue = PoolQueue(max_len=64) if queued else None
+    return pool
+
+
+def test_slo_chance_is_the_poisson_chance_that_enough_requests_leave_in_time() -> None:
+    pool = _modelled("chat", {"short-chat"}, in_flight=12, rate=2.0)  # 8 run at once: 5 must leave first
+    wait_s = SETTINGS.wait_share * DEFAULT_TIERS["standard"].ttft_p99_s
+    expected = 1.0 - sum(math.exp(-4.0 * wait_s) * (4.0 * wait_s) ** i / math.factorial(i) for i in range(5))
+    assert slo_chance(pool, 0.0, priority=1, wait_s=wait_s) == pytest.approx(expected, rel=1e-12)
+    assert slo_chance(_modelled("idle", {"short-chat"}, in_flight=7, rate=2.0), 0.0, 1, wait_s) == 1.0
+    for k, mean in ((3, 0.5), (60, 40.0), (150, 120.0), (300, 250.0), (2300, 2400.0)):  # exact, then Wilson-Hilferty
+        assert poisson_at_least(k, mean) == pytest.approx(float(poisson.sf(k - 1, mean)), rel=0.01)
+
+
+def test_routing_picks_the_pool_the_model_predicts() -> None:
+    # the shape's own pool is backed up; of two other pools equally backed up, the faster one is
+    # likelier to start the request within its TTFT budget; with room everywhere, the own pool wins,
+    # and an overflow with room goes to the cheaper pool per request
+    own = _modelled("chat", {"short-chat"}, in_flight=14, rate=1.0)
+    slow = _modelled("long", {"long-context"}, in_flight=10, rate=0.5)
+    fast = _modelled("code", {"code"}, in_flight=10, rate=8.0)
+    decision = route(SHAPE, "m", [own, slow, fast], 0.0, SETTINGS, tiers=DEFAULT_TIERS)
+    chances = {p.name: slo_chance(p, 0.0, 1, 1.5) for p in (own, slow, fast)}
+    assert isinstance(decision, Route) and decision.pool == max(chances, key=lambda n: chances[n]) == "code" and decision.overflow
+    own = _modelled("chat", {"short-chat"}, in_flight=2, rate=0.1, cost_per_hour=9.0)
+    cheap = _modelled("long", {"long-context"}, in_flight=0, rate=1.0, cost_per_hour=1.0)
+    pricey = _modelled("code", {"code"}, in_flight=0, rate=1.0, cost_per_hour=5.0)
+    assert route(SHAPE, "m", [pricey, cheap, own], 0.0, SETTINGS, tiers=DEFAULT_TIERS).pool == "chat"  # type: ignore[union-attr]
+    own.replicas[0].num_in_flight = own.replicas[1].num_in_flight = 4
+    assert route(SHAPE, "m", [pricey, cheap, own], 0.0, SETTINGS, tiers=DEFAULT_TIERS).pool == "long"  # type: ignore[union-attr]
+
+
+def test_batch_is_shed_before_interactive_misses_when_the_pool_queue_is_long() -> None:
+    pool = _modelled("chat", {"short-chat"}, in_flight=8, rate=0.5, queued=True)  # saturated: newcomers wait
+    assert pool.queue is not None
+    for k in range(40):
+        assert pool.queue.offer(f"batch{k}", DEFAULT_TIERS["batch"].priority, 60.0) is None
+    interactive = route(replace(SHAPE, tier="interactive"), "m", [pool], 0.0, SETTINGS, tiers=DEFAULT_TIERS)
+    assert isinstance(interactive, Wait) and interactive.priority == 0 and interactive.deadline_at == 0.5  # nobody of its tier ahead
+    batch = route(replace(SHAPE, tier="batch"), "m", [pool], 0.0, SETTINGS, tiers=DEFAULT_TIERS)
+    # 41 must leave at 1 req/s within its 30 s wait budget: hopeless, so it is refused now, not after 30 s
+    assert isinstance(batch, Reject) and batch.status == 429 and batch.code == "shed" and batch.retry_after_s > SETTINGS.shed_retry_after_s
+    assert pool.queue.offer("inter", interactive.priority, interactive.deadline_at) is None
+    assert pool.queue.take(0.1)[0] == "inter"  # the interactive request is served first
+    pool.queue = None  # a caller without queues (the gateway) keeps placing higher tiers
+    assert isinstance(route(replace(SHAPE, tier="interactive"), "m", [pool], 0.0, SETTINGS, tiers=DEFAULT_TIERS), Route)
