@@ -4,6 +4,11 @@ A pool is named ``<shape>@<gpu>``. Its engine configuration is the one ``choose_
 shape's current length profile and strictest tier; its capacity per replica comes from the capacity
 model. The controller, and the simulator's static and oracle policies, all plan through here, so every
 policy is judged by the same model.
+
+With a ``ConfigSource`` (fleet.compiled), each pool also gets an envelope, and the compiler's best known
+configuration for it joins the candidates (first, so it wins ties); an envelope the source does not
+know yet is submitted for compiling and listed in ``Options.submitted`` (the caller logs it), and the
+configuration compiled for the envelope the pool left stands in until the compile is done.
 """
 
 from __future__ import annotations
@@ -13,6 +18,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 from fleet.capacity import CapacityModel, choose_config
+from fleet.compiled import CompiledConfig, ConfigSource, Envelope, config_changes, envelope_for, tier_name
 from fleet.planner import PlanProblem, PoolOption
 from fleet.telemetry import ShapeLoad, TrafficMix
 from fleet.tiers import TierSlo, strictest, tier_weight
@@ -56,7 +62,19 @@ def pool_name(shape: str, gpu: str) -> str:
 
 
 def config_json(config: EngineConfig) -> str:
-    return json.dumps({k: v for k, v in config.to_dict().items() if v != getattr(EngineConfig(), k)}, sort_keys=True)
+    return json.dumps(config_changes(config), sort_keys=True)
+
+
+@dataclass(frozen=True, slots=True)
+class Submitted:
+    """A compile ``pool_options`` waits for: the pool's envelope and the one it left (None: first plan).
+    ``new`` is False when the previous options already waited for it (nothing new to log)."""
+
+    pool: str
+    gpu: str
+    envelope: Envelope
+    previous: Envelope | None
+    new: bool = True
 
 
 @dataclass(frozen=True, slots=True)
@@ -64,9 +82,23 @@ class Options:
     pools: tuple[PoolOption, ...]
     pool_to_config: tuple[tuple[str, EngineConfig], ...]
     pool_to_concurrency: tuple[tuple[str, float], ...]  # in flight per replica at capacity (router saturation)
+    # with a ConfigSource: each pool's envelope, the compiled result it runs, the compiles still awaited
+    pool_to_envelope: tuple[tuple[str, Envelope], ...] = ()
+    pool_to_compiled: tuple[tuple[str, CompiledConfig], ...] = ()
+    submitted: tuple[Submitted, ...] = ()
 
     def configs_json(self) -> dict[str, str]:
         return {name: config_json(c) for name, c in self.pool_to_config}
+
+    def envelope(self, pool: str) -> Envelope | None:
+        return dict(self.pool_to_envelope).get(pool)
+
+    def awaiting(self, pool: str) -> bool:
+        return any(s.pool == pool for s in self.submitted)
+
+    def pools_for(self, gpu: str, envelope: Envelope) -> list[str]:
+        """The pools (planned or awaiting a compile) on ``gpu`` whose envelope is ``envelope``."""
+        return [name for name, found in self.pool_to_envelope if found == envelope and name.endswith("@" + gpu)]
 
 
 def pool_options(
@@ -74,22 +106,48 @@ def pool_options(
     gpus: tuple[str, ...],
     capacity: CapacityModel,
     tiers: Mapping[str, TierSlo],
+    configs: ConfigSource | None = None,
+    now: float = 0.0,
+    previous: Options | None = None,
 ) -> Options:
+    """Pool options for ``loads``. With ``configs``, a pool keeps its envelope of ``previous`` while
+    its traffic stays inside it (so a wobble neither recompiles nor changes the configuration)."""
     pools: list[PoolOption] = []
-    configs: list[tuple[str, EngineConfig]] = []
+    chosen: list[tuple[str, EngineConfig]] = []
     concurrency: list[tuple[str, float]] = []
+    envelopes: list[tuple[str, Envelope]] = []
+    compiled_for: list[tuple[str, CompiledConfig]] = []
+    submitted: list[Submitted] = []
     for load in loads:
         slo = strictest(load.tier_shares(), tiers)
         weight = tier_weight(load.tier_shares(), tiers)
         for gpu in gpus:
-            config, cap = choose_config(capacity, gpu, load, slo)
+            name = pool_name(load.name, gpu)
+            compiled = None
+            if configs is not None:
+                before = None if previous is None else previous.envelope(name)
+                envelope = envelope_for(load, slo, tier_name(slo, tiers), before)
+                envelopes.append((name, envelope))
+                compiled = configs.best(gpu, envelope, now)
+                if compiled is None:
+                    configs.submit(gpu, envelope, load.name, now)
+                    compiled = configs.best(gpu, envelope, now)  # found in the trial store: no search
+                if compiled is None:
+                    awaited = previous is not None and previous.awaiting(name) and before == envelope
+                    submitted.append(Submitted(name, gpu, envelope, before, new=not awaited))
+                    # until it is done, the configuration compiled for the envelope the pool left stands in
+                    compiled = None if previous is None else dict(previous.pool_to_compiled).get(name)
+            # with compiled configurations the running one is the incumbent: a restart needs a real gain
+            incumbent = None if configs is None or previous is None else dict(previous.pool_to_config).get(name)
+            config, cap = choose_config(capacity, gpu, load, slo, None if compiled is None else compiled.config, incumbent)
             if cap.rate_rps <= 0:
                 continue
-            name = pool_name(load.name, gpu)
             pools.append(PoolOption(name, gpu, load.name, config.num_gpus, cap.rate_rps, weight))
-            configs.append((name, config))
+            chosen.append((name, config))
             concurrency.append((name, cap.concurrency))
-    return Options(tuple(pools), tuple(configs), tuple(concurrency))
+            if compiled is not None and compiled.config == config:
+                compiled_for.append((name, compiled))
+    return Options(tuple(pools), tuple(chosen), tuple(concurrency), tuple(envelopes), tuple(compiled_for), tuple(submitted))
 
 
 def problem_for(

@@ -31,7 +31,7 @@ def register_simulate(commands: argparse._SubParsersAction) -> None:  # type: ig
             "Policies: round-robin (one pool, default engine config), static-initial (best plan for the first "
             "10 minutes, frozen), static-hindsight (best fixed plan for the whole run), adaptive (Polymorph's "
             "controller; moves cost drain + restart), oracle (re-plans each minute, swaps for free). Prints goodput, "
-            "SLO attainment, p99 TTFT/TPOT, repartitions, recompiles and dropped requests."
+            "SLO attainment, p99 TTFT/TPOT, repartitions, recompiles, shed (429 before any token) and dropped requests."
         ),
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
@@ -43,6 +43,15 @@ def register_simulate(commands: argparse._SubParsersAction) -> None:  # type: ig
     p.add_argument("--duration", type=float, default=None, help="seconds of traffic (default: the scenario's, times --stretch)")
     p.add_argument("--decisions", default=None, help="append the decision log (JSON lines) to this file")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
+    p.add_argument("--compile", default="off", choices=("off", "analytic", "perf-model"),
+                   help="run compiled engine configurations (kernels.compiler) searched with this evaluator; a compile "
+                   "is computed at once but released to the adaptive controller --compile-s-per-trial virtual seconds "
+                   "per trial later (plans made before the run, and the oracle's, get it at once)")
+    p.add_argument("--compile-store", default=None,
+                   help="trial store (SQLite) for --compile; default a fresh in-memory store, so runs repeat exactly")
+    p.add_argument("--compile-trials", type=int, default=40, help="trial budget of one compile")
+    p.add_argument("--compile-s-per-trial", type=float, default=1.7,
+                   help="virtual seconds a compile trial takes (a perf-model trial costs the live worker ~1.7 CPU s)")
     _add_sim_args(p, "H100-SXM:8,H200:8", None, 1.0)
     p.set_defaults(handler=_run_simulate)
 

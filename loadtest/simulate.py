@@ -13,8 +13,10 @@ from collections.abc import Mapping
 from pathlib import Path
 
 from fleet.capacity import PerfCapacity
+from fleet.compile_sources import CompileSettings, VirtualTimeConfigSource
 from fleet.decisions import DecisionLog
 from fleet.simulator.run import simulate
+from kernels.compiler import Budget, StoreError, TrialStore
 from loadtest.spec import Workload
 
 DEFAULT_FLEET = "H100-SXM:8,H200:8"
@@ -79,7 +81,21 @@ def main_simulate(args: argparse.Namespace) -> int:
         return 2
     capacity = PerfCapacity(args.model, None if args.no_cache else Path(args.capacity_cache))
     log = DecisionLog(Path(args.decisions) if args.decisions else None)
-    result = simulate(workload, args.policy, budget, capacity, args.model, log)
+    if args.compile == "off":
+        result = simulate(workload, args.policy, budget, capacity, args.model, log)
+    else:
+        if args.compile_trials < 1 or args.compile_s_per_trial < 0:
+            print("polymorph simulate: --compile-trials must be >= 1 and --compile-s-per-trial >= 0", file=sys.stderr)
+            return 2
+        settings = CompileSettings(args.model, evaluator=args.compile, budget=Budget(trials=args.compile_trials))
+        try:
+            store = TrialStore(args.compile_store or ":memory:")
+        except StoreError as exc:
+            print(f"polymorph simulate: {exc}", file=sys.stderr)
+            return 2
+        with store:
+            configs = VirtualTimeConfigSource(settings, store, args.compile_s_per_trial)
+            result = simulate(workload, args.policy, budget, capacity, args.model, log, configs=configs)
     if args.json:
         print(json.dumps(result.to_json(), sort_keys=True))
     else:

@@ -14,6 +14,7 @@ import hashlib
 import json
 import os
 import subprocess
+import tempfile
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
@@ -148,8 +149,12 @@ class ParserGate:
         self.num_subprocess_runs += 1
         env = {**os.environ, **self.env}
         try:
-            done = subprocess.run([self.python, "-c", PARSER_DRIVER], input=json.dumps(arg_lists), capture_output=True,  # type: ignore[list-item]
-                                  text=True, timeout=_PARSER_TIMEOUT_S, env=env, check=False)
+            # `python -c` puts its working directory first on sys.path: run in an empty one, so that
+            # Polymorph's `kernels` package (when started from a checkout) cannot shadow the top-level
+            # `kernels` module one of sglang's dependencies installs
+            with tempfile.TemporaryDirectory(prefix="polymorph-sglang-parser-") as cwd:
+                done = subprocess.run([self.python, "-c", PARSER_DRIVER], input=json.dumps(arg_lists), capture_output=True,  # type: ignore[list-item]
+                                      text=True, timeout=_PARSER_TIMEOUT_S, env=env, check=False, cwd=cwd)
         except (OSError, subprocess.TimeoutExpired) as exc:
             raise RuntimeError(f"sglang parser gate: cannot run {self.python}: {exc}") from exc
         try:

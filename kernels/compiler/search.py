@@ -21,7 +21,7 @@ from kernels.compiler.gates import GateResult, ParserGate, check_constraints, ch
 from kernels.compiler.proposers import AgentProposer, CoordinateProposer, Proposal, Proposer, SearchContext, TrialView
 from kernels.compiler.shape import TrafficShape, get_shape, shape_distance, shape_fingerprint
 from kernels.compiler.space import SearchSpace, config_from_dict, default_space, engine_default, in_space
-from kernels.compiler.store import Fingerprints, TrialRecord, TrialStore, config_key, hardware_fingerprint, model_fingerprint
+from kernels.compiler.store import Fingerprints, TrialRecord, TrialStore, config_key, fingerprints_for
 from kernels.config import EngineConfig
 
 OBJECTIVES = ("goodput", "cost")
@@ -153,8 +153,7 @@ def compile_config(
         store=store, proposer=proposer or AgentProposer.from_environment() or CoordinateProposer(),
         evaluator=evaluator or PerfModelEvaluator(), space=space or default_space(model_spec, gpu_spec, num_gpus),
         parser_gate=parser_gate or ParserGate.from_environment(),
-        fingerprints=Fingerprints(model_fingerprint(model_spec), hardware_fingerprint(gpu_spec, num_gpus, engine_version),
-                                  engine_version),
+        fingerprints=fingerprints_for(model_spec, gpu_spec, num_gpus, engine_version),
         clock=clock, wall_clock=wall_clock,
     )
     return run.execute()

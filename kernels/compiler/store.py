@@ -2,7 +2,7 @@
 
 WAL mode and `BEGIN IMMEDIATE` transactions make it safe for several gateways (processes) writing at
 once; a busy database is waited for (`busy_timeout_s`), then reported. A file that is not a trial
-store, or a locked one, raises `StoreError` naming the path: a trial is never dropped silently.
+store, a locked one or a full one raises `StoreError` naming the path: a trial is never dropped silently.
 
 Each trial carries three fingerprints: the traffic shape's, the model's (digest of its config) and
 the hardware's (GPU kind, count, driver and engine versions when known). A trial whose model or
@@ -69,6 +69,10 @@ def model_fingerprint(model: ModelSpec) -> str:
 def hardware_fingerprint(gpu: GpuSpec, num_gpus: int, engine_version: str = "unknown", driver_version: str = "unknown") -> str:
     text = json.dumps([gpu.name, num_gpus, engine_version, driver_version])
     return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+def fingerprints_for(model: ModelSpec, gpu: GpuSpec, num_gpus: int, engine_version: str = "unknown") -> Fingerprints:
+    return Fingerprints(model_fingerprint(model), hardware_fingerprint(gpu, num_gpus, engine_version), engine_version)
 
 
 def config_key(config: EngineConfig) -> str:
@@ -174,11 +178,17 @@ class TrialStore:
             self._db.execute("COMMIT")
             return result
         except sqlite3.Error as exc:
-            self._db.execute("ROLLBACK")
+            self._roll_back()
             raise StoreError(_explain(self.path, exc)) from exc
         except BaseException:
-            self._db.execute("ROLLBACK")
+            self._roll_back()
             raise
+
+    def _roll_back(self) -> None:
+        # SQLite has already rolled back after some errors (a full disk, for one): a second
+        # ROLLBACK would raise and hide the StoreError that names the real problem.
+        if self._db.in_transaction:
+            self._db.execute("ROLLBACK")
 
     def record_trial(
         self, run_id: str, now: float, model: ModelSpec, gpu: GpuSpec, num_gpus: int, fingerprints: Fingerprints,
@@ -233,6 +243,15 @@ class TrialStore:
             query, params = query + " AND gpu = ?", [*params, gpu]
         return [_artefact(row) for row in self._read(query + " ORDER BY id DESC LIMIT ?", [*params, limit])]
 
+    def find_artefact(self, model: str, gpu: str, num_gpus: int, fingerprints: Fingerprints, shape_fp: str, evaluator: str,
+                      objective: str) -> ArtefactRecord | None:
+        """The newest compiled artefact for exactly this shape, whose model and hardware fingerprints
+        still match (a stale one is not reused: its search must run again, seeded by it)."""
+        query = ("SELECT * FROM artefacts WHERE model = ? AND gpu = ? AND num_gpus = ? AND model_fp = ? AND hardware_fp = ? "
+                 "AND shape_fp = ? AND evaluator = ? AND objective = ? ORDER BY id DESC LIMIT 1")
+        rows = self._read(query, [model, gpu, num_gpus, fingerprints.model, fingerprints.hardware, shape_fp, evaluator, objective])
+        return _artefact(rows[0]) if rows else None
+
     def _read(self, query: str, params: Sequence[object]) -> list[dict[str, object]]:
         try:
             cursor = self._db.execute(query, params)
@@ -284,6 +303,8 @@ def _explain(path: Path, exc: sqlite3.Error) -> str:
     text = str(exc)
     if "locked" in text or "busy" in text:
         return f"trial store {path} is locked by another process for too long ({text}); nothing was written"
+    if "full" in text:
+        return f"trial store {path} is full ({text}); nothing was written: free space or pass another --store"
     if "not a database" in text or "malformed" in text:
         return f"trial store {path} is not a readable SQLite trial store ({text}); move it aside or pass another --store"
     return f"trial store {path}: {text}"

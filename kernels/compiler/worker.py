@@ -59,8 +59,25 @@ class CompileWorker:
     def close(self, cancel_pending: bool = True) -> None:
         self._pool.shutdown(wait=True, cancel_futures=cancel_pending)
 
+    def terminate(self) -> None:
+        """Stop at once (a gateway shutting down): pending compiles are cancelled and running ones
+        killed; the trials they finished are already in the store."""
+        terminate_process_pool(self._pool)
+
     def __enter__(self) -> CompileWorker:
         return self
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def terminate_process_pool(pool: concurrent.futures.ProcessPoolExecutor) -> None:
+    """Cancel what is pending and kill the workers now: a caller waiting on a running task gets
+    BrokenProcessPool instead of the result. ProcessPoolExecutor has no public way to kill its workers
+    before Python 3.14 (`terminate_workers`), hence its process table."""
+    processes = list((getattr(pool, "_processes", None) or {}).values())
+    pool.shutdown(wait=False, cancel_futures=True)
+    for process in processes:
+        process.terminate()
+    for process in processes:
+        process.join(timeout=10.0)
