@@ -6,7 +6,11 @@ the capacity model for the live mix, the planner with the move cost) and turns t
 A step is carried out by a ``Mover`` through the ``Actuator``; ``verify_after_s`` after its last move
 is routable, the observed goodput is compared with the plan's prediction and with the goodput before
 the step, and a step that is worse than both beyond ``verify_margin`` is rolled back (moves reversed)
-with an exponential back-off before the next plan. Every decision is returned (and logged by the caller).
+with an exponential back-off before the next plan. A step whose replica is not healthy within the
+start deadline is rolled back the same way ("replica never became healthy"). Slots whose replica is
+gone (``SlotState.alive`` false) leave the GPU budget the planner allocates: a ``capacity`` decision
+records the change and the next plan is made for the GPUs that are left. Every decision is returned
+(and logged by the caller).
 """
 
 from __future__ import annotations
@@ -16,6 +20,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from fleet.capacity import CapacityModel
+from fleet.compiled import ConfigSource, compile_ready, compile_submitted
 from fleet.decisions import Decision, Move, decision
 from fleet.drift import DriftDetector, DriftSettings
 from fleet.options import MoveCost, Options, pool_options, problem_for
@@ -35,15 +40,22 @@ class ControllerSettings:
     move_cost: MoveCost = field(default_factory=MoveCost)
     plan_horizon_s: float = 900.0  # how long a plan is expected to hold (amortises move cost)
     max_step_fraction: float = 0.25
+    # the bound for moves between pools while the fleet misses its demand (see _replan)
+    failing_step_fraction: float = 0.5
     verify_after_s: float = 45.0
     verify_margin: float = 0.15
     backoff_s: float = 300.0
+    drain_timeout_s: float = 300.0  # past it a draining slot is stopped anyway: its requests end with a clear error
+    start_timeout_s: float | None = None  # a start not healthy by then fails the step; None: the margin below
+    start_timeout_margin: float = 4.0  # x the MoveCost restart time of the slowest GPU kind
 
     def __post_init__(self) -> None:
-        if not 0 < self.max_step_fraction <= 1:
-            raise ValueError("max_step_fraction must be in (0, 1]")
+        if not (0 < self.max_step_fraction <= 1 and 0 < self.failing_step_fraction <= 1):
+            raise ValueError("max_step_fraction and failing_step_fraction must be in (0, 1]")
         if self.verify_margin < 0 or self.plan_horizon_s <= 0:
             raise ValueError("verify_margin must be >= 0 and plan_horizon_s > 0")
+        if self.drain_timeout_s <= 0 or self.start_timeout_margin <= 0 or (self.start_timeout_s is not None and self.start_timeout_s <= 0):
+            raise ValueError("drain_timeout_s, start_timeout_s and start_timeout_margin must be > 0")
 
 
 @dataclass(slots=True)
@@ -68,8 +80,10 @@ class Controller:
         capacity: CapacityModel,
         actuator: Actuator,
         reference_mix: TrafficMix,
+        configs: ConfigSource | None = None,
     ) -> None:
         self.settings = settings
+        self.configs = configs  # compiled configurations (fleet.compiled); None: the fixed candidates only
         self.telemetry = telemetry
         self.capacity = capacity
         self.actuator = actuator
@@ -81,21 +95,41 @@ class Controller:
         self.num_repartitions = 0
         self.num_recompiles = 0
         self.options: Options | None = None  # the latest pool options (for the router's saturation limits)
+        self._dead: dict[str, str] = {}  # slot -> GPU kind, of the slots whose replica is gone
+        self._capacity_changed = False  # the dead set changed since the last plan
+        s = settings
+        self.start_timeout_s = s.start_timeout_s or s.start_timeout_margin * max(
+            (s.move_cost.restart_s(s.model, gpu, EngineConfig()) for gpu in s.gpu_to_budget), default=60.0)
+
+    def budget(self) -> dict[str, int]:
+        """GPU slots the planner may allocate: the configured budget less the slots that are gone."""
+        dead_per_gpu: dict[str, int] = {}
+        for gpu in self._dead.values():
+            dead_per_gpu[gpu] = dead_per_gpu.get(gpu, 0) + 1
+        return {gpu: max(0, n - dead_per_gpu.get(gpu, 0)) for gpu, n in self.settings.gpu_to_budget.items()}
 
     @property
     def busy(self) -> bool:
         return self._rollout is not None
 
     def tick(self, now: float, slots: list[SlotState]) -> list[Decision]:
+        out = self._note_dead(now, slots)
         if self._rollout is not None:
-            return self._advance(now, slots)
+            return out + self._advance(now, slots)
         if now < self._backoff_until:
-            return []
+            return out
+        if self.configs is not None:
+            adopted = self._adopt_compiled(now, slots)
+            if adopted:
+                return out + adopted
         live = self.telemetry.window(now)
         current, verdict = self.detector.observe(now, live, self.reference_mix, self.telemetry.covered_s(now))
         if verdict is None:
-            return []
-        out = [decision(now, "drift", reason=current.reason, score=round(current.score, 3),
+            # same traffic, fewer (or more) GPUs: plan again for what is left (once there is traffic to plan for)
+            if self._capacity_changed and (live.shapes or self.reference_mix.shapes):
+                return out + self._replan(now, live if live.shapes else self.reference_mix, slots)
+            return out
+        out += [decision(now, "drift", reason=current.reason, score=round(current.score, 3),
                         divergence=round(current.divergence, 4), rate_change=round(current.rate_change, 4),
                         profile_change=round(current.profile_change, 4), dwell_since=verdict.above_since,
                         mix_before=self.reference_mix.to_json(), mix_after=live.to_json())]
@@ -103,21 +137,51 @@ class Controller:
         recent = self.telemetry.window(now, max(self.telemetry.bucket_s, now - verdict.above_since))
         return out + self._replan(now, recent if recent.shapes else live, slots)
 
+    def _adopt_compiled(self, now: float, slots: list[SlotState]) -> list[Decision]:
+        """Log the compiles finished since the last tick for the pools they serve; when the current
+        options waited for one that changes a pool's configuration, plan again for the same mix."""
+        assert self.configs is not None
+        options, out, replan = self.options, [], False
+        for found in self.configs.ready(now):
+            if options is None:
+                continue
+            configs = dict(options.pool_to_config)
+            for pool in options.pools_for(found.gpu, found.envelope):
+                out.append(compile_ready(now, pool, found, configs.get(pool)))
+                replan = replan or (options.awaiting(pool) and configs.get(pool) != found.config)
+        return out + self._replan(now, self.reference_mix, slots) if replan else out
+
+    def _note_dead(self, now: float, slots: list[SlotState]) -> list[Decision]:
+        """A ``capacity`` decision when slots die or come back; the next plan uses the new budget."""
+        dead = {s.slot: s.gpu for s in slots if not s.alive}
+        if dead.keys() == self._dead.keys():
+            return []
+        lost, back = sorted(dead.keys() - self._dead.keys()), sorted(self._dead.keys() - dead.keys())
+        self._dead = dead
+        self._capacity_changed = True
+        return [decision(now, "capacity", lost=lost, recovered=back, budget=self.budget(),
+                         reason="replica process gone or ejected: its GPUs leave the budget the planner allocates"
+                         if lost else "replicas are back: their GPUs return to the budget")]
+
     def _replan(self, now: float, live: TrafficMix, slots: list[SlotState]) -> list[Decision]:
         s = self.settings
-        gpus = tuple(sorted(s.gpu_to_budget))
-        options = pool_options(live.shapes, gpus, self.capacity, s.tiers)
+        self._capacity_changed = False
+        slots = [slot for slot in slots if slot.alive]  # a dead slot can neither serve nor move
+        budget = self.budget()
+        gpus = tuple(sorted(budget))
+        options = pool_options(live.shapes, gpus, self.capacity, s.tiers, self.configs, now, self.options)
         self.options = options
+        asked = [compile_submitted(now, a.pool, a.gpu, a.envelope, a.previous) for a in options.submitted if a.new]
         counts: dict[str, int] = {}
         for slot in slots:
             counts[slot.pool] = counts.get(slot.pool, 0) + 1
         move_s = s.move_cost.drain_s + s.move_cost.restart_s(s.model, gpus[0], EngineConfig())
-        problem = problem_for(options, (live,), s.gpu_to_budget, counts, move_s, s.plan_horizon_s)
+        problem = problem_for(options, (live,), budget, counts, move_s, s.plan_horizon_s)
         new_plan = plan(problem)
         self.reference_mix = live
         self.detector.on_plan(now)
         if new_plan is None:
-            return [decision(now, "plan", outcome="infeasible", budget=dict(s.gpu_to_budget))]
+            return asked + [decision(now, "plan", outcome="infeasible", budget=budget)]
         new_plan = fill_budget(problem, new_plan)
         before = evaluate(problem, counts)
         pool_to_gpu = {p.name: p.gpu for p in options.pools}
@@ -125,7 +189,7 @@ class Controller:
         # capacity goes where the demand moved first; in-place recompiles (a tuning) come last
         moves.sort(key=lambda m: m.from_pool == m.to_pool)
         diff = {p: [counts.get(p, 0), n] for p, n in new_plan.pool_to_num_replicas if counts.get(p, 0) != n}
-        out = [decision(now, "plan", outcome="apply" if moves else "keep", diff=diff,
+        out = asked + [decision(now, "plan", outcome="apply" if moves else "keep", diff=diff, budget=budget,
                         predicted_goodput_before_rps=round(before.predicted_goodput_rps, 3),
                         predicted_goodput_after_rps=round(new_plan.predicted_goodput_rps, 3),
                         objective_before=round(before.objective, 4), objective_after=round(new_plan.objective, 4),
@@ -138,7 +202,15 @@ class Controller:
             return out
         self.num_repartitions += 1
         old = {slot.slot: slot.config_json for slot in slots}
-        steps = batch_moves(moves, len(slots), s.max_step_fraction)
+        # A fleet already missing its demand cannot judge a step (its verification is skipped, see
+        # _advance), and the replicas that move leave pools whose demand has left: small steps buy no
+        # safety there, only a longer overload. Moves between pools then go in steps of
+        # failing_step_fraction; in-place recompiles (tuning a pool that keeps its demand) keep the bound.
+        recent = self.telemetry.window(now, s.verify_after_s)
+        failing = recent.goodput_rps() < (1 - s.verify_margin) * recent.total_rate_rps
+        moving = [m for m in moves if m.from_pool != m.to_pool]
+        steps = (batch_moves(moving, len(slots), s.failing_step_fraction if failing else s.max_step_fraction)
+                 + batch_moves(recompiled, len(slots), s.max_step_fraction))
         self._rollout = _Rollout(new_plan, options, steps, slot_to_old_config=old)
         return out + self._start_step(now)
 
@@ -149,17 +221,24 @@ class Controller:
         before = self.telemetry.window(now, self.settings.verify_after_s)
         rollout.goodput_before_rps = before.goodput_rps()
         rollout.healthy_before = rollout.goodput_before_rps >= (1 - self.settings.verify_margin) * before.total_rate_rps
-        rollout.mover = Mover(self.actuator, rollout.current, now)
+        rollout.mover = self._mover(rollout.current, now)
         rollout.step_done_at = None
         return [decision(now, "step", moves=rollout.current, num_steps_left=len(rollout.steps),
                          goodput_before_rps=round(rollout.goodput_before_rps, 3))]
 
+    def _mover(self, moves: tuple[Move, ...], now: float) -> Mover:
+        return Mover(self.actuator, moves, now, self.settings.drain_timeout_s, self.start_timeout_s)
+
     def _advance(self, now: float, slots: list[SlotState]) -> list[Decision]:
         rollout = self._rollout
         assert rollout is not None and rollout.mover is not None
-        rollout.mover.advance(now)
-        if not rollout.mover.done:
+        mover = rollout.mover
+        mover.advance(now)
+        if not mover.done:
             return []
+        if mover.failed and not rollout.rolling_back:
+            return self._roll_back(now, rollout, "replica never became healthy", never_healthy=[m.slot for m in mover.failed],
+                                   start_timeout_s=round(self.start_timeout_s, 3))
         if rollout.step_done_at is None:
             rollout.step_done_at = now
         # an overloaded fleet cannot be judged by one step (see below): it moves on at restart speed
@@ -168,13 +247,17 @@ class Controller:
             return []
         if rollout.rolling_back:
             self._rollout = None
+            if mover.failed:  # the slot is left out of service; the next plan sees it when it is reported dead
+                return [decision(now, "rollback", moves=mover.failed, outcome="failed",
+                                 reason="the previous configuration never became healthy either")]
             return []
         live = self.telemetry.window(now, self.settings.verify_after_s)
         options = rollout.options
         counts: dict[str, int] = {}
         for slot in slots:
-            counts[slot.pool] = counts.get(slot.pool, 0) + 1
-        predicted = evaluate(problem_for(options, (live,), self.settings.gpu_to_budget), counts).predicted_goodput_rps
+            if slot.alive:
+                counts[slot.pool] = counts.get(slot.pool, 0) + 1
+        predicted = evaluate(problem_for(options, (live,), self.budget()), counts).predicted_goodput_rps
         observed = live.goodput_rps()
         floor = (1 - self.settings.verify_margin) * min(predicted, rollout.goodput_before_rps)
         # A fleet that was already missing its demand before the step carries a backlog that drags
@@ -183,26 +266,27 @@ class Controller:
         ok = bool(observed >= floor) or not rollout.healthy_before
         out = [decision(now, "verify", ok=ok, observed_goodput_rps=round(observed, 3),
                         predicted_goodput_rps=round(predicted, 3), goodput_before_rps=round(rollout.goodput_before_rps, 3),
-                        healthy_before=rollout.healthy_before, margin=self.settings.verify_margin)]
+                        healthy_before=rollout.healthy_before, margin=self.settings.verify_margin,
+                        drain_deadline_stops=[list(f) for f in mover.forced_stops])]
         if ok:
             self._num_failures = 0
             if rollout.steps:
                 return out + self._start_step(now)
             self._rollout = None
             return out
-        return out + self._roll_back(now, rollout)
+        return out + self._roll_back(now, rollout, "observed goodput below prediction and below the goodput before the step")
 
-    def _roll_back(self, now: float, rollout: _Rollout) -> list[Decision]:
+    def _roll_back(self, now: float, rollout: _Rollout, reason: str, **evidence: object) -> list[Decision]:
+        """Every move of the current step goes back to its old pool and configuration; later steps are dropped."""
         self._num_failures += 1
         backoff = self.settings.backoff_s * 2 ** (self._num_failures - 1)
         self._backoff_until = now + backoff
         undo = tuple(m.reversed(rollout.slot_to_old_config[m.slot]) for m in rollout.current)
         rollout.steps = []
         rollout.rolling_back = True
-        rollout.mover = Mover(self.actuator, undo, now)
+        rollout.mover = self._mover(undo, now)
         rollout.step_done_at = None
-        return [decision(now, "rollback", moves=undo, reason="observed goodput below prediction and below the goodput before the step",
-                         backoff_s=backoff, plan_failed=True)]
+        return [decision(now, "rollback", moves=undo, reason=reason, backoff_s=backoff, plan_failed=True, **evidence)]
 
 
 def initial_slots(plan_counts: Mapping[str, int], options: Options) -> list[SlotState]:

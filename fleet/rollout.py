@@ -6,6 +6,10 @@ or configuration; ``batch_moves`` cuts them into steps of at most ``max_fraction
 wait until its in-flight requests have finished, stop, start with the new configuration, wait for
 health, and only then make it routable in its new pool. Nothing is aborted, so no request is dropped
 by a move. The same Mover drives the simulator's virtual actuator and the gateway's local one.
+
+Both waits have deadlines. A drain that outlasts ``drain_timeout_s`` stops the slot anyway (the
+requests still on it end with a clear error instead of holding the rollout forever); a start that
+is not healthy within ``start_timeout_s`` fails the move, and the controller rolls the step back.
 """
 
 from __future__ import annotations
@@ -35,6 +39,7 @@ class SlotState:
     pool: str
     gpu: str
     config_json: str
+    alive: bool = True  # False: its replica process is gone (or ejected for long); its GPUs serve nothing
 
 
 def diff_moves(
@@ -78,31 +83,48 @@ def batch_moves(moves: list[Move], fleet_size: int, max_fraction: float) -> list
 @dataclass(slots=True)
 class _Progress:
     move: Move
-    phase: str  # "draining", "starting", "done"
+    phase: str  # "draining", "starting", then "done" or "failed" (never became healthy)
     since: float
 
 
 class Mover:
     """Carries out one step's moves; call ``advance(now)`` whenever time passes."""
 
-    def __init__(self, actuator: Actuator, moves: tuple[Move, ...], now: float) -> None:
+    def __init__(self, actuator: Actuator, moves: tuple[Move, ...], now: float,
+                 drain_timeout_s: float = math.inf, start_timeout_s: float = math.inf) -> None:
         self.actuator = actuator
+        self.drain_timeout_s = drain_timeout_s
+        self.start_timeout_s = start_timeout_s
+        self.forced_stops: list[tuple[str, int]] = []  # (slot, requests still in flight) of drains past their deadline
         self._progress = [_Progress(m, "draining", now) for m in moves]
         for item in self._progress:
             actuator.drain(item.move.slot, now)
 
     @property
     def done(self) -> bool:
-        return all(p.phase == "done" for p in self._progress)
+        """Every move finished, one way or the other (see ``failed``)."""
+        return all(p.phase in ("done", "failed") for p in self._progress)
+
+    @property
+    def failed(self) -> tuple[Move, ...]:
+        """Moves whose slot did not become healthy within ``start_timeout_s``."""
+        return tuple(p.move for p in self._progress if p.phase == "failed")
 
     def advance(self, now: float) -> None:
         act = self.actuator
         for item in self._progress:
             slot = item.move.slot
-            if item.phase == "draining" and act.num_in_flight(slot) == 0:
-                act.stop(slot, now)
-                act.start(slot, item.move.to_pool, item.move.config_json, now)
-                item.phase, item.since = "starting", now
-            if item.phase == "starting" and act.is_healthy(slot, now):
-                act.activate(slot, now)
-                item.phase, item.since = "done", now
+            if item.phase == "draining":
+                in_flight = act.num_in_flight(slot)
+                if in_flight and now - item.since >= self.drain_timeout_s:
+                    self.forced_stops.append((slot, in_flight))
+                if in_flight == 0 or now - item.since >= self.drain_timeout_s:
+                    act.stop(slot, now)
+                    act.start(slot, item.move.to_pool, item.move.config_json, now)
+                    item.phase, item.since = "starting", now
+            if item.phase == "starting":
+                if act.is_healthy(slot, now):
+                    act.activate(slot, now)
+                    item.phase, item.since = "done", now
+                elif now - item.since >= self.start_timeout_s:
+                    item.phase, item.since = "failed", now

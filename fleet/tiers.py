@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Protocol
 
 
 @dataclass(frozen=True, slots=True)
@@ -26,6 +27,23 @@ DEFAULT_TIERS: Mapping[str, TierSlo] = {
     "standard": TierSlo(3.0, 0.10, 2.0, 1),
     "batch": TierSlo(60.0, 0.50, 1.0, 2),
 }
+
+
+class Objectives(Protocol):
+    """A tier as a config declares it (gateway.config.TierObjectives is one)."""
+
+    @property
+    def ttft_p99_s(self) -> float: ...
+    @property
+    def tpot_p99_s(self) -> float: ...
+    @property
+    def priority(self) -> int: ...
+
+
+def from_objectives(tiers: Mapping[str, Objectives]) -> dict[str, TierSlo]:
+    """The fleet's view of configured tiers: a tier is worth twice one of the next lower priority."""
+    lowest = max(t.priority for t in tiers.values())
+    return {name: TierSlo(t.ttft_p99_s, t.tpot_p99_s, 2.0 ** (lowest - t.priority), t.priority) for name, t in tiers.items()}
 
 
 def strictest(tier_to_share: Mapping[str, float], tiers: Mapping[str, TierSlo], min_share: float = 0.05) -> TierSlo:

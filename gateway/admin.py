@@ -99,5 +99,5 @@ class AdminHandlers:
         except ValueError:
             return error_response(ApiError(400, "limit must be an integer from 1 to 10000.", "invalid_limit", "limit"))
         entries = [{**entry, "summary": _summary(entry)} for entry in self.state.decisions.tail(limit)]
-        return web.Response(body=orjson.dumps({"decisions": entries}), content_type=_JSON)
+        return web.Response(body=orjson.dumps({"decisions": entries, "log": self.state.decisions.health()}), content_type=_JSON)
 

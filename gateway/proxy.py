@@ -18,8 +18,9 @@ from classifiers.shape import Shape
 from fleet.health import HealthState
 from fleet.pool import ReplicaState
 from fleet.router import Reject, Route, RouterSettings, route
+from fleet.tiers import TierSlo, from_objectives
 from gateway.admission import RetryBudget
-from gateway.config import UpstreamSettings
+from gateway.config import GatewayConfig, UpstreamSettings
 from gateway.errors import ApiError, sse_error_event
 from gateway.metrics import GatewayMetrics
 from gateway.runtime import Runtime
@@ -76,6 +77,14 @@ class Proxy:
         self.metrics = metrics
         self.router_settings = RouterSettings()
         self.retry_budget = RetryBudget(settings.retry_budget_ratio, now)
+        self._tiers_of: GatewayConfig | None = None
+        self._tier_slos: dict[str, TierSlo] = {}
+
+    def _tiers(self, config: GatewayConfig) -> dict[str, TierSlo]:
+        """The config's tiers as the router reads them (rebuilt when a reload swaps the config)."""
+        if config is not self._tiers_of:
+            self._tiers_of, self._tier_slos = config, from_objectives(config.tiers)
+        return self._tier_slos
 
     async def forward(
         self,
@@ -95,7 +104,8 @@ class Proxy:
         last_error: ApiError | None = None
         while True:
             now = loop.time()
-            decision = route(shape, model, runtime.pools, now, self.router_settings, tried)
+            # with the tiers, the router sheds the lowest tiers at once when every usable pool is full
+            decision = route(shape, model, runtime.pools, now, self.router_settings, tried, self._tiers(runtime.config))
             if isinstance(decision, Reject):
                 if last_error is not None:
                     raise last_error

@@ -13,7 +13,10 @@ mid-stream, crash-exit and SIGKILL with restart and readmission), a pool overflo
 pool, a model's only pool down (503 + Retry-After), invalid config and tenant files under load,
 hostile input (malformed, oversized, nested, invalid UTF-8, header tricks, trickling bodies),
 schemathesis against GET /openapi.json (when installed in ~/.cache/polymorph/schemathesis-venv),
-3x overload (shed fast, memory flat, recovery) and thousands of idle streams on one gateway.
+with the fleet controller on: a step whose replica never becomes healthy (rolled back), a pool
+lost (overflow, then a plan for the GPUs left); a corrupted then unwritable decision log under load
+and corrupted, locked and full trial stores; 3x overload (shed fast, memory flat, recovery), 3x
+overload of mixed tiers (batch shed, interactive keeps its latency) and thousands of idle streams.
 Prints a table, then one JSON line last; exits 1 if any scenario fails.
 """
 

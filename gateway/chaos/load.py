@@ -118,8 +118,10 @@ def _judge_body(status: int, raw: bytes, pool: str) -> tuple[str, str]:
     return CLEAR, code
 
 
-async def open_loop(client: ChaosClient, make: Callable[[int], Request], rate_rps: float, duration_s: float) -> list[Answer]:
-    """Send at a fixed rate regardless of answers (overload stays overload); wait for every answer."""
+async def open_loop(client: ChaosClient, make: Callable[[int], Request], rate_rps: float, duration_s: float,
+                    until: asyncio.Event | None = None) -> list[Answer]:
+    """Send at a fixed rate regardless of answers (overload stays overload) for ``duration_s`` or until
+    ``until`` is set; wait for every answer."""
     loop = asyncio.get_running_loop()
     started_at = loop.time()
     tasks: list[asyncio.Task[Answer]] = []
@@ -128,6 +130,8 @@ async def open_loop(client: ChaosClient, make: Callable[[int], Request], rate_rp
         delay = started_at + i / rate_rps - loop.time()
         if delay > 0:
             await asyncio.sleep(delay)
+        if until is not None and until.is_set():
+            break
         tasks.append(loop.create_task(client.send(make(i), started_at)))
     return list(await asyncio.gather(*tasks))
 

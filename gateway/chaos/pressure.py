@@ -5,6 +5,11 @@ gateway's own admission is the only place excess can go. Offered 3x what the fle
 excess must be shed at once (429/503 with Retry-After, not queued until a timeout), admitted requests
 keep their latency, memory stays flat, and latency is back to normal as soon as the load drops.
 
+Tier-aware overload: the same two replicas, a tenant without a concurrency cap, and 3x capacity
+of mixed traffic (``interactive`` half the capacity, ``batch`` the rest): the router alone must
+shed. ``batch`` is refused at once with 429 + Retry-After while every pool is full, and
+``interactive`` keeps its latency, because it is never queued behind the excess.
+
 Idle streams: replicas stall every stream after its first token, so N streams stay open and silent;
 a separate pool serves probe requests, whose latency must not change while the N streams are held.
 """
@@ -22,6 +27,7 @@ from gateway.chaos.load import (
     OK,
     Answer,
     ChaosClient,
+    Request,
     chat_request,
     closed_loop,
     open_loop,
@@ -31,7 +37,7 @@ from gateway.chaos.report import Check, ScenarioResult, summarize
 from gateway.chaos.stack import ChaosStack, PoolPlan, StackPlan, TenantPlan
 
 MODEL, PROBE_MODEL = "Llama-3.1-8B", "Qwen3-8B"
-OVERLOAD_KEY, IDLE_KEY = "sk-chaos-overload", "sk-chaos-idle"
+OVERLOAD_KEY, IDLE_KEY, TIERED_KEY = "sk-chaos-overload", "sk-chaos-idle", "sk-chaos-tiered"
 _CAP = 8  # tenant concurrency = what the two replicas run at once
 
 
@@ -40,6 +46,16 @@ def overload_plan() -> StackPlan:
         pools=(PoolPlan("main", MODEL, 2, engine={"max_running_requests": _CAP // 2}, speed=5.0),),
         tenants=(TenantPlan("capped", OVERLOAD_KEY, {"max_concurrency": _CAP, "rate_limits": {"requests_per_min": 1e8, "tokens_per_min": 1e12}}),),
         upstream={"first_byte_timeout_s": 10.0, "between_chunks_timeout_s": 5.0, "health_interval_s": 0.5},
+    )
+
+
+def tier_overload_plan() -> StackPlan:
+    tenant = {"max_concurrency": 10**6, "tiers": ["interactive", "batch"], "default_tier": "interactive",
+              "rate_limits": {"requests_per_min": 1e8, "tokens_per_min": 1e12}}
+    return StackPlan(
+        pools=(PoolPlan("main", MODEL, 2, engine={"max_running_requests": _CAP // 2}, speed=5.0),),
+        tenants=(TenantPlan("tiered", TIERED_KEY, tenant),),
+        upstream={"first_byte_timeout_s": 30.0, "between_chunks_timeout_s": 10.0, "health_interval_s": 0.5},
     )
 
 
@@ -122,6 +138,68 @@ async def overload(stack: ChaosStack, settings: OverloadSettings) -> ScenarioRes
         "recovery_p50_ms": percentile(first_second, 0.5) * 1000,
     }
     return summarize("overload-3x", [*answers, *recovery], 0, baseline_s, checks, figures)
+
+
+def _tiered_request(tier: str) -> Request:
+    return chat_request(MODEL, TIERED_KEY, max_tokens=64, stream=False, extra_headers={"x-polymorph-tier": tier})
+
+
+def _mixed_tiers(interactive_share: float):  # type: ignore[no-untyped-def]
+    """Request i is interactive for ``interactive_share`` of the indices, spread evenly; batch otherwise."""
+    return lambda i: _tiered_request("interactive" if _is_interactive(i, interactive_share) else "batch")
+
+
+async def tier_overload(stack: ChaosStack, settings: OverloadSettings, interactive_ttft_s: float = 1.0) -> ScenarioResult:
+    """3x capacity, ``interactive`` at half the capacity and ``batch`` the rest; then half the capacity again."""
+    async with ChaosClient(stack.url, 60.0) as client:
+        warm = await closed_loop(client, lambda i: _tiered_request("interactive"), _CAP, _CAP * 4)
+        capacity_rps = len(warm) / max(a.sent_at + a.latency_s for a in warm)
+        base = [a.latency_s for a in warm if a.verdict == OK]
+        baseline_p50, baseline_p99 = percentile(base, 0.5), percentile(base, 0.99)
+        rss_before = stack.gateway_rss_mb()
+        samples: list[float] = []
+        stop = asyncio.Event()
+        sampler = asyncio.create_task(_sample_rss(stack, samples, stop))
+        offered = capacity_rps * settings.factor
+        share = 0.5 * capacity_rps / offered
+        answers = await open_loop(client, _mixed_tiers(share), offered, settings.overload_s)
+        stop.set()
+        await sampler
+        recovery = await open_loop(client, _mixed_tiers(0.5), capacity_rps * 0.5, settings.recovery_s)
+    interactive = [a for i, a in enumerate(answers) if _is_interactive(i, share)]
+    batch = [a for i, a in enumerate(answers) if not _is_interactive(i, share)]
+    shed = [a for a in batch if a.status in (429, 503)]
+    inter_ok = [a.latency_s for a in interactive if a.verdict == OK]
+    inter_p99 = percentile(inter_ok, 0.99)
+    shed_p99 = percentile([a.latency_s for a in shed], 0.99)
+    first_second = [a.latency_s for a in recovery if a.verdict == OK and a.sent_at < 1.0]
+    rss_growth = max(samples, default=rss_before) - rss_before
+    checks = [
+        Check("every interactive request served", len(inter_ok) == len(interactive),
+              f"{len(interactive) - len(inter_ok)} of {len(interactive)} not served: {sorted({a.status for a in interactive if a.verdict != OK})}"),
+        Check("interactive within its TTFT objective of the baseline", inter_p99 < baseline_p99 + interactive_ttft_s,
+              f"p99 {inter_p99 * 1000:.0f} ms vs baseline p99 {baseline_p99 * 1000:.0f} ms + {interactive_ttft_s:g} s"),
+        Check("batch is shed", len(shed) > len(batch) * 0.3, f"only {len(shed)} of {len(batch)} batch requests shed"),
+        Check("shed batch gets 429 with Retry-After", all(a.status == 429 and a.retry_after for a in shed),
+              f"statuses {sorted({a.status for a in shed})}"),
+        Check("shedding is immediate (p99 < 100 ms)", shed_p99 < 0.1, f"p99 {shed_p99 * 1000:.0f} ms"),
+        Check("memory bounded (+64 MiB)", rss_growth < 64, f"+{rss_growth:.0f} MiB"),
+        Check("recovered within 1 s", bool(first_second) and percentile(first_second, 0.5) < 2 * baseline_p50 + 0.05,
+              f"p50 {percentile(first_second, 0.5) * 1000:.0f} ms in the first second after"),
+        Check("recovery load all served", all(a.verdict == OK for a in recovery),
+              f"{sum(a.verdict != OK for a in recovery)} of {len(recovery)} not served"),
+    ]
+    figures = {
+        "capacity_rps": capacity_rps, "offered_rps": offered, "batch_shed": float(len(shed)), "shed_p99_ms": shed_p99 * 1000,
+        "interactive_p50_ms": percentile(inter_ok, 0.5) * 1000, "interactive_p99_ms": inter_p99 * 1000,
+        "baseline_p50_ms": baseline_p50 * 1000, "baseline_p99_ms": baseline_p99 * 1000, "rss_growth_mb": rss_growth,
+        "recovery_p50_ms": percentile(first_second, 0.5) * 1000,
+    }
+    return summarize("tier-overload-3x", [*answers, *recovery], 0, baseline_p50, checks, figures)
+
+
+def _is_interactive(i: int, share: float) -> bool:
+    return int((i + 1) * share) > int(i * share)
 
 
 # --- idle streams ----------------------------------------------------------------------------------

@@ -24,7 +24,7 @@ from typing import Any
 
 from gateway.bench.processes import ProcessRegistry, free_port, tree_rss_mb
 
-_POLYMORPH = (sys.executable, "-m", "gateway.cli")
+POLYMORPH = (sys.executable, "-m", "gateway.cli")
 _STARTUP_TIMEOUT_S = 60.0
 
 
@@ -75,7 +75,7 @@ class Replica:
         return f"{self.pool}-{self.index}"  # the gateway names replicas of a pool's URL list this way
 
 
-def _get(url: str, headers: Mapping[str, str] | None = None, timeout_s: float = 5.0) -> tuple[int, bytes]:
+def http_get(url: str, headers: Mapping[str, str] | None = None, timeout_s: float = 5.0) -> tuple[int, bytes]:
     request = urllib.request.Request(url, headers=dict(headers or {}))
     try:
         with urllib.request.urlopen(request, timeout=timeout_s) as resp:
@@ -91,7 +91,7 @@ def wait_http(url: str, child: subprocess.Popen[bytes], timeout_s: float = _STAR
         if child.poll() is not None:
             raise RuntimeError(f"{child.args!r} exited with {child.returncode} before {url} answered")
         try:
-            if _get(url, timeout_s=1.0)[0] == 200:
+            if http_get(url, timeout_s=1.0)[0] == 200:
                 return
         except OSError:
             pass
@@ -119,7 +119,7 @@ class ChaosStack:
         for pool in self.plan.pools:
             engine = json.dumps(dict(pool.engine))
             self.replicas[pool.name] = [
-                Replica(pool.name, i, free_port(), (*_POLYMORPH, "emulate", "--model", pool.model, "--gpu", pool.gpu,
+                Replica(pool.name, i, free_port(), (*POLYMORPH, "emulate", "--model", pool.model, "--gpu", pool.gpu,
                                                     "--config", engine, "--speed", f"{pool.speed:g}",
                                                     "--served-model-name", pool.model))
                 for i in range(pool.num_replicas)
@@ -134,7 +134,7 @@ class ChaosStack:
         self.write_config()
         env = {**os.environ, "PYTHONUNBUFFERED": "1"}
         self.gateway = self.registry.start(
-            "gateway", [*_POLYMORPH, "serve", "--config", str(self.config_path), "--port", str(self.gateway_port)], env=env
+            "gateway", [*POLYMORPH, "serve", "--config", str(self.config_path), "--port", str(self.gateway_port)], env=env
         )
         wait_http(self.url + "/readyz", self.gateway)
         return self
@@ -235,7 +235,7 @@ class ChaosStack:
         return (self.run_dir / "gateway.log").read_text(errors="replace")
 
     def admin_state(self) -> dict[str, Any]:
-        status, body = _get(self.url + "/admin/state", {"Authorization": f"Bearer {self.plan.admin_token}"})
+        status, body = http_get(self.url + "/admin/state", {"Authorization": f"Bearer {self.plan.admin_token}"})
         if status != 200:
             raise RuntimeError(f"/admin/state answered {status}: {body[:200]!r}")
         return json.loads(body)  # type: ignore[no-any-return]
@@ -258,10 +258,14 @@ class ChaosStack:
         return None
 
     def metric(self, name: str, label_filter: str = "") -> float:
-        """Sum of the samples of ``name`` whose label text contains ``label_filter``."""
-        _, body = _get(self.url + "/metrics")
-        total = 0.0
-        for match in re.finditer(rf"^{re.escape(name)}(\{{[^}}]*\}})? ([0-9.e+-]+)$", body.decode(), re.M):
-            if label_filter in (match.group(1) or ""):
-                total += float(match.group(2))
-        return total
+        return metric_sum(self.url, name, label_filter)
+
+
+def metric_sum(gateway_url: str, name: str, label_filter: str = "") -> float:
+    """Sum of the samples of ``name`` whose label text contains ``label_filter``."""
+    _, body = http_get(gateway_url + "/metrics")
+    total = 0.0
+    for match in re.finditer(rf"^{re.escape(name)}(\{{[^}}]*\}})? ([0-9.e+-]+)$", body.decode(), re.M):
+        if label_filter in (match.group(1) or ""):
+            total += float(match.group(2))
+    return total

@@ -1,4 +1,4 @@
-"""Planner against brute force; plan diffs, step batching, drain-first moves and the decision log."""
+"""Planner against brute force; plan diffs, step batching, drain-first moves with deadlines and the decision log."""
 
 from __future__ import annotations
 
@@ -52,13 +52,17 @@ def test_diff_moves_within_gpu_kind_and_recompiles_in_place() -> None:
 
 
 class FakeActuator:
-    """Records calls; a slot drains when told, is healthy ``restart_s`` after start."""
+    """Records calls; a slot drains when told, is healthy ``restart_s`` after start unless the slot or
+    the pool it starts in is in ``broken`` (then never); ``slot_to_pool`` is where activated slots serve."""
 
-    def __init__(self, in_flight: dict[str, int], restart_s: float) -> None:
+    def __init__(self, in_flight: dict[str, int], restart_s: float, broken: frozenset[str] = frozenset()) -> None:
         self.in_flight = in_flight
         self.restart_s = restart_s
+        self.broken = set(broken)
         self.calls: list[tuple[str, str, float]] = []
         self.started_at: dict[str, float] = {}
+        self.starting: dict[str, tuple[str, str]] = {}
+        self.slot_to_pool: dict[str, tuple[str, str]] = {}  # slot -> (pool, config_json) it serves in
 
     def drain(self, slot: str, now: float) -> None:
         self.calls.append(("drain", slot, now))
@@ -68,16 +72,21 @@ class FakeActuator:
 
     def stop(self, slot: str, now: float) -> None:
         self.calls.append(("stop", slot, now))
+        self.slot_to_pool.pop(slot, None)
 
     def start(self, slot: str, pool: str, config_json: str, now: float) -> None:
         self.calls.append(("start", slot, now))
         self.started_at[slot] = now
+        self.starting[slot] = (pool, config_json)
 
     def is_healthy(self, slot: str, now: float) -> bool:
+        if slot in self.broken or self.starting.get(slot, ("", ""))[0] in self.broken:
+            return False
         return slot in self.started_at and now >= self.started_at[slot] + self.restart_s
 
     def activate(self, slot: str, now: float) -> None:
         self.calls.append(("activate", slot, now))
+        self.slot_to_pool[slot] = self.starting[slot]
 
 
 def test_mover_drains_before_it_stops_and_activates_only_when_healthy() -> None:
@@ -93,6 +102,20 @@ def test_mover_drains_before_it_stops_and_activates_only_when_healthy() -> None:
     assert act.calls[-1] == ("activate", "G/0", 40.0) and mover.done
 
 
+def test_mover_forces_a_drain_past_its_deadline_and_fails_a_start_past_its_own() -> None:
+    act = FakeActuator({"G/0": 3}, restart_s=30.0, broken=frozenset({"b@G"}))
+    move = Move("G/0", "a@G", "b@G", "{}")
+    mover = Mover(act, (move,), 0.0, drain_timeout_s=60.0, start_timeout_s=100.0)
+    mover.advance(59.0)
+    assert act.calls == [("drain", "G/0", 0.0)] and not mover.forced_stops
+    mover.advance(60.0)  # three requests still in flight: stopped anyway, and said so
+    assert act.calls[1:] == [("stop", "G/0", 60.0), ("start", "G/0", 60.0)] and mover.forced_stops == [("G/0", 3)]
+    mover.advance(159.0)
+    assert not mover.done and not mover.failed
+    mover.advance(160.0)  # never healthy: the move failed, nothing was made routable
+    assert mover.done and mover.failed == (move,) and "activate" not in [c[0] for c in act.calls]
+
+
 def test_decision_log_writes_json_lines_with_a_bounded_tail(tmp_path: Path) -> None:
     path = tmp_path / "decisions.jsonl"
     log = DecisionLog(path, max_tail=2, clock_offset_s=1000.0)
@@ -102,3 +125,40 @@ def test_decision_log_writes_json_lines_with_a_bounded_tail(tmp_path: Path) -> N
     assert [line["at_unix_s"] for line in lines] == [1000.0, 1001.0, 1002.0]
     assert lines[0] == {"at_unix_s": 1000.0, "kind": "step", "evidence": {"reason": "r0", "moves": [["G/0", "a", "b"]]}}
     assert [e["evidence"]["reason"] for e in log.tail()] == ["r1", "r2"]
+
+
+def test_a_decision_log_that_refuses_writes_queues_lines_and_writes_them_once_it_can(tmp_path: Path) -> None:
+    path = tmp_path / "decisions.jsonl"
+    path.mkdir()  # a directory where the file should be: every write fails
+    log = DecisionLog(path, max_unwritten=2)
+    for k in range(3):
+        log.append(decision(float(k), "plan", reason=f"r{k}"))
+    assert [e["evidence"]["reason"] for e in log.tail()] == ["r0", "r1", "r2"]  # the tail still serves them
+    health = log.health()
+    assert "Is a directory" in health["write_error"] and health["unwritten"] == 2 and health["dropped"] == 1
+    path.rmdir()
+    log.append(decision(3.0, "plan", reason="r3"))
+    written = [json.loads(line)["evidence"]["reason"] for line in path.read_text().splitlines()]
+    assert written == ["r1", "r2", "r3"] and log.health()["write_error"] is None and log.num_unwritten == 0
+
+
+def test_opening_a_corrupted_decision_log_skips_bad_lines_and_counts_them(tmp_path: Path) -> None:
+    path = tmp_path / "decisions.jsonl"
+    good = json.dumps({"at_unix_s": 1.0, "kind": "plan", "evidence": {"reason": "kept"}})
+    path.write_bytes(b"\n".join([good.encode(), b'{"at_unix_s": 2.0, "kind": "pl', b"\xff\xfe not utf-8", b"[1, 2]", b"", good.encode()]) + b"\n")
+    log = DecisionLog()
+    log.open(path)
+    assert [e["evidence"]["reason"] for e in log.tail()] == ["kept", "kept"] and log.health()["skipped_lines"] == 3
+    log.append(decision(5.0, "step", reason="new"))
+    assert json.loads(path.read_bytes().splitlines()[-1])["evidence"]["reason"] == "new"
+
+
+def test_decision_log_lines_are_strict_json(tmp_path: Path) -> None:
+    """Regression: a drift score of inf was written as ``Infinity``, which strict JSON readers reject."""
+    path = tmp_path / "decisions.jsonl"
+    DecisionLog(path).append(decision(0.0, "drift", score=float("inf")))
+
+    def strict(name: str) -> None:
+        raise ValueError(f"non-standard JSON constant {name}")
+
+    assert json.loads(path.read_text(), parse_constant=strict)["evidence"]["score"] is None
