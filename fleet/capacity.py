@@ -9,14 +9,16 @@ set the p99 TTFT); the points carry the tail. Points are on a quarter-octave gri
 share a cache entry and a stationary mix costs nothing after its first plan. The cache can persist to
 a JSON file (the bench keeps one between runs).
 
-``choose_config`` is the one place that picks a pool's engine configuration for a shape; it tries a
-small candidate set today and is where the configuration compiler (kernels.compiler) plugs in.
+``choose_config`` is the one place that picks a pool's engine configuration for a shape: the
+compiler's configuration for the shape's envelope when one is known (fleet.compiled), judged on this
+capacity model beside a small fixed candidate set that stands in until the compile is done.
 """
 
 from __future__ import annotations
 
 import json
 import os
+from concurrent.futures import Executor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
@@ -57,8 +59,12 @@ def length_points(load: ShapeLoad) -> tuple[tuple[int, ...], tuple[int, ...]]:
 class PerfCapacity:
     """Capacity from kernels.predict, cached per (model, GPU, config, snapped lengths, SLO)."""
 
-    def __init__(self, model: str, cache_path: Path | None = None, rel_tol: float = 0.05, num_requests: int = 400) -> None:
+    def __init__(self, model: str, cache_path: Path | None = None, rel_tol: float = 0.05, num_requests: int = 400,
+                 executor: Executor | None = None) -> None:
         self.model = model
+        # a live controller evaluates in another process: seconds of perf-model work per new shape
+        # would otherwise hold the GIL the gateway's event loop needs
+        self.executor = executor
         self.cache_path = cache_path
         self.rel_tol = rel_tol
         self.num_requests = num_requests
@@ -79,16 +85,10 @@ class PerfCapacity:
 
     def _evaluate(self, gpu: str, config: EngineConfig, prompts: tuple[int, ...], outputs: tuple[int, ...], slo: TierSlo) -> Capacity:
         self.num_evaluations += 1
-        perf = PerfModel(get_model(self.model), get_gpu(gpu), config)
-        if not perf.fits or max(prompts) + max(outputs) > perf.kv_capacity_tokens:
-            return Capacity(0.0, 0.0)
-        workloads = [Workload(p, o, num_requests=self.num_requests) for p in prompts for o in outputs]
-        rate = max_rate_under_slo(perf, workloads, ttft_p99_s=slo.ttft_p99_s, tpot_p99_s=slo.tpot_p99_s, rel_tol=self.rel_tol)
-        if rate <= 0:
-            return Capacity(0.0, 0.0)
-        at = simulate(perf, [Workload(w.isl, w.osl, rate=rate, num_requests=self.num_requests) for w in workloads], [1.0] * len(workloads))
-        mean_osl = sum(outputs) / len(outputs)
-        return Capacity(rate, rate * (at.ttft_mean_s + at.tpot_mean_s * mean_osl))
+        args = (self.model, gpu, config, prompts, outputs, slo, self.rel_tol, self.num_requests)
+        if self.executor is None:
+            return evaluate_capacity(*args)
+        return self.executor.submit(evaluate_capacity, *args).result()
 
     def _save(self) -> None:
         if self.cache_path is None:
@@ -100,14 +100,39 @@ class PerfCapacity:
         os.replace(partial, self.cache_path)  # atomic: a concurrent reader never sees half a file
 
 
-def choose_config(capacity: CapacityModel, gpu: str, load: ShapeLoad, slo: TierSlo) -> tuple[EngineConfig, Capacity]:
+def evaluate_capacity(model: str, gpu: str, config: EngineConfig, prompts: tuple[int, ...], outputs: tuple[int, ...],
+                      slo: TierSlo, rel_tol: float, num_requests: int) -> Capacity:
+    """One replica's rate within ``slo`` on the (prompt, output) cross product (module-level: picklable)."""
+    perf = PerfModel(get_model(model), get_gpu(gpu), config)
+    if not perf.fits or max(prompts) + max(outputs) > perf.kv_capacity_tokens:
+        return Capacity(0.0, 0.0)
+    workloads = [Workload(p, o, num_requests=num_requests) for p in prompts for o in outputs]
+    rate = max_rate_under_slo(perf, workloads, ttft_p99_s=slo.ttft_p99_s, tpot_p99_s=slo.tpot_p99_s, rel_tol=rel_tol)
+    if rate <= 0:
+        return Capacity(0.0, 0.0)
+    at = simulate(perf, [Workload(w.isl, w.osl, rate=rate, num_requests=num_requests) for w in workloads], [1.0] * len(workloads))
+    mean_osl = sum(outputs) / len(outputs)
+    return Capacity(rate, rate * (at.ttft_mean_s + at.tpot_mean_s * mean_osl))
+
+
+def choose_config(
+    capacity: CapacityModel, gpu: str, load: ShapeLoad, slo: TierSlo, compiled: EngineConfig | None = None,
+    incumbent: EngineConfig | None = None,
+) -> tuple[EngineConfig, Capacity]:
     """The engine configuration that serves ``load`` fastest within ``slo`` on one ``gpu`` replica.
 
-    The swap point for kernels.compiler.compile_config: replace the body with one call to it.
-    Ties keep the earlier candidate, so sglang's defaults win unless another config really helps.
+    Candidates in order: ``incumbent`` (what the pool runs now), ``compiled`` (kernels.compiler's
+    result for the load's envelope), then sglang's defaults and two chunk sizes. A later candidate
+    replaces an earlier one only when this model rates it > 2% faster: a restart is not spent on a
+    tie, and a compile judged on a cruder evaluator (the simulator's analytic screen) cannot cost
+    capacity. Without either, sglang's defaults win unless another config really helps.
     """
-    best = (CANDIDATE_CONFIGS[0], capacity.estimate(gpu, CANDIDATE_CONFIGS[0], load, slo))
-    for config in CANDIDATE_CONFIGS[1:]:
+    candidates: list[EngineConfig] = []
+    for config in (incumbent, compiled, *CANDIDATE_CONFIGS):
+        if config is not None and config not in candidates:
+            candidates.append(config)
+    best = (candidates[0], capacity.estimate(gpu, candidates[0], load, slo))
+    for config in candidates[1:]:
         found = capacity.estimate(gpu, config, load, slo)
         if found.rate_rps > best[1].rate_rps * 1.02:
             best = (config, found)

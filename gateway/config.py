@@ -108,6 +108,23 @@ class ControllerSettingsFile:
     tick_s: float = 5.0
     decision_log: Path | None = None  # JSON lines, appended; the last ones are also at GET /admin/decisions
     capacity_cache: Path | None = None
+    compile_store: Path | None = None  # trial store: pools run compiled configurations (kernels.compiler); None: fixed candidates
+    # "embedded": the loop ticks in the gateway (--workers 1); "external": `polymorph controller` runs
+    # it at ``url`` and every gateway process polls its plan there and reports its telemetry
+    mode: str = "embedded"
+    url: str | None = None
+    state_file: Path | None = None  # the external controller's persisted state (default: beside the decision log)
+    report_s: float = 5.0  # fleet seconds between a gateway's reports and plan polls (one telemetry bucket)
+
+
+@dataclass(frozen=True, slots=True)
+class RaySettings:
+    """``fleet.ray``: where the Ray actuator's replicas run (``fleet.actuator: ray``)."""
+
+    # None: start a local Ray cluster in the process that runs the replicas; "auto": join the cluster
+    # this node belongs to; "ray://host:port" (Ray Client) or "host:port" (its GCS): join that one
+    address: str | None = None
+    num_gpus: int | None = None  # the local cluster's logical GPUs (default: the GPUs the fleet's emulated replicas use)
 
 
 @dataclass(frozen=True, slots=True)
@@ -122,6 +139,8 @@ class GatewayConfig:
     pools: tuple[PoolSpec, ...]
     emulator_speed: float = 1.0
     controller: ControllerSettingsFile = field(default_factory=ControllerSettingsFile)
+    actuator: str = "local"  # how emulated replicas run: "local" processes, or "ray" actors (fleet.ray)
+    ray: RaySettings = field(default_factory=RaySettings)
     watched_files: tuple[Path, ...] = field(default=())
     tenants_dir: Path | None = None
 
@@ -322,18 +341,48 @@ def _check_engine(doc: YamlDoc, path: FieldPath, model: str | None, gpu: str | N
 
 
 def _controller(doc: YamlDoc, base: Path, raw: object) -> ControllerSettingsFile:
-    r = _Reader(doc, ("fleet", "controller"), raw, {"enabled", "tick_s", "decision_log", "capacity_cache"})
-    log, cache = r.text("decision_log", None), r.text("capacity_cache", None)
+    r = _Reader(doc, ("fleet", "controller"), raw,
+                {"enabled", "tick_s", "decision_log", "capacity_cache", "mode", "url", "state_file", "report_s", "compile_store"})
+    log, cache, state = r.text("decision_log", None), r.text("capacity_cache", None), r.text("state_file", None)
+    mode = r.text("mode", "embedded")
+    if mode not in ("embedded", "external"):
+        raise r.error("mode", f"must be 'embedded' or 'external', not {mode!r}")
+    url = r.text("url", None)
+    if url is not None and not url.startswith(("http://", "https://")):
+        raise r.error("url", f"must be an http:// or https:// URL, not {url!r}")
+    if mode == "external" and url is None:
+        raise r.error("url", "is required with mode: external (where `polymorph controller` listens)")
     return ControllerSettingsFile(
         enabled=r.flag("enabled", False),
         tick_s=r.number("tick_s", 5.0, lo=0.1, hi=3600),
         decision_log=(base / log).resolve() if log else None,
         capacity_cache=Path(cache).expanduser() if cache else None,
+        mode=mode,
+        url=url.rstrip("/") if url else None,
+        state_file=(base / state).resolve() if state else None,
+        report_s=r.number("report_s", 5.0, lo=0.1, hi=3600),
+        compile_store=Path(compile_store).expanduser() if (compile_store := r.text("compile_store", None)) else None,
     )
 
 
-def _fleet(doc: YamlDoc, shapes: ShapeRules, base: Path) -> tuple[tuple[PoolSpec, ...], float, ControllerSettingsFile]:
-    r = _Reader(doc, ("fleet",), doc.data.get("fleet"), {"pools", "emulator_speed", "controller"})
+_RAY_ADDRESS = re.compile(r"^(auto|ray://\S+|[^\s/:]+:\d+)$")
+
+
+def _ray(doc: YamlDoc, raw: object) -> RaySettings:
+    r = _Reader(doc, ("fleet", "ray"), raw, {"address", "num_gpus"})
+    address = r.text("address", None)
+    if address is not None and not _RAY_ADDRESS.match(address):
+        raise r.error("address", f"must be null (a local cluster), 'auto', 'ray://host:port' or 'host:port', not {address!r}")
+    num_gpus = r.data.get("num_gpus")
+    if num_gpus is not None:
+        if address is not None:
+            raise r.error("num_gpus", "sizes the local cluster only (address: null); a cluster you join has its own GPUs")
+        num_gpus = r.number("num_gpus", 0, lo=1, hi=100000, integer=True)
+    return RaySettings(address=address, num_gpus=num_gpus)
+
+
+def _fleet(doc: YamlDoc, shapes: ShapeRules, base: Path) -> tuple[tuple[PoolSpec, ...], float, ControllerSettingsFile, str, RaySettings]:
+    r = _Reader(doc, ("fleet",), doc.data.get("fleet"), {"pools", "emulator_speed", "controller", "actuator", "ray"})
     raw = r.data.get("pools")
     if not isinstance(raw, list) or not raw:
         raise doc.error(("fleet", "pools"), "must be a non-empty list of pools")
@@ -344,7 +393,10 @@ def _fleet(doc: YamlDoc, shapes: ShapeRules, base: Path) -> tuple[tuple[PoolSpec
             raise doc.error(("fleet", "pools", i, "name"), f"pool name {pool.name!r} is used twice")
         seen.add(pool.name)
     speed = r.number("emulator_speed", 1.0, lo=0.01, hi=10000)
-    return pools, speed, _controller(doc, base, r.data.get("controller"))
+    actuator = r.text("actuator", "local")
+    if actuator not in ("local", "ray"):
+        raise r.error("actuator", f"must be 'local' (replica processes on this host) or 'ray' (Ray actors), not {actuator!r}")
+    return pools, speed, _controller(doc, base, r.data.get("controller")), actuator, _ray(doc, r.data.get("ray"))
 
 
 # --- tenants -------------------------------------------------------------------------------------
@@ -443,7 +495,7 @@ def load_config(path: Path) -> GatewayConfig:
     tiers = _tiers(doc)
     shapes = _shapes(doc)
     tenants, tenant_files, tenants_dir = _tenants(doc, path.parent, tiers)
-    pools, speed, controller = _fleet(doc, shapes, path.parent)
+    pools, speed, controller, actuator, ray = _fleet(doc, shapes, path.parent)
     return GatewayConfig(
         source=str(path),
         server=_server(doc),
@@ -455,6 +507,8 @@ def load_config(path: Path) -> GatewayConfig:
         pools=pools,
         emulator_speed=speed,
         controller=controller,
+        actuator=actuator,
+        ray=ray,
         watched_files=(path, *tenant_files),
         tenants_dir=tenants_dir,
     )

@@ -1,106 +1,101 @@
 """The control loop, live: the fleet controller ticking inside the gateway over emulated replicas.
 
 The controller and its policy objects are the ones the simulator runs (fleet/controller.py); this
-module is only their I/O edge. ``LiveFleet`` implements the controller's ``Actuator`` protocol over
-the gateway's pools and the local actuator's processes: drain marks a replica unroutable, stop ends
-its process, start launches a replica with the new engine configuration on a free port and probes its
-``/health``, activate puts it into its (possibly new) pool. Every call returns at once, as the
-protocol asks. A tick runs in a worker thread, because a re-plan consults the performance model for
-seconds; its effects on the gateway's state are handed back to the event loop.
+module is only their I/O edge. Process control is the ``ReplicaControl``'s that ``fleet.actuator``
+chose (gateway.replicas: local processes or Ray actors), which is the controller's ``Actuator``;
+``LiveFleet`` is its ``Routing``, the owner of the gateway's pools: drain marks a replica unroutable,
+remove takes it out of its pool, add puts a started replica into its (possibly new) pool. Those
+calls come from the controller's or the actuator's threads; their effects are handed to the event
+loop, the pools' only writer. A tick runs in a worker thread, because a re-plan consults the
+performance model for seconds.
 """
 
 from __future__ import annotations
 
 import asyncio
 import dataclasses
+import multiprocessing
 import time
-import urllib.error
-import urllib.request
 import zlib
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from concurrent.futures import ProcessPoolExecutor, ThreadPoolExecutor
 from typing import TYPE_CHECKING
 
 import orjson
 
-from fleet.actuators.local import (
-    LaunchSpec,
-    LocalActuator,
-    LocalReplica,
-    emulated_replica_argv,
-)
 from fleet.capacity import PerfCapacity
 from fleet.controller import Controller, ControllerSettings
 from fleet.health import CircuitBreaker
 from fleet.pool import PoolState, ReplicaState
-from fleet.rollout import SlotState
 from fleet.telemetry import Telemetry
 from fleet.tiers import TierSlo
 from gateway.background import BackgroundTask
-from gateway.config import ControllerSettingsFile
+from gateway.config import ControllerSettingsFile, GatewayConfig
+from kernels.compiler.worker import terminate_process_pool
 
 if TYPE_CHECKING:
+    from fleet.compile_sources import WorkerConfigSource
+    from gateway.replicas import ReplicaControl
     from gateway.state import GatewayState
 
 _DEFAULT_MAX_RUNNING = 256
 
 
-@dataclass(slots=True)
-class _Slot:
-    name: str
-    gpu: str
-    pool: str
-    config_json: str
-    process: LocalReplica | None
-    healthy: bool = False
+def controller_settings(config: GatewayConfig, model: str, gpu_to_budget: dict[str, int]) -> ControllerSettings:
+    """The controller's settings for ``config``'s tiers and a budget of replica slots per GPU kind."""
+    # a request of a higher tier is worth twice one of the next lower tier (the fleet's default weights)
+    lowest = max(t.priority for t in config.tiers.values())
+    tiers = {name: TierSlo(t.ttft_p99_s, t.tpot_p99_s, 2.0 ** (lowest - t.priority), t.priority) for name, t in config.tiers.items()}
+    return ControllerSettings(model=model, gpu_to_budget=gpu_to_budget, tiers=tiers)
+
+
+def new_pool(name: str, model: str, gpu: str, config_json: str) -> PoolState:
+    """A pool the controller made (named ``<shape>@<gpu>``), sized by its engine configuration."""
+    engine = orjson.loads(config_json)
+    max_running = engine.get("max_running_requests") or _DEFAULT_MAX_RUNNING
+    return PoolState(name, frozenset({model}), frozenset({name.split("@", 1)[0]}), gpu, int(max_running))
+
+
+def new_replica(state: GatewayState, name: str, url: str, pool: str) -> ReplicaState:
+    upstream = state.runtime.config.upstream
+    return ReplicaState(name, url, pool, CircuitBreaker(upstream.eject_after_failures, upstream.eject_cooldown_s), affinity_salt=zlib.crc32(url.encode()))
+
+
+def swap_pools(state: GatewayState, pools: tuple[PoolState, ...]) -> None:
+    """Publish a new set of pools (the event loop's only writer swaps them whole)."""
+    state.runtime = dataclasses.replace(state.runtime, pools=pools, replica_by_name={r.name: r for p in pools for r in p.replicas})
 
 
 class LiveFleet:
-    """The controller's actuator over this gateway's emulated replicas, and the loop that ticks it."""
+    """The ``Routing`` of the controller's actuator over this gateway's pools, and the loop that ticks it."""
 
-    def __init__(self, state: GatewayState, local: LocalActuator, command: tuple[str, ...], model: str, speed: float, settings: ControllerSettingsFile) -> None:
+    def __init__(self, state: GatewayState, control: ReplicaControl, model: str, speed: float, settings: ControllerSettingsFile) -> None:
         self.state = state
-        self.local = local
-        self.command = command
+        self.control = control
         self.model = model
         self.speed = speed
         self.settings = settings
         self.loop: asyncio.AbstractEventLoop | None = None
-        self.slots: dict[str, _Slot] = {}
-        self.stopping: list[LocalReplica] = []
         self.telemetry = Telemetry()
         self.controller: Controller | None = None
+        self.configs: WorkerConfigSource | None = None  # compiled configurations for the controller (fleet.controller.compile_store)
         self.task = BackgroundTask(self._run)
         self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="polymorph-controller")
-
-    # -- set-up ------------------------------------------------------------------------------
+        self.capacity_pool: ProcessPoolExecutor | None = None
 
     def adopt(self) -> None:
-        """Take the emulated replicas the gateway started as the controller's slots."""
-        by_url = {r.url: r for r in self.local.replicas}
-        config = self.state.runtime.config
-        engine_by_pool = {p.name: dict(p.engine) for p in config.pools}
+        """Route the actuator's moves through this gateway's pools; its slots are the controller's budget."""
+        self.control.routing = self
         gpu_to_budget: dict[str, int] = {}
-        for pool in self.state.runtime.pools:
-            for replica in pool.replicas:
-                process = by_url.get(replica.url)
-                if process is None or pool.gpu is None:
-                    continue  # static replicas are not the controller's to move
-                config_json = orjson.dumps(engine_by_pool.get(pool.name, {}), option=orjson.OPT_SORT_KEYS).decode()
-                self.slots[replica.name] = _Slot(replica.name, pool.gpu, pool.name, config_json, process, healthy=True)
-                gpu_to_budget[pool.gpu] = gpu_to_budget.get(pool.gpu, 0) + 1
-        # a request of a higher tier is worth twice one of the next lower tier (the fleet's default weights)
-        lowest = max(t.priority for t in config.tiers.values())
-        tiers = {name: TierSlo(t.ttft_p99_s, t.tpot_p99_s, 2.0 ** (lowest - t.priority), t.priority) for name, t in config.tiers.items()}
-        settings = ControllerSettings(model=self.model, gpu_to_budget=gpu_to_budget, tiers=tiers)
-        capacity = PerfCapacity(self.model, self.settings.capacity_cache)
-        self.controller = Controller(settings, self.telemetry, capacity, self, self.telemetry.window(0.0))
+        for slot in self.control.slot_states():
+            gpu_to_budget[slot.gpu] = gpu_to_budget.get(slot.gpu, 0) + 1
+        settings = controller_settings(self.state.runtime.config, self.model, gpu_to_budget)
+        # spawn: a fork of the gateway would copy its event loop and sockets into the worker
+        self.capacity_pool = ProcessPoolExecutor(max_workers=1, mp_context=multiprocessing.get_context("spawn"))
+        capacity = PerfCapacity(self.model, self.settings.capacity_cache, executor=self.capacity_pool)
+        self.controller = Controller(settings, self.telemetry, capacity, self.control, self.telemetry.window(0.0), self.configs)
 
-    def slot_states(self) -> list[SlotState]:
-        return [SlotState(s.name, s.pool, s.gpu, s.config_json) for s in self.slots.values()]
-
-    # -- the Actuator protocol (called from the controller's thread; effects go to the loop) -----
+    # -- Routing (called from the controller's and the actuator's threads; effects go to the loop) --
 
     def _on_loop(self, fn: Callable[[], None]) -> None:
         assert self.loop is not None
@@ -109,7 +104,7 @@ class LiveFleet:
     def _replica(self, slot: str) -> ReplicaState | None:
         return self.state.runtime.replica_by_name.get(slot)
 
-    def drain(self, slot: str, now: float) -> None:
+    def drain(self, slot: str) -> None:
         replica = self._replica(slot)
         if replica is not None:
             self._on_loop(lambda: setattr(replica, "draining", True))
@@ -118,69 +113,27 @@ class LiveFleet:
         replica = self._replica(slot)
         return replica.num_in_flight if replica is not None else 0
 
-    def stop(self, slot: str, now: float) -> None:
-        found = self.slots[slot]
-        process, found.process, found.healthy = found.process, None, False
-        if process is not None:
-            process.process.terminate()  # reaped by a later tick; never waits here
-            self.stopping.append(process)
+    def remove(self, slot: str) -> None:
         self._on_loop(lambda: self._remove_replica(slot))
 
-    def start(self, slot: str, pool: str, config_json: str, now: float) -> None:
-        found = self.slots[slot]
-        argv = emulated_replica_argv(self.command, self.model, found.gpu, config_json, self.speed)
-        found.process = self.local.start(LaunchSpec(f"{slot}-{int(time.time())}", argv))
-        found.pool, found.config_json, found.healthy = pool, config_json, False
-        self.executor.submit(self._wait_healthy, found)
-
-    def _wait_healthy(self, found: _Slot) -> None:
-        process = found.process
-        deadline = time.monotonic() + 120.0
-        while process is not None and process is found.process and time.monotonic() < deadline:
-            try:
-                with urllib.request.urlopen(process.url + "/health", timeout=1.0) as resp:
-                    if resp.status == 200:
-                        found.healthy = True
-                        return
-            except (urllib.error.URLError, OSError):
-                time.sleep(0.2)
-
-    def is_healthy(self, slot: str, now: float) -> bool:
-        return self.slots[slot].healthy
-
-    def activate(self, slot: str, now: float) -> None:
-        found = self.slots[slot]
-        assert found.process is not None
-        url, pool, gpu, config_json = found.process.url, found.pool, found.gpu, found.config_json
+    def add(self, slot: str, url: str, pool: str, gpu: str, config_json: str) -> None:
         self._on_loop(lambda: self._add_replica(slot, url, pool, gpu, config_json))
 
     # -- changes to the gateway's pools (on the event loop) ------------------------------------
 
-    def _swap_pools(self, pools: tuple[PoolState, ...]) -> None:
-        runtime = self.state.runtime
-        self.state.runtime = dataclasses.replace(
-            runtime, pools=pools, replica_by_name={r.name: r for p in pools for r in p.replicas}
-        )
-
     def _remove_replica(self, slot: str) -> None:
         for pool in self.state.runtime.pools:
             pool.replicas[:] = [r for r in pool.replicas if r.name != slot]
-        self._swap_pools(self.state.runtime.pools)
+        swap_pools(self.state, self.state.runtime.pools)
 
     def _add_replica(self, slot: str, url: str, pool_name: str, gpu: str, config_json: str) -> None:
-        upstream = self.state.runtime.config.upstream
         pools = list(self.state.runtime.pools)
         pool = next((p for p in pools if p.name == pool_name), None)
         if pool is None:
-            engine = orjson.loads(config_json)
-            max_running = engine.get("max_running_requests") or _DEFAULT_MAX_RUNNING
-            shape = pool_name.split("@", 1)[0]
-            pool = PoolState(pool_name, frozenset({self.model}), frozenset({shape}), gpu, int(max_running))
+            pool = new_pool(pool_name, self.model, gpu, config_json)
             pools.append(pool)
-        pool.replicas.append(
-            ReplicaState(slot, url, pool_name, CircuitBreaker(upstream.eject_after_failures, upstream.eject_cooldown_s), affinity_salt=zlib.crc32(url.encode()))
-        )
-        self._swap_pools(tuple(pools))
+        pool.replicas.append(new_replica(self.state, slot, url, pool_name))
+        swap_pools(self.state, tuple(pools))
 
     # -- the loop ---------------------------------------------------------------------------
 
@@ -193,11 +146,7 @@ class LiveFleet:
 
     def _tick(self, now: float) -> None:
         assert self.controller is not None
-        for process in [p for p in self.stopping if p.process.poll() is not None]:
-            self.stopping.remove(process)
-            if process in self.local.replicas:
-                self.local.replicas.remove(process)
-        decisions = self.controller.tick(now, self.slot_states())
+        decisions = self.controller.tick(now, self.control.slot_states())
         if decisions:
             wall = [dataclasses.replace(d, at=d.at / self.speed) for d in decisions]
             self._on_loop(lambda: self.state.decisions.extend(wall))
@@ -208,15 +157,20 @@ class LiveFleet:
             await asyncio.sleep(self.settings.tick_s / self.speed)
             try:
                 await loop.run_in_executor(self.executor, self._tick, self.now())
-            except Exception as exc:  # the gateway keeps routing on the last plan
+            except Exception as exc:  # noqa: BLE001 (the gateway keeps routing on the last plan)
                 print(f"polymorph: controller tick failed, keeping the current plan: {exc!r}", flush=True)
 
     def start_loop(self) -> None:
         self.loop = asyncio.get_running_loop()
-        self.state.decisions.path = self.settings.decision_log
+        self.state.decisions.open(self.settings.decision_log)
         self.state.decisions.clock_offset_s = time.time() - self.loop.time()
         self.task.start()
 
     async def stop_loop(self) -> None:
         await self.task.stop()
+        if self.capacity_pool is not None:
+            terminate_process_pool(self.capacity_pool)  # a tick waiting on a capacity evaluation fails at once
         self.executor.shutdown(wait=False, cancel_futures=True)
+        self.control.routing = None  # the pools die with the event loop: shutdown's stops route nowhere
+        if self.configs is not None:
+            self.configs.close()

@@ -16,11 +16,13 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from gateway import controller_cli
 from gateway.config import DEMO_ADMIN_TOKEN, DEMO_API_KEY, GatewayConfig
 
 if TYPE_CHECKING:
-    from fleet.actuators.local import LocalActuator
     from gateway.live_fleet import LiveFleet
+    from gateway.plan_client import PlanClient
+    from gateway.replicas import ReplicaControl
     from gateway.state import GatewayState
 
 
@@ -45,6 +47,7 @@ def register(commands: argparse._SubParsersAction) -> None:  # type: ignore[type
     p.add_argument("--no-access-log", action="store_true", help="do not write the JSON access log to stderr")
     p.add_argument("--replica-logs", type=Path, help="where emulated replicas write their logs (default: a temp dir)")
     p.set_defaults(handler=_run_serve)
+    controller_cli.register(commands)
 
 
 def register_bench(benches: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
@@ -71,34 +74,19 @@ def _load(args: argparse.Namespace) -> GatewayConfig:
     return replace(config, server=server)
 
 
-_EMULATE_COMMAND = (sys.executable, "-m", "gateway.cli", "emulate")
+EMULATE_COMMAND = (sys.executable, "-m", "gateway.cli", "emulate")
 
 
-def _start_local_fleet(config: GatewayConfig, log_dir: Path | None) -> tuple[LocalActuator, dict[str, list[str]]]:
-    """Start the emulated replicas the config declares; returns the actuator and pool -> URLs."""
-    import orjson
+def _start_fleet(config: GatewayConfig, log_dir: Path | None) -> tuple[ReplicaControl | None, dict[str, list[str]]]:
+    """Start the emulated replicas the config declares (as ``fleet.actuator`` says); returns their
+    control (None: there are none to run here) and pool -> URLs."""
+    from gateway.replicas import replica_control, start_fleet
 
-    from fleet.actuators.local import LaunchSpec, LocalActuator, emulated_replica_argv
-
-    actuator = LocalActuator(log_dir or Path(tempfile.mkdtemp(prefix="polymorph-replicas-")))
-    urls: dict[str, list[str]] = {}
-    started = []
-    command = _EMULATE_COMMAND
-    for pool in config.pools:
-        for i in range(pool.num_emulated):
-            assert pool.gpu is not None
-            argv = emulated_replica_argv(command, pool.model, pool.gpu, orjson.dumps(dict(pool.engine)).decode(), config.emulator_speed)
-            replica = actuator.start(LaunchSpec(f"{pool.name}-e{i}", argv))
-            urls.setdefault(pool.name, []).append(replica.url)
-            started.append(replica)
-    if started:
-        print(f"polymorph: starting {len(started)} emulated replicas (logs in {actuator.log_dir})", file=sys.stderr, flush=True)
-        failed = actuator.wait_healthy(started, timeout_s=60.0)
-        if failed:
-            names = ", ".join(f"{r.spec.name} (see {r.log_path})" for r in failed)
-            actuator.stop_all()
-            raise SystemExit(f"polymorph: emulated replicas did not become healthy: {names}")
-    return actuator, urls
+    external = config.controller.enabled and config.controller.mode == "external"
+    if external or not any(p.num_emulated for p in config.pools):  # an external controller runs them
+        return None, {}
+    control = replica_control(config, EMULATE_COMMAND, log_dir or Path(tempfile.mkdtemp(prefix="polymorph-replicas-")))
+    return control, start_fleet(control, config)
 
 
 class _OneLineParseErrors(logging.Filter):
@@ -161,22 +149,35 @@ def _run_worker(
 ) -> None:
     import uvloop
 
-    uvloop.run(_serve(config, replica_urls, config_path, live_fleet))
+    uvloop.run(_serve(config, replica_urls, config_path, live_fleet or _plan_client_factory(config)))
 
 
-def _live_fleet_factory(config: GatewayConfig, actuator: LocalActuator) -> Callable[[GatewayState], LiveFleet] | None:
-    """The control loop over the emulated replicas, when the config enables it."""
-    if not config.controller.enabled:
+def _plan_client_factory(config: GatewayConfig) -> Callable[[GatewayState], PlanClient] | None:
+    """Each gateway process's link to an external controller (fleet.controller.mode: external)."""
+    if not (config.controller.enabled and config.controller.mode == "external"):
+        return None
+
+    def build(state: GatewayState) -> PlanClient:
+        from gateway.plan_client import PlanClient
+
+        return PlanClient(state, config.controller, config.emulator_speed)
+
+    return build
+
+
+def _live_fleet_factory(config: GatewayConfig, control: ReplicaControl | None) -> Callable[[GatewayState], LiveFleet] | None:
+    """The control loop over the emulated replicas, when the config enables it in the gateway."""
+    if not config.controller.enabled or config.controller.mode == "external":
         return None
     emulated = [p for p in config.pools if p.num_emulated]
-    if not emulated:
+    if not emulated or control is None:
         print("polymorph: fleet.controller needs emulated replicas to move; the controller is off", file=sys.stderr)
         return None
 
     def build(state: GatewayState) -> LiveFleet:
         from gateway.live_fleet import LiveFleet
 
-        live = LiveFleet(state, actuator, _EMULATE_COMMAND, emulated[0].model, config.emulator_speed, config.controller)
+        live = LiveFleet(state, control, emulated[0].model, config.emulator_speed, config.controller)
         live.adopt()
         return live
 
@@ -192,16 +193,17 @@ def _run_serve(args: argparse.Namespace) -> int:
     except ConfigError as exc:
         print(f"polymorph: invalid config: {exc}", file=sys.stderr)
         return 2
-    actuator, replica_urls = _start_local_fleet(config, args.replica_logs)
+    control, replica_urls = _start_fleet(config, args.replica_logs)
     config_path = args.config.resolve() if args.config is not None else None
     where = f"http://{config.server.host}:{config.server.port}"
     print(f"polymorph: serving on {where} with {args.workers} worker(s); pools: {', '.join(p.name for p in config.pools)}", file=sys.stderr, flush=True)
     try:
         if args.workers <= 1:
-            _run_worker(config, replica_urls, config_path, _live_fleet_factory(config, actuator))
+            _run_worker(config, replica_urls, config_path, _live_fleet_factory(config, control))
             return 0
-        if config.controller.enabled:
-            print("polymorph: fleet.controller runs only with --workers 1; serving the configured pools as they are", file=sys.stderr)
+        if config.controller.enabled and config.controller.mode == "embedded":
+            print("polymorph: the embedded fleet.controller runs only with --workers 1 (use mode: external and "
+                  "`polymorph controller`); serving the configured pools as they are", file=sys.stderr)
         return _run_workers(args.workers, config, replica_urls, config_path)
     except ClassifierLoadError as exc:
         print(f"polymorph: cannot load the classifier: {exc}", file=sys.stderr)
@@ -210,7 +212,10 @@ def _run_serve(args: argparse.Namespace) -> int:
         print(f"polymorph: cannot listen on {where}: {exc.strerror or exc}", file=sys.stderr)
         return 2
     finally:
-        actuator.stop_all()
+        if control is not None:
+            from gateway.replicas import close
+
+            close(control)
 
 
 def _run_workers(num_workers: int, config: GatewayConfig, replica_urls: dict[str, list[str]], config_path: Path | None) -> int:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import time
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 import aiohttp
 
@@ -19,9 +19,24 @@ from gateway.series import Series
 from gateway.upstream import UpstreamPool
 
 if TYPE_CHECKING:
-    from gateway.live_fleet import LiveFleet
     from gateway.probes import HealthProber
     from gateway.proxy import Proxy
+
+
+class TelemetrySink(Protocol):
+    def record_arrival(self, now: float, shape: str, tier: str, prompt_tokens: int) -> None: ...
+    def record_outcome(self, now: float, shape: str, pool: str, met_slo: bool, completion_tokens: int) -> None: ...
+
+
+class FleetLink(Protocol):
+    """The control loop as the request path sees it: the embedded one (gateway.live_fleet.LiveFleet)
+    or the link to an external controller (gateway.plan_client.PlanClient). Either owns the pools."""
+
+    @property
+    def telemetry(self) -> TelemetrySink: ...
+    def now(self) -> float: ...
+    def start_loop(self) -> None: ...
+    async def stop_loop(self) -> None: ...
 
 
 class GatewayState:
@@ -40,7 +55,7 @@ class GatewayState:
         self.upstream_pool: UpstreamPool | None = None
         self.proxy: Proxy | None = None
         self.prober: HealthProber | None = None
-        self.live: LiveFleet | None = None  # the control loop, when fleet.controller is enabled
+        self.live: FleetLink | None = None  # the control loop, when fleet.controller is enabled
 
     def urls_for(self, config: GatewayConfig) -> dict[str, list[str]]:
         """Static URLs from the config plus the replicas an actuator started for each pool."""

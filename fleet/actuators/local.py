@@ -53,9 +53,12 @@ class LocalReplica:
 
 
 class LocalActuator:
-    def __init__(self, log_dir: Path, host: str = "127.0.0.1") -> None:
+    def __init__(self, log_dir: Path, host: str = "127.0.0.1", detach: bool = False) -> None:
         self.log_dir = log_dir
         self.host = host
+        # detached replicas outlive this process (an out-of-process controller's fleet must survive
+        # its crash: a restarted or standby controller adopts them); attached ones die with it
+        self.detach = detach
         self.replicas: list[LocalReplica] = []
 
     def start(self, spec: LaunchSpec) -> LocalReplica:
@@ -68,7 +71,8 @@ class LocalActuator:
                 stdin=subprocess.DEVNULL,
                 stdout=log,
                 stderr=subprocess.STDOUT,
-                preexec_fn=_die_with_parent if sys.platform.startswith("linux") else None,
+                preexec_fn=_die_with_parent if sys.platform.startswith("linux") and not self.detach else None,
+                start_new_session=self.detach,
             )
         replica = LocalReplica(spec, f"http://{self.host}:{port}", process, log_path)
         self.replicas.append(replica)

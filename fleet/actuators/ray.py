@@ -12,7 +12,8 @@ before the old one has let go: Ray places the new group once the old one is remo
 Stopping is graceful: the actor terminates its child and waits for it (a real engine frees its GPU
 memory only when its process exits), and only then are the actor killed and its group removed. Every
 ``Actuator`` call returns at once; the waits run in worker threads. Routing stays with whoever owns
-the router's pools (the gateway): the actuator tells it through ``Routing``.
+the router's pools (the gateway): the actuator tells it through ``Routing``, the protocol it shares
+with its local twin (``fleet.actuators.local_slots.LocalSlots``), so the gateway drives either.
 
 Ray is an optional dependency (``pip install -e '.[ray]'``); this module is imported only when a Ray
 fleet is used. The caller connects to the cluster (``ray.init(...)``) before making the actuator.
@@ -23,11 +24,10 @@ from __future__ import annotations
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any
 
 import orjson
 import ray
@@ -35,19 +35,9 @@ from ray.util.placement_group import PlacementGroup, placement_group, remove_pla
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from fleet.actuators.local import LaunchSpec, LocalActuator
+from fleet.actuators.local_slots import ArgvFor, Routing
 from fleet.rollout import SlotState
 from kernels.config import EngineConfig
-
-ArgvFor = Callable[[str, str], tuple[str, ...]]  # (gpu kind, engine config JSON) -> replica command line
-
-
-class Routing(Protocol):
-    """Whoever owns the router's pools; the actuator calls it from its caller's or worker threads."""
-
-    def drain(self, slot: str) -> None: ...  # route nothing new to the slot
-    def remove(self, slot: str) -> None: ...  # the slot's replica is going away
-    def add(self, slot: str, url: str, pool: str, gpu: str, config_json: str) -> None: ...  # routable in ``pool``
-    def num_in_flight(self, slot: str) -> int: ...
 
 
 class _ReplicaHost:
@@ -94,9 +84,13 @@ class _Slot:
 
 
 class RayActuator:
-    """The controller's ``Actuator`` over Ray actors; ``add_slot`` + ``start`` place the initial fleet."""
+    """The controller's ``Actuator`` over Ray actors; ``add_slot`` + ``start`` place the initial fleet.
 
-    def __init__(self, routing: Routing, argv_for: ArgvFor, log_dir: Path, start_timeout_s: float = 600.0, stop_grace_s: float = 30.0) -> None:
+    ``routing`` may be bound after the initial fleet is up, and stays None where the caller routes by
+    itself (``polymorph controller`` publishes its slots' phases in its plan and drives only start,
+    stop and health); it is needed from the first ``drain``, ``num_in_flight`` or ``activate`` on."""
+
+    def __init__(self, routing: Routing | None, argv_for: ArgvFor, log_dir: Path, start_timeout_s: float = 600.0, stop_grace_s: float = 30.0) -> None:
         self.routing = routing
         self.argv_for = argv_for
         self.log_dir = log_dir
@@ -114,23 +108,28 @@ class RayActuator:
 
     # -- the Actuator protocol ----------------------------------------------------------------
 
+    def _routes(self) -> Routing:
+        assert self.routing is not None, "no Routing bound to the actuator"
+        return self.routing
+
     def drain(self, slot: str, now: float) -> None:
-        self.routing.drain(slot)
+        self._routes().drain(slot)
 
     def num_in_flight(self, slot: str) -> int:
-        return self.routing.num_in_flight(slot)
+        return self._routes().num_in_flight(slot)
 
     def stop(self, slot: str, now: float) -> None:
         found = self.slots[slot]
         replica, found.replica = found.replica, None
-        self.routing.remove(slot)
+        if self.routing is not None:
+            self.routing.remove(slot)
         if replica is not None:
             self._workers.submit(self._retire, replica)
 
     def start(self, slot: str, pool: str, config_json: str, now: float) -> None:
         found = self.slots[slot]
         num_gpus = EngineConfig.from_dict(orjson.loads(config_json)).num_gpus
-        name = f"polymorph-{slot}-{time.time_ns()}"
+        name = f"polymorph-{slot.replace('/', '-')}-{time.time_ns()}"  # also its log file's name: no '/' (slots like H100-SXM/0)
         group = placement_group([{"GPU": num_gpus}], strategy="STRICT_PACK", name=name)
         actor = _RemoteHost.options(
             name=name,
@@ -150,7 +149,7 @@ class RayActuator:
     def activate(self, slot: str, now: float) -> None:
         found = self.slots[slot]
         assert found.replica is not None and found.replica.url is not None, f"{slot} activated before it was healthy"
-        self.routing.add(slot, found.replica.url, found.pool, found.gpu, found.config_json)
+        self._routes().add(slot, found.replica.url, found.pool, found.gpu, found.config_json)
 
     # -- what callers may want to see ----------------------------------------------------------
 

@@ -1,0 +1,80 @@
+"""`polymorph controller`: the fleet's control loop as its own process (``fleet.controller.mode: external``)."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import tempfile
+from pathlib import Path
+
+
+def register(commands: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+    p = commands.add_parser(
+        "controller",
+        help="run the fleet controller beside several gateway processes",
+        description=(
+            "Run the control loop out of the gateway: it starts (or adopts) the config's emulated replicas, "
+            "serves the plan at fleet.controller.url (GET /plan) to gateways started with fleet.controller.mode: "
+            "external, takes their telemetry (POST /report), and persists its state to fleet.controller.state_file "
+            "(default: beside the decision log). Run it twice for a standby: the second waits for the lease on "
+            "the state file and takes over, resuming the rollout in progress, when the leader dies."
+        ),
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    p.add_argument("--config", type=Path, required=True, help="the gateways' config file (see config.example.yaml)")
+    p.add_argument("--replica-logs", type=Path, help="where replicas write their logs (default: a temp dir)")
+    p.add_argument("--stop-replicas-on-exit", action="store_true",
+                   help="stop the replicas on SIGTERM/SIGINT (by default they outlive the controller, for the next one to adopt)")
+    p.set_defaults(handler=_run_controller)
+
+
+def _run_controller(args: argparse.Namespace) -> int:
+    import orjson
+    import uvloop
+
+    from fleet.controller_state import ControllerState
+    from gateway.config import load_config
+    from gateway.controller_service import ControllerService, hold_lease, serve, state_path
+    from gateway.serve_cli import EMULATE_COMMAND
+    from gateway.yamlsrc import ConfigError
+
+    try:
+        config = load_config(args.config)
+    except ConfigError as exc:
+        print(f"polymorph: invalid config: {exc}", file=sys.stderr)
+        return 2
+    settings = config.controller
+    path = state_path(config)
+    if settings.mode != "external" or settings.url is None or path is None:
+        print("polymorph: the controller needs fleet.controller.mode: external, its url, and a state_file or decision_log", file=sys.stderr)
+        return 2
+    path.parent.mkdir(parents=True, exist_ok=True)
+    lease = hold_lease(path.with_name(path.name + ".lease"), f"polymorph: standby: another controller holds {path}.lease; waiting to take over")
+    try:
+        state = ControllerState.from_json(orjson.loads(path.read_bytes())) if path.exists() else None
+    except (OSError, ValueError) as exc:
+        print(f"polymorph: cannot read the controller state {path}: {exc}", file=sys.stderr)
+        return 2
+    log_dir = args.replica_logs or Path(tempfile.mkdtemp(prefix="polymorph-replicas-"))
+    try:
+        service = ControllerService(config, path, EMULATE_COMMAND, log_dir)
+    except ValueError as exc:
+        print(f"polymorph: {exc}", file=sys.stderr)
+        return 2
+    if state is None:
+        service.fresh_fleet()
+    else:
+        print(f"polymorph: resuming from {path} (plan version {state.plan_version}"
+              f"{', rollout in progress' if state.rollout else ''})", file=sys.stderr, flush=True)
+        service.adopt(state)
+    try:
+        service.build_controller(state)
+        uvloop.run(serve(service))
+    except OSError as exc:
+        print(f"polymorph: cannot listen on {settings.url}: {exc.strerror or exc}", file=sys.stderr)
+        return 2
+    finally:
+        if args.stop_replicas_on_exit:
+            service.stop_replicas()
+        lease.close()
+    return 0

@@ -1,0 +1,439 @@
+"""`polymorph controller`: the control loop in its own process, beside any number of gateway processes.
+
+The policy objects are the embedded loop's (fleet.controller's ``Controller``, its ``Mover`` and
+``Telemetry``); this module is their I/O edge when they run out of the gateway:
+
+- Leadership: an exclusive ``flock`` on ``<state file>.lease``. A second controller blocks on it as a
+  standby and becomes the leader the moment the leader's process ends (the kernel drops the lock of a
+  killed process), then resumes from the state file. Only the leader listens, so the gateways always
+  talk to the one controller that acts.
+- Actuator: replica processes on this host (``LocalActuator``, detached so they outlive a controller
+  crash), recorded with their URL and PID in the state file and adopted again by the next leader.
+  With ``fleet.actuator: ray`` they are Ray actors (``fleet.actuators.ray``, started, stopped and
+  probed through it; the plan stays this service's). A Ray actor lives only as long as the driver that
+  made it, so a new leader starts every replica the state file lists again, and a leader that exits
+  stops its replicas gracefully itself.
+- Plan: ``GET /plan`` is every pool's replica URLs and drain flags with a version (and an ETag); a
+  drain is published at once, and a drained replica is stopped only when every live gateway routes
+  on that version or a newer one and none of them has a request in flight on it.
+- Telemetry: ``POST /report`` from each gateway (``fleet.telemetry_batch``), replayed into the
+  controller's ``Telemetry`` by the tick thread (the one thread that touches the policy objects).
+- Persistence: after every tick (and right after a replica process is started) the state
+  (``fleet.controller_state``) is written to a temporary file and renamed over the old one, so a crash
+  leaves the previous state or the new one, never half of one; decisions are appended to the log first.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import fcntl
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+import urllib.error
+import urllib.request
+import uuid
+from collections.abc import Iterable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import IO, Any
+from urllib.parse import urlsplit
+
+import orjson
+from aiohttp import web
+
+from fleet.actuators.local import LaunchSpec, LocalActuator, emulated_replica_argv
+from fleet.capacity import PerfCapacity
+from fleet.controller import Controller
+from fleet.controller_state import ControllerState, SlotRecord, capture, restore
+from fleet.decisions import DecisionLog
+from fleet.rollout import SlotState
+from fleet.telemetry import Telemetry
+from fleet.telemetry_batch import Report, parse, replay
+from gateway.config import GatewayConfig
+from gateway.dashboard import is_admin_request
+from gateway.errors import ApiError, error_response
+from gateway.live_fleet import controller_settings
+from gateway.replicas import ReplicaControl, close, replica_control
+
+_JSON = "application/json"
+
+
+@dataclass(frozen=True, slots=True)
+class _GatewayReport:
+    at: float  # wall time it arrived
+    epoch: str | None
+    version: int
+    in_flight: dict[str, int]  # replica URL -> requests
+
+
+def state_path(config: GatewayConfig) -> Path | None:
+    """The persisted state: ``fleet.controller.state_file``, else beside the decision log."""
+    settings = config.controller
+    if settings.state_file is not None:
+        return settings.state_file
+    if settings.decision_log is not None:
+        return settings.decision_log.with_name(settings.decision_log.stem + ".state.json")
+    return None
+
+
+def hold_lease(path: Path, on_wait: str) -> IO[str]:
+    """Block until this process holds the exclusive lease on ``path``; the open file is the lease."""
+    lease = open(path, "a+")  # noqa: SIM115 (held for the life of the process)
+    try:
+        fcntl.flock(lease, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        print(on_wait, file=sys.stderr, flush=True)
+        fcntl.flock(lease, fcntl.LOCK_EX)
+    lease.truncate(0)
+    lease.write(f"{os.getpid()}\n")
+    lease.flush()
+    return lease
+
+
+def save_state(path: Path, doc: dict[str, Any]) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "wb") as out:
+        out.write(orjson.dumps(doc, option=orjson.OPT_INDENT_2))
+        out.flush()
+        os.fsync(out.fileno())
+    os.replace(tmp, path)
+
+
+def _answers_health(url: str, timeout_s: float = 0.5) -> bool:
+    try:
+        with urllib.request.urlopen(url + "/health", timeout=timeout_s) as resp:
+            return resp.status == 200
+    except (urllib.error.URLError, OSError):
+        return False
+
+
+def _pid_alive(pid: int | None) -> bool:
+    if pid is None:
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+class ControllerService:
+    """The leader's loop, actuator and HTTP API. ``Actuator`` methods run on the tick thread only."""
+
+    def __init__(self, config: GatewayConfig, state_file: Path, command: tuple[str, ...], log_dir: Path) -> None:
+        settings = config.controller
+        assert settings.url is not None
+        emulated = [p for p in config.pools if p.num_emulated]
+        if not emulated:
+            raise ValueError("the config declares no emulated replicas (fleet.pools[].replicas.emulated) for the controller to run")
+        self.config = config
+        self.settings = settings
+        self.state_file = state_file
+        self.command = command
+        self.model = emulated[0].model
+        self.speed = config.emulator_speed
+        self.local = LocalActuator(log_dir, detach=True)
+        # fleet.actuator: ray: Ray actors instead of self.local's processes (no routing bound: the plan routes)
+        self.ray: ReplicaControl | None = replica_control(config, command, log_dir) if config.actuator == "ray" else None
+        self.slots: dict[str, SlotRecord] = {}
+        self.processes: dict[str, subprocess.Popen[bytes]] = {}  # slot -> the child this process started
+        self.stopping: list[subprocess.Popen[bytes]] = []  # terminated children not yet reaped
+        self.healthy: set[str] = set()
+        self.recovering: set[str] = set()  # relaunched outside a move (their process was gone): routable once healthy
+        self.telemetry = Telemetry()
+        self.decisions = DecisionLog(settings.decision_log)
+        self.controller: Controller | None = None
+        self.epoch = uuid.uuid4().hex[:12]
+        self.version = 0
+        self._plan_key: bytes = b""
+        self.plan_body: bytes = b""
+        self.etag = ""
+        self._saved = b""
+        self._lock = threading.Lock()  # guards what the event loop hands the tick thread
+        self._inbox: list[Report] = []
+        self._gateways: dict[str, _GatewayReport] = {}
+        self.stale_s = max(2.0, 4 * settings.report_s / self.speed)  # a gateway silent this long no longer holds drains
+        self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="polymorph-controller")
+
+    def now(self) -> float:
+        """Fleet time: Unix time x the emulator speed, the same clock in every process and across restarts."""
+        return time.time() * self.speed
+
+    # -- slots ---------------------------------------------------------------------------------
+
+    def _set(self, record: SlotRecord) -> None:
+        self.slots[record.slot] = record
+        self._publish()
+
+    def _launch(self, record: SlotRecord, pool: str, config_json: str) -> SlotRecord:
+        self.healthy.discard(record.slot)
+        if self.ray is not None:
+            self.ray.add_slot(record.slot, record.gpu, pool, config_json)
+            self.ray.start(record.slot, pool, config_json, self.now())
+            return dataclasses.replace(record, pool=pool, config_json=config_json, phase="starting", url=None, pid=None)  # URL once healthy
+        argv = emulated_replica_argv(self.command, self.model, record.gpu, config_json, self.speed)
+        name = f"{record.slot.replace('/', '-')}-{time.time_ns()}"
+        replica = self.local.start(LaunchSpec(name, argv))
+        self.local.replicas.remove(replica)  # this service tracks its processes by slot
+        self.processes[record.slot] = replica.process
+        return dataclasses.replace(record, pool=pool, config_json=config_json, phase="starting", url=replica.url, pid=replica.process.pid)
+
+    def _terminate(self, slot: str, pid: int | None) -> None:
+        if self.ray is not None:
+            self.ray.stop(slot, self.now())
+            return
+        process = self.processes.pop(slot, None)
+        if process is not None:
+            process.terminate()
+            self.stopping.append(process)  # reaped by a later tick; never waits here
+        elif _pid_alive(pid):
+            assert pid is not None
+            os.kill(pid, signal.SIGTERM)  # adopted from an earlier leader: not our child, init reaps it
+
+    def fresh_fleet(self) -> None:
+        """The config's emulated replicas, started and waited for: the first leader of a fleet."""
+        gpu_to_next: dict[str, int] = {}
+        for pool in self.config.pools:
+            for _ in range(pool.num_emulated):
+                assert pool.gpu is not None
+                k = gpu_to_next.get(pool.gpu, 0)
+                gpu_to_next[pool.gpu] = k + 1
+                config_json = orjson.dumps(dict(pool.engine), option=orjson.OPT_SORT_KEYS).decode()
+                record = SlotRecord(f"{pool.gpu}/{k}", pool.name, pool.gpu, config_json, "starting")
+                self.slots[record.slot] = self._launch(record, pool.name, config_json)
+        deadline = time.monotonic() + 60.0
+        while time.monotonic() < deadline and len(self.healthy) < len(self.slots):
+            self._probe_starting()
+            time.sleep(0.1)
+        missing = sorted(set(self.slots) - self.healthy)
+        if missing:
+            self.stop_replicas()
+            raise SystemExit(f"polymorph: replicas {', '.join(missing)} did not become healthy (logs in {self.local.log_dir})")
+        for record in self.slots.values():
+            self.slots[record.slot] = dataclasses.replace(record, phase="active")
+
+    def adopt(self, state: ControllerState) -> None:
+        """Take over the slots of ``state``: live processes as they are, dead ones relaunched."""
+        self.epoch, self.version = state.epoch, state.plan_version
+        self._plan_key = self._plan_pools(state.slots)  # the plan the gateways route on: same version while unchanged
+        for record in state.slots:
+            if self.ray is not None:  # known to the actuator, to be started or stopped later
+                self.ray.add_slot(record.slot, record.gpu, record.pool, record.config_json)
+            alive = record.url is not None and _pid_alive(record.pid) and (record.phase == "starting" or _answers_health(record.url, 2.0))
+            if record.phase == "stopped" or alive:
+                self.slots[record.slot] = record
+                if alive and record.phase != "starting":
+                    self.healthy.add(record.slot)
+                continue
+            print(f"polymorph: replica {record.slot} ({record.url}, pid {record.pid}) is gone; starting it again", file=sys.stderr, flush=True)
+            relaunched = self._launch(record, record.pool, record.config_json)
+            if record.phase in ("active", "draining"):
+                self.recovering.add(record.slot)
+            self.slots[record.slot] = relaunched
+
+    def build_controller(self, state: ControllerState | None) -> None:
+        gpu_to_budget: dict[str, int] = {}
+        for record in self.slots.values():
+            gpu_to_budget[record.gpu] = gpu_to_budget.get(record.gpu, 0) + 1
+        settings = controller_settings(self.config, self.model, gpu_to_budget)
+        capacity = PerfCapacity(self.model, self.settings.capacity_cache)
+        now = self.now()
+        self.controller = Controller(settings, self.telemetry, capacity, self, self.telemetry.window(now))
+        if state is not None:
+            restore(self.controller, state, now)
+        self._publish()
+        self._persist()
+
+    # -- the Actuator protocol -------------------------------------------------------------------
+
+    def drain(self, slot: str, now: float) -> None:
+        record = self.slots[slot]
+        if record.phase == "active":
+            self._set(dataclasses.replace(record, phase="draining"))  # publishes the plan version that drains it
+            self.slots[slot] = dataclasses.replace(self.slots[slot], drained_at_version=self.version)
+
+    def num_in_flight(self, slot: str) -> int:
+        record = self.slots[slot]
+        wall = time.time()
+        with self._lock:
+            live = [g for g in self._gateways.values() if wall - g.at <= self.stale_s]
+        behind = sum(1 for g in live if g.epoch != self.epoch or g.version < record.drained_at_version)
+        return behind + sum(g.in_flight.get(record.url or "", 0) for g in live)
+
+    def stop(self, slot: str, now: float) -> None:
+        record = self.slots[slot]
+        self._terminate(slot, record.pid)
+        self.healthy.discard(slot)
+        self._set(dataclasses.replace(record, phase="stopped", url=None, pid=None, drained_at_version=0))
+
+    def start(self, slot: str, pool: str, config_json: str, now: float) -> None:
+        self.slots[slot] = self._launch(self.slots[slot], pool, config_json)
+        self._persist()  # the new process must be known even if this controller dies before the tick ends
+
+    def is_healthy(self, slot: str, now: float) -> bool:
+        return slot in self.healthy
+
+    def activate(self, slot: str, now: float) -> None:
+        self._set(dataclasses.replace(self.slots[slot], phase="active"))
+
+    # -- plan and persistence --------------------------------------------------------------------
+
+    def _plan_pools(self, slots: Iterable[SlotRecord]) -> bytes:
+        """What the gateways route on: each pool's routable replicas, with their drain flags."""
+        pools: dict[str, dict[str, Any]] = {}
+        for record in sorted(slots, key=lambda r: r.slot):
+            if record.phase not in ("active", "draining"):
+                continue
+            pool = pools.setdefault(record.pool, {"name": record.pool, "model": self.model, "gpu": record.gpu,
+                                                  "config_json": record.config_json, "replicas": []})
+            pool["replicas"].append({"name": record.slot, "url": record.url, "draining": record.phase == "draining"})
+        return orjson.dumps(sorted(pools.values(), key=lambda p: p["name"]))
+
+    def _publish(self) -> None:
+        """A new plan version when what the gateways route on changed (the HTTP side reads the bytes)."""
+        key = self._plan_pools(self.slots.values())
+        if key == self._plan_key and self.plan_body:
+            return
+        if key != self._plan_key:
+            self.version += 1
+        self._plan_key = key
+        self.plan_body = orjson.dumps({"epoch": self.epoch, "version": self.version, "pools": orjson.loads(key)})
+        self.etag = f'"{self.epoch}-{self.version}"'
+
+    def _persist(self) -> None:
+        assert self.controller is not None
+        state = capture(self.controller, self.epoch, self.version, tuple(sorted(self.slots.values(), key=lambda r: r.slot)))
+        doc = state.to_json()
+        body = orjson.dumps(doc)
+        if body != self._saved:
+            save_state(self.state_file, doc)
+            self._saved = body
+
+    # -- the loop (tick thread) ------------------------------------------------------------------
+
+    def _probe_starting(self) -> None:
+        for record in list(self.slots.values()):
+            if record.phase != "starting" or record.slot in self.healthy:
+                continue
+            if self.ray is not None and self.ray.is_healthy(record.slot, self.now()):
+                self.slots[record.slot] = dataclasses.replace(record, url=self.ray.url(record.slot))  # known once its actor answered
+            elif self.ray is not None or not (record.url and _answers_health(record.url)):
+                continue
+            self.healthy.add(record.slot)
+            if record.slot in self.recovering:
+                self.recovering.discard(record.slot)
+                self.activate(record.slot, self.now())
+
+    def tick(self) -> None:
+        assert self.controller is not None
+        now = self.now()
+        with self._lock:
+            inbox, self._inbox = self._inbox, []
+        for report in inbox:
+            replay(report, self.telemetry, now)
+        for process in [p for p in self.stopping if p.poll() is not None]:
+            self.stopping.remove(process)
+        self._probe_starting()
+        slots = [SlotState(r.slot, r.pool, r.gpu, r.config_json) for r in self.slots.values()]
+        decisions = self.controller.tick(now, slots)
+        self.decisions.extend([dataclasses.replace(d, at=d.at / self.speed) for d in decisions])
+        self._persist()
+
+    async def run_ticks(self) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            await asyncio.sleep(self.settings.tick_s / self.speed)
+            try:
+                await loop.run_in_executor(self.executor, self.tick)
+            except Exception as exc:  # noqa: BLE001 (the gateways keep routing on the last plan)
+                print(f"polymorph: controller tick failed, keeping the current plan: {exc!r}", file=sys.stderr, flush=True)
+
+    def stop_replicas(self) -> None:
+        if self.ray is not None:
+            close(self.ray)
+            return
+        for record in self.slots.values():
+            self._terminate(record.slot, record.pid)
+        for process in self.stopping:
+            try:
+                process.wait(5.0)
+            except subprocess.TimeoutExpired:
+                process.kill()
+
+    # -- HTTP (event loop) -----------------------------------------------------------------------
+
+    async def get_plan(self, request: web.Request) -> web.Response:
+        etag = self.etag
+        if request.headers.get("If-None-Match") == etag:
+            return web.Response(status=304, headers={"ETag": etag})
+        return web.Response(body=self.plan_body, content_type=_JSON, headers={"ETag": etag})
+
+    async def post_report(self, request: web.Request) -> web.Response:
+        try:
+            doc = orjson.loads(await request.read())
+            if not isinstance(doc, dict) or not isinstance(doc.get("gateway"), str):
+                raise TypeError("a report is a JSON object with a 'gateway' id")
+            in_flight = doc.get("in_flight", {})
+            if not isinstance(in_flight, dict) or not all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in in_flight.values()):
+                raise ValueError("in_flight must map replica URLs to counts")
+            version, epoch = doc.get("version", 0), doc.get("epoch")
+            if isinstance(version, bool) or not isinstance(version, int) or not (epoch is None or isinstance(epoch, str)):
+                raise ValueError("version must be an integer and epoch a string or null")
+            report = parse(doc.get("telemetry", {"bucket_s": 5.0}))
+        except (ValueError, TypeError) as exc:  # orjson.JSONDecodeError is a ValueError
+            return error_response(ApiError(400, f"Invalid report: {exc}", "invalid_report"))
+        with self._lock:
+            self._gateways[doc["gateway"]] = _GatewayReport(time.time(), epoch, version, in_flight)
+            self._inbox.append(report)
+        return web.Response(status=204)
+
+    async def healthz(self, request: web.Request) -> web.Response:
+        return web.Response(body=orjson.dumps({"status": "ok", "role": "leader", "epoch": self.epoch, "plan_version": self.version}), content_type=_JSON)
+
+    async def admin_decisions(self, request: web.Request) -> web.Response:
+        if not is_admin_request(request, self.config.server.admin_token_sha256):
+            return error_response(ApiError(401, "The admin API needs 'Authorization: Bearer <admin token>'.", "invalid_admin_token"))
+        return web.Response(body=orjson.dumps({"decisions": self.decisions.tail()}), content_type=_JSON)
+
+    def app(self) -> web.Application:
+        app = web.Application(client_max_size=8 * 1024 * 1024)
+        app.router.add_get("/plan", self.get_plan, allow_head=False)
+        app.router.add_post("/report", self.post_report)
+        app.router.add_get("/healthz", self.healthz, allow_head=False)
+        app.router.add_get("/admin/decisions", self.admin_decisions, allow_head=False)
+        return app
+
+
+async def serve(service: ControllerService) -> None:
+    """Listen where ``fleet.controller.url`` says, tick until SIGTERM or SIGINT."""
+    assert service.settings.url is not None
+    where = urlsplit(service.settings.url)
+    runner = web.AppRunner(service.app(), access_log=None)
+    await runner.setup()
+    site = web.TCPSite(runner, where.hostname or "127.0.0.1", where.port or 80)
+    await site.start()
+    print(f"polymorph: controller leading at {service.settings.url} (plan version {service.version}, "
+          f"{len(service.slots)} replica slots)", file=sys.stderr, flush=True)
+    ticks = asyncio.get_running_loop().create_task(service.run_ticks())
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    await stop.wait()
+    ticks.cancel()
+    try:
+        await ticks
+    except asyncio.CancelledError:
+        pass
+    await runner.cleanup()
+    service.executor.shutdown(wait=True)
+    if service.ray is not None:  # its actors would die with this process anyway: let their replicas exit cleanly
+        service.stop_replicas()
