@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import sys
 from pathlib import Path
 
 from loadtest.sim_cli import register_bench_adapt, register_simulate
@@ -83,6 +84,74 @@ def register(commands: argparse._SubParsersAction) -> None:  # type: ignore[type
     add_fast_backend_arguments(backend)
     backend.set_defaults(handler=_run_fast_backend)
     register_simulate(commands)
+    _register_demo(commands)
+
+
+_DEMO_DESCRIPTION = """\
+Watch Polymorph adapt. Against a running deployment this prints the dashboard's address (--open
+opens it in a browser), replays a drift scenario through the gateway with the load tester, printing
+each decision the controller takes (drift, plan, step, verify, rollback) as it happens, then writes
+results.json, requests.jsonl and the plots (latency CDFs; goodput and p99 TTFT over time with the fleet
+changes marked; the traffic mix) to --out and sums the decisions up.
+
+Scenarios are in fleet time: emulated GPUs at speed X (the config's fleet.emulator_speed) run X times
+faster than real time, and so does the controller's clock. The demo replays the scenario X times
+faster (X times the request rate) and holds requests to the tier objectives divided by X. The default
+scenario, examples/drift-demo.yaml, is 2000 s of fleet time: 200 s against examples/demo.yaml
+(speed 10), 33 minutes against the plain `make run` (speed 1). The controller's re-plan is CPU work in
+the gateway: on a small or busy machine (two cores) add --rate 1.5, or the drift's re-plan may land
+after the replay has ended. Exit code 0 when the replay completed, 2 for bad arguments or a refused
+admin token, 3 when no gateway answers.
+
+examples:
+  make run CONFIG=examples/demo.yaml      # in one terminal: the example fleet at 10x real time
+  polymorph demo --open                   # in another
+  polymorph demo --start                  # or let the demo start (and at the end stop) that deployment
+  polymorph demo --scenario drift-ramp --rate 4 --out runs/ramp
+"""
+
+
+def _register_demo(commands: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+    from gateway.config import DEMO_ADMIN_TOKEN, DEMO_API_KEY
+
+    p = commands.add_parser(
+        "demo",
+        help="replay a drift through a running deployment and watch the controller adapt (dashboard, decisions, plots)",
+        description=_DEMO_DESCRIPTION,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("--url", default="http://127.0.0.1:8080", help="the gateway's base URL (default: %(default)s)")
+    p.add_argument("--admin-token", default=DEMO_ADMIN_TOKEN, help="the gateway's admin token (default: the demo's)")
+    p.add_argument("--api-key", default=DEMO_API_KEY, help="the API key requests are sent with (default: the demo tenant's)")
+    p.add_argument("--open", action="store_true", help="open the dashboard in a web browser")
+    p.add_argument("--scenario", metavar="NAME|FILE",
+                   help="scenario to replay: a built-in name (`polymorph loadtest scenarios`) or a file (default: examples/drift-demo.yaml)")
+    p.add_argument("--speed", type=float, metavar="X",
+                   help="replay X times faster than the scenario (default: the emulated replicas' speed, read from them)")
+    p.add_argument("--duration", type=float, metavar="S", help="fleet seconds of the scenario to play (default: all of it)")
+    p.add_argument("--rate", type=float, metavar="R", help="mean request rate in fleet time (default: the scenario's)")
+    p.add_argument("--seed", type=int, help="workload seed (default: the scenario's)")
+    p.add_argument("--out", metavar="DIR", help="output folder (default: runs/demo-<date>-<time>)")
+    p.add_argument("--no-progress", action="store_true", help="no live progress line")
+    start = p.add_argument_group("starting the deployment")
+    start.add_argument("--start", action="store_true",
+                       help="when nothing answers at --url, start `polymorph serve --config CONFIG` there, and stop it at the end")
+    start.add_argument("--config", type=Path, default=None, metavar="FILE",
+                       help="config for --start (default: examples/demo.yaml, 4 emulated GPUs at 10x real time)")
+    start.add_argument("--keep-running", action="store_true",
+                       help="with --start: keep the deployment and its dashboard up after the replay, until Ctrl-C")
+    p.set_defaults(handler=_run_demo)
+
+
+def _run_demo(args: argparse.Namespace) -> int:
+    from loadtest.demo import DEMO_CONFIG, DEMO_SCENARIO, main_demo
+
+    if args.speed is not None and not args.speed > 0:
+        print("error: --speed must be > 0", file=sys.stderr)
+        return 2
+    args.config = args.config or DEMO_CONFIG
+    args.scenario = args.scenario or str(DEMO_SCENARIO)
+    return main_demo(args)
 
 
 def add_fast_backend_arguments(parser: argparse.ArgumentParser) -> None:

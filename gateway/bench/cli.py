@@ -44,6 +44,40 @@ def register_bench(benches: argparse._SubParsersAction) -> None:  # type: ignore
     parser.add_argument("--no-install", action="store_true", help="never apt-get install missing wrk/nginx")
     parser.set_defaults(handler=_run_bench_gateway)
     _register_peers(benches)
+    _register_dashboard(benches)
+
+
+def _register_dashboard(benches: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+    """Add `polymorph bench dashboard`."""
+    parser = benches.add_parser(
+        "dashboard",
+        help="added request latency p50/p99 with and without a dashboard polling the admin API",
+        description=(
+            "Measure what an open dashboard costs the request path: the gateway in front of the fixed-cost nginx "
+            "backend of `bench gateway`, wrk at a constant rate, rounds alternating direct / gateway / gateway while "
+            "dashboard clients poll /admin/state, /admin/series and /admin/decisions at the page's rate. Added "
+            "latency = gateway minus direct in the same round. Prints a table, then one JSON line with the "
+            "with/without ratios."
+        ),
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    parser.add_argument("--rate", type=float, default=500.0, help="constant request rate in req/s")
+    parser.add_argument("--duration", type=float, default=10.0, help="seconds per run")
+    parser.add_argument("--rounds", type=int, default=4, help="rounds, each measuring the three runs in alternating order")
+    parser.add_argument("--clients", type=int, default=1, help="dashboard pages polling at once")
+    parser.add_argument("--poll-s", type=float, default=2.0, help="seconds between a page's polls (the page's POLL_MS)")
+    parser.add_argument("--json-only", action="store_true", help="print only the JSON line on stdout")
+    parser.add_argument("--no-pin", action="store_true", help="do not pin processes to CPUs with taskset")
+    parser.add_argument("--no-install", action="store_true", help="never apt-get install missing wrk/nginx")
+    parser.set_defaults(handler=_run_bench_dashboard)
+
+
+def _run_bench_dashboard(args: argparse.Namespace) -> int:
+    if not (args.rate > 0 and args.duration > 0 and args.poll_s > 0) or args.rounds < 1 or args.clients < 1:
+        raise SystemExit("bench dashboard: --rate, --duration and --poll-s must be > 0, --rounds and --clients >= 1")
+    from gateway.bench.dashboard_cost import main_bench_dashboard
+
+    return main_bench_dashboard(args)
 
 
 _PEERS_DESCRIPTION = """\

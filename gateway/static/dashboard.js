@@ -5,6 +5,7 @@
 const POLL_MS = 2000;
 const SLO_WINDOW_BUCKETS = 30; // attainment fallback: the last 5 min of 10 s buckets
 const MAX_DECISIONS_SHOWN = 200;
+const MIN_VIEW_S = 120; // charts start at the first traffic of the hour, but span at least 2 minutes
 const SVG_NS = "http://www.w3.org/2000/svg";
 const SHAPE_COLORS = ["#6ea8fe", "#f5b942", "#3ecf8e", "#c084fc", "#f2555a", "#2dd4bf", "#fb923c", "#a3e635", "#f472b6", "#94a3b8"];
 const TIER_COLORS = { interactive: "#6ea8fe", standard: "#3ecf8e", batch: "#f5b942" };
@@ -113,7 +114,7 @@ async function poll() {
   const failures = [state, series, decisions].filter((r) => r.status === "rejected");
   document.getElementById("auth-banner").classList.toggle("hidden", !failures.some((r) => r.reason.auth));
   if (state.status === "fulfilled" && state.value) latest.state = state.value;
-  if (series.status === "fulfilled" && series.value) latest.series = series.value;
+  if (series.status === "fulfilled" && series.value) latest.series = fromFirstTraffic(series.value);
   if (decisions.status === "fulfilled") {
     const body = decisions.value; // null: the gateway has no decision log (404)
     latest.decisions = (Array.isArray(body) ? body : (body && body.decisions) || []).slice(-MAX_DECISIONS_SHOWN);
@@ -122,6 +123,22 @@ async function poll() {
   dot.className = `live-dot ${failures.length ? "bad" : "ok"}`;
   document.getElementById("updated").textContent = failures.length ? "update failed" : `updated ${fmtClock(Date.now() / 1000)}`;
   render();
+}
+
+function mapValues(object, fn) {
+  return Object.fromEntries(Object.entries(object || {}).map(([key, value]) => [key, fn(value)]));
+}
+
+// A young deployment has minutes of traffic in an hour-long series: drop the idle buckets before it
+// (keeping one, and at least MIN_VIEW_S), so that a fresh drift fills the charts instead of their last pixels.
+function fromFirstTraffic(series) {
+  const t = series.t || [];
+  const firsts = Object.values(series.mix || {}).map((values) => values.findIndex((v) => v > 0)).filter((i) => i >= 0);
+  const first = firsts.length ? Math.min(...firsts) : t.length;
+  const start = Math.max(0, Math.min(first - 1, t.length - Math.ceil(MIN_VIEW_S / (series.step_s || 10))));
+  if (start === 0) return series;
+  const cut = (values) => values.slice(start);
+  return { ...series, t: cut(t), mix: mapValues(series.mix, cut), tiers: mapValues(series.tiers, (tier) => mapValues(tier, cut)), pools: mapValues(series.pools, (pool) => mapValues(pool, cut)) };
 }
 
 async function loop() {
@@ -218,7 +235,8 @@ function poolCard(pool) {
     shapes,
     engineSummary(pool.engine),
     el("div", { class: "replicas" }, dots, el("span", { text: countText.join(" · ") })),
-    metricRow("load", pool.load_fraction, `${Math.round((pool.load_fraction || 0) * 100)}%`),
+    // the admin API caps a pool without a routable replica at 1e9
+    metricRow("load", pool.load_fraction, (pool.load_fraction || 0) >= 1e6 ? "no capacity" : `${Math.round((pool.load_fraction || 0) * 100)}%`),
     metricRow("in flight", Math.min(1, (pool.in_flight || 0) / 256), String(pool.in_flight || 0)),
     metricRow("SLO met", attainment, fmtPct(attainment), `slo ${sloClass}`),
   );
@@ -473,6 +491,15 @@ function decisionSummary(decision) {
   return parts.join(" · ") || decision.kind;
 }
 
+// A mix as shape -> req/s: a flat map already, or the controller's window ({shapes: {name: {rate_rps, ...}}}).
+function mixRates(value) {
+  if (isNumberMap(value)) return value;
+  const shapes = value && typeof value === "object" ? value.shapes : null;
+  if (!shapes || typeof shapes !== "object" || Array.isArray(shapes)) return null;
+  const rates = mapValues(shapes, (shape) => (shape && typeof shape.rate_rps === "number" ? shape.rate_rps : NaN));
+  return Object.values(rates).every((v) => !Number.isNaN(v)) ? rates : null;
+}
+
 function isNumberMap(value) {
   return value && typeof value === "object" && !Array.isArray(value) && Object.keys(value).length > 0 && Object.values(value).every((v) => typeof v === "number");
 }
@@ -514,8 +541,11 @@ function evidenceTable(evidence) {
   const pairs = [["mix_before", "mix_after"], ["before", "after"]];
   const shown = new Set();
   for (const [b, a] of pairs) {
-    if (keys.has(b) && keys.has(a) && isNumberMap(evidence[b]) && isNumberMap(evidence[a])) {
-      table.append(el("tr", {}, el("th", { text: `${b.replace(/_before$/, "").replace(/_/g, " ") || "value"} before → after` }), el("td", {}, mixComparison(evidence[b], evidence[a]))));
+    const before = keys.has(b) ? mixRates(evidence[b]) : null;
+    const after = keys.has(a) ? mixRates(evidence[a]) : null;
+    if (before && after && (Object.keys(before).length || Object.keys(after).length)) {
+      const unit = isNumberMap(evidence[b]) ? "" : " (req/s)";
+      table.append(el("tr", {}, el("th", { text: `${b.replace(/_before$/, "").replace(/_/g, " ") || "value"} before → after${unit}` }), el("td", {}, mixComparison(before, after))));
       shown.add(b).add(a);
     }
   }

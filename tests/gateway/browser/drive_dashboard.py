@@ -93,10 +93,13 @@ def main(base: str, token: str, screenshot: str) -> dict[str, Any]:
             facts["right_form_token_error"] = _sign_in_with_form(driver, base, token)
             facts["url_after_form_login"] = driver.current_url
             facts["cookie_visible_to_scripts"] = driver.execute_script("return document.cookie")
+            # The deployment is live: the first complete 10 s bucket of traffic, the controller's first
+            # decision (after its warm-up and a re-plan), then the drift reaching the mix take their time.
             started = time.monotonic()
-            facts["pools_shown"] = _wait(driver, lambda d: _count(d, "#pools .pool") >= 1, 20)
-            facts["mix_shown"] = _wait(driver, lambda d: _count(d, "#mix-chart path.area") >= 1, 20)
-            facts["decisions_shown"] = _wait(driver, lambda d: _count(d, "#decisions .decision") >= 1, 20)
+            facts["pools_shown"] = _wait(driver, lambda d: _count(d, "#pools .pool") >= 1, 30)
+            facts["mix_shown"] = _wait(driver, lambda d: _count(d, "#mix-chart path.area") >= 1, 60)
+            facts["decisions_shown"] = _wait(driver, lambda d: _count(d, "#decisions .decision") >= 1, 90)
+            facts["mix_shows_drift"] = _wait(driver, lambda d: _count(d, "#mix-chart path.area") >= 2, 60)
             facts["seconds_to_render"] = round(time.monotonic() - started, 2)
             facts["pool_names"] = driver.execute_script("return [...document.querySelectorAll('#pools .pool')].map(p => p.dataset.pool)")
             facts["mix_shapes"] = driver.execute_script("return [...document.querySelectorAll('#mix-chart path.area')].map(p => p.dataset.shape)")
@@ -116,7 +119,7 @@ def main(base: str, token: str, screenshot: str) -> dict[str, Any]:
             driver.delete_all_cookies()
             driver.get(base + f"/dashboard?token={token}")
             facts["url_after_query_login"] = driver.current_url
-            facts["pools_after_query_login"] = _wait(driver, lambda d: _count(d, "#pools .pool") >= 1, 20)
+            facts["pools_after_query_login"] = _wait(driver, lambda d: _count(d, "#pools .pool") >= 1, 30)
             facts["console_errors"] = [e["message"] for e in driver.get_log("browser") if e.get("level") == "SEVERE"]
         finally:
             driver.quit()
