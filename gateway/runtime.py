@@ -40,6 +40,13 @@ class Runtime:
                     models |= replica.models
         return sorted(models)
 
+    def time_scale(self, pool: str | None) -> float:
+        """Seconds of fleet time per wall second on ``pool``'s replicas: emulated GPUs run at
+        ``fleet.emulator_speed`` (so do the pools the controller creates); real replicas at 1."""
+        for spec in self.config.pools:
+            if spec.name == pool and spec.urls:
+                return 1.0
+        return self.config.emulator_speed
 
 
 def _max_running(spec: PoolSpec) -> int:
