@@ -14,12 +14,14 @@ configuration compiled for the envelope the pool left stands in until the compil
 from __future__ import annotations
 
 import json
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 
 from fleet.capacity import CapacityModel, choose_config
 from fleet.compiled import CompiledConfig, ConfigSource, Envelope, config_changes, envelope_for, tier_name
 from fleet.planner import PlanProblem, PoolOption
+from fleet.pool import PoolState
 from fleet.telemetry import ShapeLoad, TrafficMix
 from fleet.tiers import TierSlo, strictest, tier_weight
 from kernels.catalog import get_gpu, get_model
@@ -168,3 +170,31 @@ def problem_for(
         options.pools, tuple(sorted(gpu_to_budget.items())), demands, tuple(1.0 for _ in mixes),
         tuple(sorted((current or {}).items())), costs,
     )
+
+
+@dataclass(frozen=True, slots=True)
+class PoolModel:
+    """What the router knows of one pool from the capacity model (fleet.pool.PoolState's model fields)."""
+
+    max_running_per_replica: int  # in flight per replica at capacity: the router's saturation point
+    rate_per_replica_rps: float
+    cost_per_hour: float  # one replica's GPUs
+    mean_prompt_tokens: float  # of the shape it was planned for (weighs other shapes' requests)
+    mean_output_tokens: float
+
+    def apply(self, pool: PoolState) -> None:
+        pool.max_running_per_replica = self.max_running_per_replica
+        pool.rate_per_replica_rps, pool.cost_per_hour = self.rate_per_replica_rps, self.cost_per_hour
+        pool.mean_prompt_tokens, pool.mean_output_tokens = self.mean_prompt_tokens, self.mean_output_tokens
+
+
+def pool_models(options: Options, mix: TrafficMix) -> dict[str, PoolModel]:
+    """Each planned pool's router model, from ``options`` planned for ``mix``; the simulator and the
+    live gateway both hand these to their pools after a plan."""
+    out = {}
+    for option, (name, concurrency) in zip(options.pools, options.pool_to_concurrency, strict=True):
+        load = mix.shape(option.shape)
+        out[name] = PoolModel(max(1, math.ceil(concurrency)), option.rate_per_replica_rps,
+                              get_gpu(option.gpu).price_per_gpu_hour * option.gpus_per_replica,
+                              load.mean_prompt_tokens if load else 0.0, load.mean_output_tokens if load else 0.0)
+    return out

@@ -57,6 +57,10 @@ class AdminHandlers:
                 "shapes": sorted(pool.shapes),
                 "in_flight": pool.num_in_flight,
                 "load_fraction": round(min(pool.load_fraction(now), 1e9), 4),
+                # the capacity model's view the router scores with (0: no plan has sized this pool)
+                "max_running_per_replica": pool.max_running_per_replica,
+                "rate_per_replica_rps": round(pool.rate_per_replica_rps, 3),
+                "cost_per_hour": round(pool.cost_per_hour, 3),
                 "slo_attainment": attainment.get(pool.name),
                 "replicas": [
                     {

@@ -17,7 +17,7 @@ import dataclasses
 import multiprocessing
 import time
 import zlib
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from concurrent.futures import ProcessPoolExecutor, ThreadPoolExecutor
 from typing import TYPE_CHECKING
 
@@ -25,8 +25,10 @@ import orjson
 
 from fleet.capacity import PerfCapacity
 from fleet.controller import Controller, ControllerSettings
-from fleet.health import CircuitBreaker
+from fleet.health import CircuitBreaker, HealthState
+from fleet.options import Options, PoolModel, pool_models
 from fleet.pool import PoolState, ReplicaState
+from fleet.rollout import SlotState
 from fleet.telemetry import Telemetry
 from fleet.tiers import TierSlo
 from gateway.background import BackgroundTask
@@ -66,6 +68,38 @@ def swap_pools(state: GatewayState, pools: tuple[PoolState, ...]) -> None:
     state.runtime = dataclasses.replace(state.runtime, pools=pools, replica_by_name={r.name: r for p in pools for r in p.replicas})
 
 
+EJECTED_DEAD_AFTER_COOLDOWNS = 3.0  # a replica out of service this many eject cool-downs in a row is lost
+
+
+class EjectionWatch:
+    """Slots whose replica the gateway has kept out of service (circuit breaker not healthy) for longer than
+    ``EJECTED_DEAD_AFTER_COOLDOWNS`` cool-downs count as not alive: a hung process still runs, but its GPUs
+    serve nothing, so the controller takes them out of its budget as it does for an exited one."""
+
+    def __init__(self) -> None:
+        self._down: dict[str, tuple[float, int, int]] = {}  # slot -> (first seen out of service, failures and ejections then)
+
+    def apply(self, slots: list[SlotState], breakers: Mapping[str, CircuitBreaker], now: float) -> list[SlotState]:
+        """``now`` on the breakers' clock; a slot the gateway does not route (starting, stopped) is left as it is."""
+        out, down = [], {}
+        for slot in slots:
+            breaker = breakers.get(slot.slot)
+            if breaker is None or breaker.state is HealthState.HEALTHY:
+                out.append(slot)
+                continue
+            since, failures, ejections = self._down.get(slot.slot, (now, breaker.consecutive_failures, breaker.num_ejections))
+            # Within one run of failures each re-ejection (a failed trial) adds a failure; after a success the
+            # count restarts and the first ejection takes ``eject_after`` failures: fewer new failures than new
+            # ejections means the replica served in between, so it has been out of service only since now.
+            if breaker.consecutive_failures - failures < breaker.num_ejections - ejections:
+                since = now
+            down[slot.slot] = (since, breaker.consecutive_failures, breaker.num_ejections)
+            dead = now - since > EJECTED_DEAD_AFTER_COOLDOWNS * breaker.cooldown_s
+            out.append(dataclasses.replace(slot, alive=False) if dead else slot)
+        self._down = down
+        return out
+
+
 class LiveFleet:
     """The ``Routing`` of the controller's actuator over this gateway's pools, and the loop that ticks it."""
 
@@ -82,6 +116,9 @@ class LiveFleet:
         self.task = BackgroundTask(self._run)
         self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="polymorph-controller")
         self.capacity_pool: ProcessPoolExecutor | None = None
+        self._modelled: Options | None = None  # the options the pools were last modelled from
+        self.pool_to_model: dict[str, PoolModel] = {}
+        self.ejections = EjectionWatch()
 
     def adopt(self) -> None:
         """Route the actuator's moves through this gateway's pools; its slots are the controller's budget."""
@@ -131,9 +168,19 @@ class LiveFleet:
         pool = next((p for p in pools if p.name == pool_name), None)
         if pool is None:
             pool = new_pool(pool_name, self.model, gpu, config_json)
+            if pool_name in self.pool_to_model:
+                self.pool_to_model[pool_name].apply(pool)
             pools.append(pool)
         pool.replicas.append(new_replica(self.state, slot, url, pool_name))
         swap_pools(self.state, tuple(pools))
+
+    def _model_pools(self, models: dict[str, PoolModel]) -> None:
+        """The router's view of each planned pool (SLO-chance scoring, saturation, overflow cost),
+        as the simulator's router gets it after a plan."""
+        self.pool_to_model = models
+        for pool in self.state.runtime.pools:
+            if pool.name in models:
+                models[pool.name].apply(pool)
 
     # -- the loop ---------------------------------------------------------------------------
 
@@ -146,7 +193,14 @@ class LiveFleet:
 
     def _tick(self, now: float) -> None:
         assert self.controller is not None
-        decisions = self.controller.tick(now, self.control.slot_states())
+        breakers = {name: r.breaker for name, r in self.state.runtime.replica_by_name.items()}
+        slots = self.ejections.apply(self.control.slot_states(), breakers, now / self.speed)  # breakers run on the loop's clock
+        decisions = self.controller.tick(now, slots)
+        options = self.controller.options
+        if options is not None and options is not self._modelled:
+            self._modelled = options
+            models = pool_models(options, self.controller.reference_mix)
+            self._on_loop(lambda: self._model_pools(models))
         if decisions:
             wall = [dataclasses.replace(d, at=d.at / self.speed) for d in decisions]
             self._on_loop(lambda: self.state.decisions.extend(wall))

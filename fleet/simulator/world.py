@@ -23,7 +23,7 @@ import numpy as np
 
 from classifiers.shape import Shape, ShapeRules, default_shape_rules
 from fleet.health import CircuitBreaker
-from fleet.options import Options
+from fleet.options import Options, PoolModel, pool_models
 from fleet.pool import PoolState, ReplicaState
 from fleet.queueing import PoolQueue, Shed
 from fleet.rollout import SlotState
@@ -39,6 +39,7 @@ from kernels.engine_types import EngineRequest
 from kernels.perf import PerfModel
 
 KINDS = ("iteration", "arrival", "tick")  # simultaneous events run in this order
+_UNMODELLED_MAX_RUNNING = 64  # a pool no plan has sized yet
 
 
 def classify(spec: SimRequest, rules: ShapeRules) -> str:
@@ -90,8 +91,7 @@ class FleetSim:
         self.arrivals_s = [s.arrival_s for s in self.specs]
         self.outcomes = Outcomes.empty(len(self.specs))
         self.pools: dict[str, PoolState] = {}
-        self.pool_to_max_running: dict[str, int] = {}
-        self.pool_to_model: dict[str, tuple[float, float, float, float]] = {}  # pool -> PoolState's capacity-model fields
+        self.pool_to_model: dict[str, PoolModel] = {}  # pool -> the capacity model's view of it, for the router
         self.work = [1.0] * len(self.specs)  # each admitted request's fleet.router.work_units in its pool
         self.slots: dict[str, VirtualReplica] = {}
         self.slot_to_gpu: dict[str, str] = {}
@@ -123,7 +123,7 @@ class FleetSim:
             shape = name.split("@", 1)[0]
             shapes = frozenset(self.settings.rules.names) if shape == "all" else frozenset({shape})
             queue = PoolQueue[int](self.settings.queue_len, self.settings.router.shed_retry_after_s) if self.settings.admission else None
-            pool = PoolState(name, None, shapes, None, self.pool_to_max_running.get(name, 64), queue=queue)
+            pool = PoolState(name, None, shapes, None, _UNMODELLED_MAX_RUNNING, queue=queue)
             self._model_pool(pool)
             self.pools[name] = pool
         return pool
@@ -188,21 +188,18 @@ class FleetSim:
         self._pump(pool, now)
 
     def set_pool_model(self, options: Options, mix: TrafficMix) -> None:
-        """What the router knows of each pool from the capacity model (``options``, planned for
-        ``mix``): the in-flight requests per replica at which it counts as saturated, its rate per
-        replica, its GPUs' price and its shape's mean lengths."""
-        for option, (name, concurrency) in zip(options.pools, options.pool_to_concurrency, strict=True):
-            load = mix.shape(option.shape)
-            self.pool_to_max_running[name] = max(1, math.ceil(concurrency))
-            self.pool_to_model[name] = (option.rate_per_replica_rps, get_gpu(option.gpu).price_per_gpu_hour * option.gpus_per_replica,
-                                        load.mean_prompt_tokens if load else 0.0, load.mean_output_tokens if load else 0.0)
+        """What the router knows of each pool from the capacity model (``options``, planned for ``mix``)."""
+        self.pool_to_model.update(pool_models(options, mix))
+        for name in self.pool_to_model:
             if name in self.pools:
                 self._model_pool(self.pools[name])
 
     def _model_pool(self, pool: PoolState) -> None:
-        pool.max_running_per_replica = self.pool_to_max_running.get(pool.name, 64)
-        if pool.name in self.pool_to_model:
-            pool.rate_per_replica_rps, pool.cost_per_hour, pool.mean_prompt_tokens, pool.mean_output_tokens = self.pool_to_model[pool.name]
+        found = self.pool_to_model.get(pool.name)
+        if found is None:
+            pool.max_running_per_replica = _UNMODELLED_MAX_RUNNING
+            return
+        found.apply(pool)
 
     # --- events -------------------------------------------------------------------------------------
     def run(self, end_s: float, grace_s: float = 1800.0) -> None:

@@ -11,6 +11,9 @@ from pathlib import Path
 
 import aiohttp
 
+from fleet.health import CircuitBreaker
+from fleet.rollout import SlotState
+from gateway.live_fleet import EjectionWatch
 from tests.support.procs import start_gateway, write_tenant
 
 KEY, ADMIN = "sk-test-live", "admin-token-live"
@@ -70,5 +73,30 @@ def test_controller_repartitions_under_load_without_failing_a_request(tmp_path: 
     assert moved and all(m[2] == "short-chat@H100-SXM" for m in moved)
     pools = {p["name"]: p for p in state["pools"]}  # type: ignore[union-attr]
     assert "short-chat@H100-SXM" in pools and pools["short-chat@H100-SXM"]["replicas"]
+    planned = pools["short-chat@H100-SXM"]  # the router scores it with the plan's capacity model
+    assert planned["rate_per_replica_rps"] > 0 and planned["cost_per_hour"] > 0 and planned["max_running_per_replica"] >= 1
     logged = [json.loads(line) for line in (tmp_path / "decisions.jsonl").read_text().splitlines()]
     assert [entry["kind"] for entry in logged] == kinds
+
+
+def test_a_replica_ejected_for_three_cooldowns_leaves_the_budget_and_comes_back_when_healthy() -> None:
+    slots = [SlotState("H100-SXM/0", "mixed", "H100-SXM", "{}"), SlotState("H100-SXM/1", "mixed", "H100-SXM", "{}"),
+             SlotState("H100-SXM/2", "mixed", "H100-SXM", "{}")]
+    flaky, hung = CircuitBreaker(2, 1.0), CircuitBreaker(2, 1.0)
+    breakers = {"H100-SXM/0": flaky, "H100-SXM/1": hung}  # slot 2 is not routed (starting): left as it is
+    watch = EjectionWatch()
+
+    def alive(now: float) -> list[bool]:
+        return [s.alive for s in watch.apply(slots, breakers, now)]
+
+    for breaker in (flaky, hung):
+        breaker.on_failure(0.0), breaker.on_failure(0.0)  # ejected at t=0
+    assert alive(0.0) == [True, True, True]
+    hung.on_dispatch(), hung.on_failure(1.5)  # its probe after the cool-down fails: ejected again, down since t=0
+    flaky.on_dispatch(), flaky.on_success()  # probe succeeded ...
+    flaky.on_failure(2.0), flaky.on_failure(2.0)  # ... then a new run of failures: down since t=2
+    assert alive(2.0) == [True, True, True]
+    assert alive(3.5) == [True, False, True]
+    assert alive(5.5) == [False, False, True]
+    hung.on_dispatch(), hung.on_success()
+    assert alive(6.0) == [False, True, True]
