@@ -14,8 +14,9 @@ pool, a model's only pool down (503 + Retry-After), invalid config and tenant fi
 hostile input (malformed, oversized, nested, invalid UTF-8, header tricks, trickling bodies),
 schemathesis against GET /openapi.json (when installed in ~/.cache/polymorph/schemathesis-venv),
 with the fleet controller on: a step whose replica never becomes healthy (rolled back), a pool
-lost (overflow, then a plan for the GPUs left); a corrupted then unwritable decision log under load
-and corrupted, locked and full trial stores; 3x overload (shed fast, memory flat, recovery), 3x
+lost (overflow, then a plan for the GPUs left), `polymorph controller` SIGKILLed mid-rollout (a
+standby finishes it, a restart adopts the fleet) or SIGSTOPped (partitioned) beside 2 gateways; a
+corrupted then unwritable decision log under load and corrupted, locked and full trial stores; 3x overload (shed fast, memory flat, recovery), 3x
 overload of mixed tiers (batch shed, interactive keeps its latency) and thousands of idle streams.
 Prints a table, then one JSON line last; exits 1 if any scenario fails.
 """

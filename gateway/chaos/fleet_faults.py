@@ -41,6 +41,29 @@ class FleetFaultSettings:
     max_s: float = 40.0  # give up waiting for the controller after this long
 
 
+def write_fleet_config(run_dir: Path, pools: tuple[tuple[str, int, tuple[str, ...]], ...], controller: dict[str, Any]) -> Path:
+    """The tenant file and ``config.yaml`` (JSON is YAML) of a gateway over ``pools`` with ``controller`` settings."""
+    (run_dir / "tenants").mkdir(parents=True, exist_ok=True)
+    tenant = {"name": "fleet", "api_key_sha256": [hashlib.sha256(KEY.encode()).hexdigest()], "max_concurrency": 100000,
+              "rate_limits": {"requests_per_min": 1e8, "tokens_per_min": 1e12}}
+    (run_dir / "tenants" / "fleet.yaml").write_text(json.dumps(tenant))
+    config = {
+        "server": {"host": "127.0.0.1", "admin_token": ADMIN, "access_log": False},
+        "upstream": {"connect_timeout_s": 0.5, "first_byte_timeout_s": 5.0, "eject_after_failures": 2,
+                     "eject_cooldown_s": 1.0, "health_interval_s": 0.2},
+        "tenants_dir": "tenants",
+        "fleet": {
+            "pools": [{"name": name, "model": MODEL, "gpu": GPU, "shapes": list(shapes), "replicas": {"emulated": n}}
+                      for name, n, shapes in pools],
+            "emulator_speed": SPEED,
+            "controller": controller,
+        },
+    }
+    path = run_dir / "config.yaml"
+    path.write_text(json.dumps(config))
+    return path
+
+
 class ControllerStack:
     """One gateway with the controller on over ``pools`` ((name, emulated replicas, shapes))."""
 
@@ -56,25 +79,7 @@ class ControllerStack:
         return f"http://127.0.0.1:{self.port}"
 
     def __enter__(self) -> ControllerStack:
-        self.run_dir.mkdir(parents=True, exist_ok=True)
-        (self.run_dir / "tenants").mkdir(exist_ok=True)
-        tenant = {"name": "fleet", "api_key_sha256": [hashlib.sha256(KEY.encode()).hexdigest()], "max_concurrency": 100000,
-                  "rate_limits": {"requests_per_min": 1e8, "tokens_per_min": 1e12}}
-        (self.run_dir / "tenants" / "fleet.yaml").write_text(json.dumps(tenant))
-        config = {
-            "server": {"host": "127.0.0.1", "admin_token": ADMIN, "access_log": False},
-            "upstream": {"connect_timeout_s": 0.5, "first_byte_timeout_s": 5.0, "eject_after_failures": 2,
-                         "eject_cooldown_s": 1.0, "health_interval_s": 0.2},
-            "tenants_dir": "tenants",
-            "fleet": {
-                "pools": [{"name": name, "model": MODEL, "gpu": GPU, "shapes": list(shapes), "replicas": {"emulated": n}}
-                          for name, n, shapes in self.pools],
-                "emulator_speed": SPEED,
-                "controller": {"enabled": True, "tick_s": 5.0, "decision_log": "decisions.jsonl"},
-            },
-        }
-        path = self.run_dir / "config.yaml"
-        path.write_text(json.dumps(config))
+        path = write_fleet_config(self.run_dir, self.pools, {"enabled": True, "tick_s": 5.0, "decision_log": "decisions.jsonl"})
         gateway = self.registry.start("gateway", [*POLYMORPH, "serve", "--config", str(path), "--port", str(self.port)],
                                       env={**os.environ, "PYTHONUNBUFFERED": "1"})
         self.gateway_pid = gateway.pid
@@ -158,7 +163,7 @@ class HangNextReplica(threading.Thread):
                 os.kill(self.hung, signal.SIGCONT)
 
 
-def _request(i: int) -> Request:
+def fleet_request(i: int) -> Request:
     return chat_request(MODEL, KEY, max_tokens=24, stream=i % 2 == 0)
 
 
@@ -180,7 +185,7 @@ async def load_until(stack: ControllerStack, settings: FleetFaultSettings, done:
     retries_before = metric_sum(stack.url, "polymorph_upstream_retries_total")
     async with ChaosClient(stack.url, DEADLINE_S) as client:
         watcher = asyncio.create_task(watch())
-        answers = await open_loop(client, _request, settings.rate_rps, settings.max_s + 2.0, until=stop)
+        answers = await open_loop(client, fleet_request, settings.rate_rps, settings.max_s + 2.0, until=stop)
         settled_s = await watcher
     return answers, settled_s, metric_sum(stack.url, "polymorph_upstream_retries_total") - retries_before
 

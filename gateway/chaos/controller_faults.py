@@ -1,0 +1,235 @@
+"""The controller out of process (``fleet.controller.mode: external``) fails beside two gateways under load.
+
+``controller-dies``: the leader is SIGKILLed right after the first step of a rollout; a standby (blocked
+on the lease) takes over and finishes the rollout from the persisted state, then it is SIGKILLed too and
+a restarted controller adopts the fleet with the same plan. ``controller-partitioned``: the leader is
+SIGSTOPped right after the first step (its socket accepts, nothing answers: the gateways' plan polls
+time out, as behind a partition), then SIGCONTed; it finishes the rollout. In both the gateways keep
+routing on the last plan they applied, no request fails, and no applied move is made twice (a slot
+named by two step decisions would be a repeated move).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import os
+import signal
+import subprocess
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any, Self
+
+from gateway.bench.processes import ProcessRegistry, free_port
+from gateway.chaos.fleet_faults import DEADLINE_S, FleetFaultSettings, fleet_request, write_fleet_config
+from gateway.chaos.load import OK, Answer, ChaosClient, open_loop, percentile
+from gateway.chaos.report import Check, ScenarioResult, summarize
+from gateway.chaos.stack import POLYMORPH, http_get, metric_sum, wait_http
+
+NEW_POOL = "short-chat@H100-SXM"  # the pool the controller's first plan moves both replicas to
+NUM_GATEWAYS = 2
+PARTITION_S = 3.0  # 60 fleet seconds at SPEED: many missed polls and reports
+
+
+class ExternalControllerDeployment:
+    """``polymorph controller`` processes (leader, standbys, restarts) and ``NUM_GATEWAYS`` gateways over one
+    pool ``mixed`` of 2 emulated replicas; every process it started is ended on exit, replicas included."""
+
+    def __init__(self, run_dir: Path) -> None:
+        self.run_dir = run_dir
+        self.registry = ProcessRegistry(run_dir)
+        self.url = f"http://127.0.0.1:{free_port()}"
+        self.gateway_urls: list[str] = []
+        self.config = run_dir / "config.yaml"
+        self.decision_log = run_dir / "decisions.jsonl"
+        self.state_file = run_dir / "decisions.state.json"
+
+    def __enter__(self) -> Self:
+        write_fleet_config(self.run_dir, (("mixed", 2, ("short-chat",)),),
+                           {"enabled": True, "mode": "external", "url": self.url, "tick_s": 5.0, "decision_log": self.decision_log.name})
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        state = json.loads(self.state_file.read_text()) if self.state_file.exists() else {"slots": []}
+        self.registry.stop_all()
+        for slot in state["slots"]:  # replicas are detached from the controller: a SIGKILLed one leaves them behind
+            if slot["pid"]:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(slot["pid"], signal.SIGKILL)
+
+    def start_controller(self, name: str) -> subprocess.Popen[bytes]:
+        argv = [*POLYMORPH, "controller", "--config", str(self.config), "--replica-logs", str(self.run_dir / "replicas"),
+                "--stop-replicas-on-exit"]
+        return self.registry.start(name, argv, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+
+    def wait_leading(self, controller: subprocess.Popen[bytes]) -> None:
+        wait_http(self.url + "/healthz", controller)
+
+    def start_gateways(self) -> None:
+        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+        started = []
+        for i in range(NUM_GATEWAYS):
+            port = free_port()
+            started.append((f"http://127.0.0.1:{port}", self.registry.start(
+                f"gateway-{i}", [*POLYMORPH, "serve", "--config", str(self.config), "--port", str(port)], env=env)))
+        for url, gateway in started:
+            wait_http(url + "/readyz", gateway)
+        self.gateway_urls = [url for url, _ in started]
+
+    def log(self, name: str) -> str:
+        path = self.run_dir / f"{name}.log"
+        return path.read_text(errors="replace") if path.exists() else ""
+
+    def plan(self) -> dict[str, Any]:
+        status, body = http_get(self.url + "/plan")
+        if status != 200:
+            raise RuntimeError(f"GET /plan answered {status}")
+        return json.loads(body)  # type: ignore[no-any-return]
+
+    def new_pool_urls(self) -> list[str]:
+        """Routable (not draining) replicas of ``NEW_POOL`` in the controller's plan."""
+        pools = {p["name"]: p for p in self.plan()["pools"]}
+        return [r["url"] for r in pools.get(NEW_POOL, {"replicas": []})["replicas"] if not r["draining"]]
+
+    def decisions(self) -> list[dict[str, Any]]:
+        text = self.decision_log.read_text() if self.decision_log.exists() else ""
+        return [json.loads(line) for line in text.splitlines()]
+
+    def retries(self) -> float:
+        return sum(metric_sum(url, "polymorph_upstream_retries_total") for url in self.gateway_urls)
+
+
+def wait_until(what: str, check: Callable[[], bool], timeout_s: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        with contextlib.suppress(OSError, RuntimeError):  # the controller between leaders
+            if check():
+                return
+        time.sleep(0.1)
+    raise TimeoutError(f"timed out waiting for {what}")
+
+
+def moves_repeated(decisions: list[dict[str, Any]]) -> int:
+    """Slots named by more than one step: a move applied again."""
+    slots = [m[0] for d in decisions if d["kind"] == "step" for m in d["evidence"]["moves"]]
+    return len(slots) - len(set(slots))
+
+
+async def _under_load(deployment: ExternalControllerDeployment, settings: FleetFaultSettings,
+                      faults: Callable[[], dict[str, Any]]) -> tuple[list[Answer], float, dict[str, Any], str | None]:
+    """Requests alternating between the gateways while ``faults()`` runs (in a thread); it returns what it saw."""
+    stop = asyncio.Event()
+    retries_before = deployment.retries()
+    rate = settings.rate_rps / NUM_GATEWAYS
+
+    async def one_gateway(url: str) -> list[Answer]:
+        async with ChaosClient(url, DEADLINE_S) as client:
+            return await open_loop(client, fleet_request, rate, 600.0, until=stop)
+
+    loads = [asyncio.create_task(one_gateway(url)) for url in deployment.gateway_urls]
+    seen: dict[str, Any] = {}
+    error: str | None = None
+    try:
+        seen = await asyncio.to_thread(faults)
+        await asyncio.sleep(1.0)  # traffic on through the settled fleet too
+    except (TimeoutError, RuntimeError) as exc:
+        error = str(exc)
+    finally:
+        stop.set()
+        answers = [a for batch in await asyncio.gather(*loads) for a in batch]
+    return answers, deployment.retries() - retries_before, seen, error
+
+
+def _common_checks(deployment: ExternalControllerDeployment, answers: list[Answer], error: str | None,
+                   moved: list[str]) -> list[Check]:
+    decisions = deployment.decisions()
+    kinds = [str(d["kind"]) for d in decisions]
+    steps = [d for d in decisions if d["kind"] == "step"]
+    failed = [a for a in answers if a.verdict != OK]
+    final = set(deployment.new_pool_urls()) if error is None else set()
+    return [
+        Check("the scenario ran to the end", error is None, str(error)),
+        Check("one plan, two steps, no rollback", kinds.count("plan") == 1 and len(steps) == 2 and "rollback" not in kinds, f"decisions {kinds}"),
+        Check("no applied move was repeated", moves_repeated(decisions) == 0, f"steps {[d['evidence']['moves'] for d in steps]}"),
+        Check("the replica moved first stayed moved", bool(moved) and set(moved) <= final, f"{moved} then {sorted(final)}"),
+        Check("the gateways noticed the controller was gone",
+              any("unreachable" in deployment.log(f"gateway-{i}") for i in range(NUM_GATEWAYS)), "no gateway logged it"),
+        Check("every request succeeded", not failed, f"{len(failed)} failed: {sorted({a.detail for a in failed})[:3]}"),
+    ]
+
+
+def _result(name: str, deployment: ExternalControllerDeployment, answers: list[Answer], retried: float, checks: list[Check],
+            figures: dict[str, float]) -> ScenarioResult:
+    ok = [a.latency_s for a in answers if a.verdict == OK]
+    return summarize(name, answers, retried, percentile(ok, 0.5), checks,
+                     {"moves_repeated": float(moves_repeated(deployment.decisions())), **figures, "p99_ms": percentile(ok, 0.99) * 1000})
+
+
+async def controller_dies(run_dir: Path, settings: FleetFaultSettings) -> ScenarioResult:
+    with ExternalControllerDeployment(run_dir) as deployment:
+        leader = deployment.start_controller("controller-a")
+        deployment.wait_leading(leader)
+        standby = deployment.start_controller("controller-b")
+        wait_until("the standby to wait for the lease", lambda: "standby" in deployment.log("controller-b"))
+        deployment.start_gateways()
+
+        def faults() -> dict[str, Any]:
+            wait_until("the first step", lambda: len(deployment.new_pool_urls()) == 1)
+            moved = deployment.new_pool_urls()
+            leader.send_signal(signal.SIGKILL)
+            killed_at = time.monotonic()
+            deployment.wait_leading(standby)
+            takeover_s = time.monotonic() - killed_at
+            wait_until("the rollout to finish", lambda: len(deployment.new_pool_urls()) == 2)
+            plan = deployment.plan()
+            wait_until("the last verification", lambda: deployment.decisions()[-1]["kind"] == "verify")
+            standby.send_signal(signal.SIGKILL)
+            restarted = deployment.start_controller("controller-c")
+            deployment.wait_leading(restarted)
+            return {"moved": moved, "takeover_s": takeover_s, "plan": plan, "again": deployment.plan()}
+
+        answers, retried, seen, error = await _under_load(deployment, settings, faults)
+        checks = _common_checks(deployment, answers, error, seen.get("moved", []))
+        plan, again = seen.get("plan", {}), seen.get("again", {})
+        checks += [
+            Check("the standby resumed the rollout in progress", "rollout in progress" in deployment.log("controller-b"),
+                  "controller-b did not say it resumed a rollout"),
+            Check("a restarted controller serves the same plan", bool(plan) and [again.get(k) for k in ("epoch", "version", "pools")]
+                  == [plan.get(k) for k in ("epoch", "version", "pools")], f"{plan.get('version')} -> {again.get('version')}"),
+        ]
+        return _result("controller-dies", deployment, answers, retried, checks, {"takeover_s": seen.get("takeover_s", -1.0)})
+
+
+async def controller_partitioned(run_dir: Path, settings: FleetFaultSettings) -> ScenarioResult:
+    with ExternalControllerDeployment(run_dir) as deployment:
+        leader = deployment.start_controller("controller-a")
+        deployment.wait_leading(leader)
+        deployment.start_gateways()
+
+        def faults() -> dict[str, Any]:
+            wait_until("the first step", lambda: len(deployment.new_pool_urls()) == 1)
+            moved = deployment.new_pool_urls()
+            leader.send_signal(signal.SIGSTOP)
+            try:
+                wait_until("the gateways to lose the controller",
+                           lambda: all("unreachable" in deployment.log(f"gateway-{i}") for i in range(NUM_GATEWAYS)))
+                time.sleep(PARTITION_S)
+            finally:
+                leader.send_signal(signal.SIGCONT)
+            wait_until("the gateways to reach it again",
+                       lambda: all("answers again" in deployment.log(f"gateway-{i}") for i in range(NUM_GATEWAYS)))
+            wait_until("the rollout to finish", lambda: len(deployment.new_pool_urls()) == 2)
+            wait_until("the last verification", lambda: deployment.decisions()[-1]["kind"] == "verify")
+            return {"moved": moved}
+
+        answers, retried, seen, error = await _under_load(deployment, settings, faults)
+        checks = _common_checks(deployment, answers, error, seen.get("moved", []))
+        return _result("controller-partitioned", deployment, answers, retried, checks, {"partition_s": PARTITION_S})
+
+
+CONTROLLER_SCENARIOS: dict[str, Callable[[Path, FleetFaultSettings], Any]] = {
+    "controller-dies": controller_dies,
+    "controller-partitioned": controller_partitioned,
+}
