@@ -74,14 +74,35 @@ class PerfCapacity:
             for key, (rate, conc) in json.loads(cache_path.read_text()).items():
                 self._key_to_capacity[key] = Capacity(rate, conc)
 
+    def _key(self, gpu: str, config: EngineConfig, prompts: tuple[int, ...], outputs: tuple[int, ...], slo: TierSlo) -> str:
+        return json.dumps([self.model, gpu, config.to_dict(), prompts, outputs, slo.ttft_p99_s, slo.tpot_p99_s], sort_keys=True)
+
     def estimate(self, gpu: str, config: EngineConfig, load: ShapeLoad, slo: TierSlo) -> Capacity:
         prompts, outputs = length_points(load)
-        key = json.dumps([self.model, gpu, config.to_dict(), prompts, outputs, slo.ttft_p99_s, slo.tpot_p99_s], sort_keys=True)
+        key = self._key(gpu, config, prompts, outputs, slo)
         found = self._key_to_capacity.get(key)
         if found is None:
             found = self._key_to_capacity[key] = self._evaluate(gpu, config, prompts, outputs, slo)
             self._save()
         return found
+
+    def prefetch(self, queries: list[tuple[str, EngineConfig, ShapeLoad, TierSlo]]) -> None:
+        """Evaluate the queries not cached yet side by side on the executor (a re-plan's candidates:
+        one evaluation at a time would leave all but one of its workers idle). No-op without one."""
+        if self.executor is None:
+            return
+        key_to_future = {}
+        for gpu, config, load, slo in queries:
+            prompts, outputs = length_points(load)
+            key = self._key(gpu, config, prompts, outputs, slo)
+            if key not in self._key_to_capacity and key not in key_to_future:
+                args = (self.model, gpu, config, prompts, outputs, slo, self.rel_tol, self.num_requests)
+                key_to_future[key] = self.executor.submit(evaluate_capacity, *args)
+        for key, future in key_to_future.items():
+            self._key_to_capacity[key] = future.result()
+            self.num_evaluations += 1
+        if key_to_future:
+            self._save()
 
     def _evaluate(self, gpu: str, config: EngineConfig, prompts: tuple[int, ...], outputs: tuple[int, ...], slo: TierSlo) -> Capacity:
         self.num_evaluations += 1
@@ -115,6 +136,15 @@ def evaluate_capacity(model: str, gpu: str, config: EngineConfig, prompts: tuple
     return Capacity(rate, rate * (at.ttft_mean_s + at.tpot_mean_s * mean_osl))
 
 
+def config_candidates(compiled: EngineConfig | None = None, incumbent: EngineConfig | None = None) -> list[EngineConfig]:
+    """What ``choose_config`` weighs, in its order of precedence."""
+    candidates: list[EngineConfig] = []
+    for config in (incumbent, compiled, *CANDIDATE_CONFIGS):
+        if config is not None and config not in candidates:
+            candidates.append(config)
+    return candidates
+
+
 def choose_config(
     capacity: CapacityModel, gpu: str, load: ShapeLoad, slo: TierSlo, compiled: EngineConfig | None = None,
     incumbent: EngineConfig | None = None,
@@ -127,10 +157,7 @@ def choose_config(
     tie, and a compile judged on a cruder evaluator (the simulator's analytic screen) cannot cost
     capacity. Without either, sglang's defaults win unless another config really helps.
     """
-    candidates: list[EngineConfig] = []
-    for config in (incumbent, compiled, *CANDIDATE_CONFIGS):
-        if config is not None and config not in candidates:
-            candidates.append(config)
+    candidates = config_candidates(compiled, incumbent)
     best = (candidates[0], capacity.estimate(gpu, candidates[0], load, slo))
     for config in candidates[1:]:
         found = capacity.estimate(gpu, config, load, slo)

@@ -18,7 +18,7 @@ import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from fleet.capacity import CapacityModel, choose_config
+from fleet.capacity import CapacityModel, PerfCapacity, choose_config, config_candidates
 from fleet.compiled import CompiledConfig, ConfigSource, Envelope, config_changes, envelope_for, tier_name
 from fleet.planner import PlanProblem, PoolOption
 from fleet.pool import PoolState
@@ -120,6 +120,9 @@ def pool_options(
     envelopes: list[tuple[str, Envelope]] = []
     compiled_for: list[tuple[str, CompiledConfig]] = []
     submitted: list[Submitted] = []
+    if isinstance(capacity, PerfCapacity):  # the fixed candidates of every pool at once (most of a re-plan's work)
+        capacity.prefetch([(gpu, config, load, strictest(load.tier_shares(), tiers))
+                           for load in loads for gpu in gpus for config in config_candidates()])
     for load in loads:
         slo = strictest(load.tier_shares(), tiers)
         weight = tier_weight(load.tier_shares(), tiers)

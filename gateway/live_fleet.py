@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import multiprocessing
+import os
 import time
 import zlib
 from collections.abc import Callable, Mapping
@@ -33,7 +33,7 @@ from fleet.telemetry import Telemetry
 from fleet.tiers import TierSlo
 from gateway.background import BackgroundTask
 from gateway.config import ControllerSettingsFile, GatewayConfig
-from kernels.compiler.worker import terminate_process_pool
+from kernels.compiler.worker import background_process_pool, terminate_process_pool
 
 if TYPE_CHECKING:
     from fleet.compile_sources import WorkerConfigSource
@@ -127,8 +127,7 @@ class LiveFleet:
         for slot in self.control.slot_states():
             gpu_to_budget[slot.gpu] = gpu_to_budget.get(slot.gpu, 0) + 1
         settings = controller_settings(self.state.runtime.config, self.model, gpu_to_budget)
-        # spawn: a fork of the gateway would copy its event loop and sockets into the worker
-        self.capacity_pool = ProcessPoolExecutor(max_workers=1, mp_context=multiprocessing.get_context("spawn"))
+        self.capacity_pool = background_process_pool(min(4, os.cpu_count() or 1))
         capacity = PerfCapacity(self.model, self.settings.capacity_cache, executor=self.capacity_pool)
         self.controller = Controller(settings, self.telemetry, capacity, self.control, self.telemetry.window(0.0), self.configs)
 

@@ -45,13 +45,19 @@ def _lower_priority() -> None:
     os.nice(10)
 
 
+def background_process_pool(max_workers: int) -> concurrent.futures.ProcessPoolExecutor:
+    """Worker processes for CPU-heavy model work beside a gateway: spawned (a fork would copy the
+    gateway's event loop and sockets) and niced (the request path keeps the CPU)."""
+    return concurrent.futures.ProcessPoolExecutor(
+        max_workers=max_workers, mp_context=multiprocessing.get_context("spawn"), initializer=_lower_priority)
+
+
 class CompileWorker:
     """A pool of `max_workers` compile processes (spawned, niced). Use as a context manager or
     call `close()`; `submit` returns a concurrent.futures.Future (wrap with asyncio.wrap_future)."""
 
     def __init__(self, max_workers: int = 1) -> None:
-        self._pool = concurrent.futures.ProcessPoolExecutor(
-            max_workers=max_workers, mp_context=multiprocessing.get_context("spawn"), initializer=_lower_priority)
+        self._pool = background_process_pool(max_workers)
 
     def submit(self, request: CompileRequest) -> concurrent.futures.Future[CompileResult | None]:
         return self._pool.submit(run_compile, request)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 from pathlib import Path
 
@@ -46,6 +47,22 @@ def test_heavy_tail_lowers_capacity_below_the_mean_estimate() -> None:
     assert capacity.num_evaluations == 2
     capacity.estimate("H100-SXM", EngineConfig(), tailed, slo)
     assert capacity.num_evaluations == 2  # cached
+
+
+def test_prefetch_evaluates_side_by_side_and_matches_the_one_at_a_time_estimate() -> None:
+    slo = DEFAULT_TIERS["standard"]
+    loads = [ShapeLoad(name, 1.0, float(prompt), 200.0, (("standard", 1.0),)) for name, prompt in (("a", 1000), ("b", 4000))]
+    queries = [("H100-SXM", config, load, slo) for load in loads for config in (EngineConfig(), EngineConfig(chunked_prefill_size=2048))]
+    with ThreadPoolExecutor(max_workers=2) as executor:
+        parallel = PerfCapacity("llama-3.1-8b", num_requests=100, rel_tol=0.2, executor=executor)
+        parallel.prefetch(queries)
+        assert parallel.num_evaluations == 4
+        found = [parallel.estimate(*q) for q in queries]
+        assert parallel.num_evaluations == 4  # every estimate came from the prefetch
+    serial = PerfCapacity("llama-3.1-8b", num_requests=100, rel_tol=0.2)
+    serial.prefetch(queries)  # without an executor: nothing happens until asked
+    assert serial.num_evaluations == 0
+    assert found == [serial.estimate(*q) for q in queries]
 
 
 def _pool(in_flight: int, max_running: int = 4) -> PoolState:
