@@ -6,6 +6,7 @@ same way (see `kernels.perf.PerfModel.config`)."""
 
 from __future__ import annotations
 
+import itertools
 import json
 import shlex
 from collections.abc import Mapping, Sequence
@@ -18,6 +19,44 @@ FP8_QUANTIZATIONS = ("fp8", "w8a8_fp8", "modelopt_fp8", "fbgemm_fp8", "mxfp8")
 FP4_QUANTIZATIONS = ("fp4", "modelopt_fp4", "nvfp4", "mxfp4", "w4afp8", "awq", "gptq", "awq_marlin", "gptq_marlin")
 QUANTIZATIONS = FP8_QUANTIZATIONS + FP4_QUANTIZATIONS
 SPECULATIVE_ALGORITHMS = ("EAGLE", "EAGLE3", "NGRAM", "MTP")
+# sglang flags renamed between releases: (widely deployed spelling, newer spelling, first release
+# verified to use the newer one). sglang 0.5.23 split --cuda-graph-max-bs into -decode and -prefill
+# (argparse then rejects the old flag as an ambiguous prefix); EngineConfig's knob is the decode one.
+_SGLANG_RENAMES = (("--cuda-graph-max-bs", "--cuda-graph-max-bs-decode", (0, 5, 23)),)
+
+
+@dataclass(frozen=True, slots=True)
+class SglangTarget:
+    """The sglang release arguments are rendered for. Its parser's `option_strings` (reported by the
+    parser gate, kernels.compiler.gates.ParserGate.target) decide a spelling; failing that, `version`
+    against the first release verified to use the newer one; neither: the widely deployed spelling."""
+
+    version: str | None = None
+    option_strings: frozenset[str] | None = None
+
+    def spelling(self, flag: str) -> str:
+        for old, new, since in _SGLANG_RENAMES:
+            if flag != old:
+                continue
+            if self.option_strings is not None:
+                return new if new in self.option_strings and old not in self.option_strings else old
+            release = _release(self.version)
+            return new if release is not None and release >= since else old
+        return flag
+
+
+def _release(version: str | None) -> tuple[int, ...] | None:
+    """(0, 5, 23) from "0.5.23", "0.5.23.post1" or "0.5.23rc0"; None when unknown or unparseable."""
+    if not version:
+        return None
+    parts: list[int] = []
+    for piece in version.split(".")[:3]:
+        digits = "".join(itertools.takewhile(str.isdigit, piece))
+        if not digits:
+            break
+        parts.append(int(digits))
+    return tuple(parts) or None
+
 
 _ALIASES = {
     "tp_size": "tp",
@@ -99,8 +138,11 @@ class EngineConfig:
     def to_dict(self) -> dict[str, object]:
         return asdict(self)
 
-    def to_sglang_args(self, model_path: str) -> list[str]:
-        """Arguments for `python -m sglang.launch_server` (auto-resolved knobs left out)."""
+    def to_sglang_args(self, model_path: str, target: SglangTarget | None = None, draft_model_path: str | None = None) -> list[str]:
+        """Arguments for `python -m sglang.launch_server` (auto-resolved knobs left out), spelled for
+        `target` (default: the widely deployed release's spelling). `draft_model_path`: the draft
+        checkpoint EAGLE/EAGLE3 speculation loads (rendered only with such an algorithm)."""
+        spell = (target or SglangTarget()).spelling
         args = ["--model-path", model_path, "--tp-size", str(self.tp), "--dp-size", str(self.dp)]
         if self.ep != 1:
             args += ["--ep-size", str(self.ep)]
@@ -113,12 +155,13 @@ class EngineConfig:
             "--schedule-policy": self.schedule_policy,
             "--kv-cache-dtype": self.kv_cache_dtype,
             "--quantization": self.quantization,
-            "--cuda-graph-max-bs": self.cuda_graph_max_bs,
+            spell("--cuda-graph-max-bs"): self.cuda_graph_max_bs,
             "--page-size": self.page_size,
             "--mem-fraction-static": self.mem_fraction_static,
             "--speculative-algorithm": self.speculative_algorithm,
             "--speculative-num-steps": self.speculative_num_steps,
             "--speculative-num-draft-tokens": self.speculative_num_draft_tokens,
+            "--speculative-draft-model-path": draft_model_path if self.speculative_algorithm in ("EAGLE", "EAGLE3") else None,
         }
         for flag, value in optional.items():
             if value is not None:
@@ -131,7 +174,8 @@ class EngineConfig:
 
     @classmethod
     def from_sglang_args(cls, args: Sequence[str] | str) -> EngineConfig:
-        """Parse sglang launch_server flags (unknown flags such as --port are ignored)."""
+        """Parse sglang launch_server flags of any release (both spellings of a renamed flag; unknown
+        flags such as --port are ignored)."""
         values: dict[str, object] = {}
         for flag, value in _flag_pairs(args, _SGLANG_SWITCHES):
             if flag in _SGLANG_SWITCHES:
@@ -203,7 +247,7 @@ _SGLANG_VALUED = {
     "--schedule-policy": "schedule_policy",
     "--kv-cache-dtype": "kv_cache_dtype",
     "--quantization": "quantization",
-    "--cuda-graph-max-bs": "cuda_graph_max_bs",
+    "--cuda-graph-max-bs": "cuda_graph_max_bs", "--cuda-graph-max-bs-decode": "cuda_graph_max_bs",
     "--page-size": "page_size",
     "--mem-fraction-static": "mem_fraction_static",
     "--speculative-algorithm": "speculative_algorithm",

@@ -46,6 +46,14 @@ class ModelSpec:
     published_active_params_b: float = 0.0
     source: str = ""
     aliases: tuple[str, ...] = ()
+    # published draft checkpoints for speculative decoding: (algorithm, Hugging Face repo), e.g.
+    # ("EAGLE3", "yuhuili/EAGLE3-LLaMA3.1-Instruct-8B"); `drafts_source` says where they are listed
+    drafts: tuple[tuple[str, str], ...] = ()
+    drafts_source: str = ""
+
+    def draft_model(self, algorithm: str) -> str | None:
+        """The published draft checkpoint for `algorithm` ("EAGLE3", "EAGLE"), if the catalog has one."""
+        return dict(self.drafts).get(algorithm)
 
     @property
     def is_moe(self) -> bool:
@@ -140,6 +148,7 @@ def _catalog() -> dict[str, ModelSpec]:
     for name, entry in raw.items():
         values = {key: value for key, value in entry.items() if key in known}
         values["aliases"] = tuple(entry.get("aliases", ()))
+        values["drafts"] = tuple((str(k), str(v)) for k, v in (entry.get("drafts") or {}).items())
         specs[name] = ModelSpec(name=name, **values)
     return specs
 

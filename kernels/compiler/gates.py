@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 
 from kernels.catalog import GpuSpec, ModelSpec
 from kernels.compiler.shape import TrafficShape
-from kernels.config import EngineConfig
+from kernels.config import EngineConfig, SglangTarget
 from kernels.perf import PerfModel
 
 SGLANG_PYTHON_ENV = "POLYMORPH_SGLANG_PYTHON"
@@ -117,6 +117,25 @@ sys.stdout.write(json.dumps(results))
 """
 
 
+# Runs inside the sglang interpreter: its version (None for a package without metadata) and every
+# option string its parser registers, as one JSON object on stdout.
+TARGET_DRIVER = r"""
+import argparse, importlib.metadata, json, sys
+from sglang.srt.server_args import ServerArgs
+
+parser = argparse.ArgumentParser()
+ServerArgs.add_cli_args(parser)
+try:
+    version = importlib.metadata.version("sglang")
+except importlib.metadata.PackageNotFoundError:
+    version = None
+sys.stdout.write(json.dumps({"version": version, "option_strings": sorted(
+    s for action in parser._actions for s in action.option_strings)}))
+"""
+# (interpreter, extra environment) -> what it reported: importing sglang takes 10-20 s; once a process is enough
+_TARGETS: dict[tuple[str, str], SglangTarget] = {}
+
+
 @dataclass(slots=True)
 class ParserGate:
     """sglang's argument parser in its own interpreter, one subprocess per batch of candidates,
@@ -135,6 +154,20 @@ class ParserGate:
     def configured(self) -> bool:
         return bool(self.python)
 
+    def target(self) -> SglangTarget | None:
+        """The sglang release behind this gate (version and its parser's flags), asked once per
+        interpreter and process, so that candidates are rendered in the spelling it parses; None
+        when no sglang environment is configured (then the widely deployed spelling applies)."""
+        if not self.python:
+            return None
+        key = (self.python, json.dumps(sorted(self.env.items())))
+        if key not in _TARGETS:
+            answer = self._driver(TARGET_DRIVER, "")
+            if not isinstance(answer, dict) or not isinstance(answer.get("option_strings"), list):
+                raise RuntimeError(f"sglang parser gate: {self.python} did not report its parser's flags: {str(answer)[:200]}")
+            _TARGETS[key] = SglangTarget(answer.get("version"), frozenset(answer["option_strings"]))
+        return _TARGETS[key]
+
     def check_many(self, arg_lists: Sequence[Sequence[str]]) -> list[GateResult]:
         if not self.python:
             return [GateResult("sglang-parser", "skipped", "skipped (no sglang environment)") for _ in arg_lists]
@@ -146,6 +179,16 @@ class ParserGate:
         return [self.cache[key] for key in keys]
 
     def _run(self, arg_lists: list[list[str]]) -> list[GateResult]:
+        answers = self._driver(PARSER_DRIVER, json.dumps(arg_lists))
+        if not isinstance(answers, list) or len(answers) != len(arg_lists):
+            raise RuntimeError(f"sglang parser gate: {self.python} answered {len(answers) if isinstance(answers, list) else 'no list'} "
+                               f"for {len(arg_lists)} argument lists")
+        return [GateResult("sglang-parser", "passed") if answer.get("ok") else
+                GateResult("sglang-parser", "rejected", f"sglang rejects the arguments: {answer.get('error', '')}")
+                for answer in answers]
+
+    def _driver(self, driver: str, stdin: str) -> object:
+        """Run `driver` in the sglang interpreter and decode the JSON it prints."""
         self.num_subprocess_runs += 1
         env = {**os.environ, **self.env}
         try:
@@ -153,21 +196,16 @@ class ParserGate:
             # Polymorph's `kernels` package (when started from a checkout) cannot shadow the top-level
             # `kernels` module one of sglang's dependencies installs
             with tempfile.TemporaryDirectory(prefix="polymorph-sglang-parser-") as cwd:
-                done = subprocess.run([self.python, "-c", PARSER_DRIVER], input=json.dumps(arg_lists), capture_output=True,  # type: ignore[list-item]
+                done = subprocess.run([self.python, "-c", driver], input=stdin, capture_output=True,  # type: ignore[list-item]
                                       text=True, timeout=_PARSER_TIMEOUT_S, env=env, check=False, cwd=cwd)
         except (OSError, subprocess.TimeoutExpired) as exc:
             raise RuntimeError(f"sglang parser gate: cannot run {self.python}: {exc}") from exc
         try:
-            answers = json.loads(done.stdout)
-            if not isinstance(answers, list) or len(answers) != len(arg_lists):
-                raise ValueError("wrong number of answers")
+            return json.loads(done.stdout)
         except ValueError as exc:
             tail = (done.stderr or done.stdout).strip().splitlines()[-3:]
             raise RuntimeError(f"sglang parser gate: {self.python} (exit {done.returncode}) did not answer: "
                                f"{' | '.join(tail) or exc}") from exc
-        return [GateResult("sglang-parser", "passed") if answer.get("ok") else
-                GateResult("sglang-parser", "rejected", f"sglang rejects the arguments: {answer.get('error', '')}")
-                for answer in answers]
 
 
 def _args_key(args: Sequence[str]) -> str:

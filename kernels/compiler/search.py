@@ -22,7 +22,7 @@ from kernels.compiler.proposers import AgentProposer, CoordinateProposer, Propos
 from kernels.compiler.shape import TrafficShape, get_shape, shape_distance, shape_fingerprint
 from kernels.compiler.space import SearchSpace, config_from_dict, default_space, engine_default, in_space
 from kernels.compiler.store import Fingerprints, TrialRecord, TrialStore, config_key, fingerprints_for
-from kernels.config import EngineConfig
+from kernels.config import EngineConfig, SglangTarget
 
 OBJECTIVES = ("goodput", "cost")
 _BATCH_SIZE = 4  # candidates per proposer round
@@ -79,6 +79,7 @@ class CompileResult:
     elapsed_s: float
     store_path: str | None = None
     history: tuple[Trial, ...] = field(default=(), repr=False)
+    sglang_target: SglangTarget | None = field(default=None, repr=False)  # the release the parser gate ran, if any
 
     @property
     def speedup(self) -> float:
@@ -87,7 +88,7 @@ class CompileResult:
         return self.predicted.goodput_rps_per_gpu / base if base > 0 else math.inf
 
     def sglang_args(self) -> list[str]:
-        return self.config.to_sglang_args(sglang_model_path(get_model(self.model)))
+        return render_sglang_args(get_model(self.model), self.config, self.sglang_target)
 
     def vllm_args(self) -> list[str]:
         return self.config.to_vllm_args(sglang_model_path(get_model(self.model)))
@@ -101,6 +102,12 @@ class CompileResult:
             "shape": self.shape.name, "shape_fingerprint": shape_fingerprint(self.shape), "objective": self.objective,
             "evaluator": self.evaluator, "rejected": self.num_rejected, "reason": self.reason,
         }
+
+
+def render_sglang_args(model: ModelSpec, config: EngineConfig, target: SglangTarget | None) -> list[str]:
+    """`config` as sglang arguments for `target`, with the catalog's draft checkpoint when it speculates with one."""
+    draft = model.draft_model(config.speculative_algorithm) if config.speculative_algorithm else None
+    return config.to_sglang_args(sglang_model_path(model), target, draft)
 
 
 def score(metrics: Metrics, objective: str) -> float:
@@ -255,7 +262,8 @@ class _Run:
                 self.tried.add(key)
             checked.append((config, gates, why or proposal.rationale))
         parsed = [(c, g, w) for c, g, w in checked if c is not None and not any(x.rejected for x in g)]
-        parser = self.parser_gate.check_many([c.to_sglang_args(sglang_model_path(self.model)) for c, _, _ in parsed])
+        target = self.parser_gate.target()
+        parser = self.parser_gate.check_many([render_sglang_args(self.model, c, target) for c, _, _ in parsed])
         parser_by_key = {config_key(c): r for (c, _, _), r in zip(parsed, parser)}
         outcomes: list[Trial] = []
         for config, gates, why in checked:
@@ -335,6 +343,7 @@ class _Run:
             evaluator=self.evaluator.name, shape=self.shape, model=self.model.name, gpu=self.gpu.name,
             num_gpus=self.num_gpus, run_id=self.run_id, reason=reason, elapsed_s=self.clock() - self.started_at,
             store_path=None if self.store is None else str(self.store.path), history=tuple(self.history),
+            sglang_target=self.parser_gate.target(),
         )
         if self.store is not None:
             self.store.record_artefact(self.run_id, self.wall_clock(), self.model, self.gpu, self.num_gpus, self.fingerprints,

@@ -5,7 +5,8 @@ Each knob is an ordered tuple of choices (None means "sglang's auto value", reso
 `PerfModel.config` resolves it), so a proposer can step to a neighbouring value. Lossy knobs
 (fp8 weights) are only in the space when the caller allows them: the compiler must not trade
 model quality for speed behind the operator's back. An fp8 KV cache is in by default (sglang's
-documented near-lossless option on Hopper and newer); `lossless_only` removes it too."""
+documented near-lossless option on Hopper and newer); `lossless_only` removes it too. Speculative
+decoding with a draft model is in when the catalog names a published draft for the model."""
 
 from __future__ import annotations
 
@@ -54,15 +55,19 @@ def default_space(
     allow_fp8_weights: bool = False,
     lossless_only: bool = False,
     draft_models: tuple[str, ...] = (),
+    published_drafts: bool = True,
 ) -> SearchSpace:
-    """The space for `model` on `num_gpus` x `gpu`. `draft_models` names the speculative algorithms
-    whose draft weights the operator provides ("EAGLE3", "EAGLE", "MTP"); n-gram needs none."""
+    """The space for `model` on `num_gpus` x `gpu`. Speculative decoding is lossless (the target model
+    verifies every token): n-gram needs no weights; draft-model algorithms enter when the catalog
+    lists a published draft checkpoint for the model (`published_drafts`, `ModelSpec.drafts`) or the
+    operator names them in `draft_models` ("EAGLE3", "EAGLE", "MTP") because they provide the weights."""
     tps = tuple(tp for tp in (1, 2, 4, 8, 16) if tp <= num_gpus and num_gpus % tp == 0)
     has_fp8 = gpu.fp8_tflops is not None
     kv = ("auto",) if lossless_only or not has_fp8 else ("auto", "fp8_e4m3")
     quant: tuple[str | None, ...] = (None, "fp8") if allow_fp8_weights and has_fp8 and model.weight_dtype == "bf16" and not lossless_only else (None,)
     spec: list[SpecChoice] = [None, ("NGRAM", 3, 4)]
-    for algorithm in draft_models:
+    published = tuple(algorithm for algorithm, _ in model.drafts) if published_drafts else ()
+    for algorithm in dict.fromkeys((*published, *draft_models)):
         spec += [(algorithm, 1, 2), (algorithm, 3, 4), (algorithm, 5, 6)]
     space = SearchSpace(tp=tps, kv_cache_dtype=kv, quantization=quant, speculative=tuple(spec))
     resolved = PerfModel(model, gpu, EngineConfig(tp=tps[-1])).config

@@ -62,7 +62,7 @@ class Fingerprints:
 
 def model_fingerprint(model: ModelSpec) -> str:
     """Digest of the architecture (what config.json says), not of names and aliases."""
-    values = {k: v for k, v in asdict(model).items() if k not in ("name", "aliases", "source")}
+    values = {k: v for k, v in asdict(model).items() if k not in ("name", "aliases", "source", "drafts", "drafts_source")}
     return hashlib.sha256(json.dumps(values, sort_keys=True).encode()).hexdigest()[:16]
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from kernels.config import EngineConfig
+from kernels.config import EngineConfig, SglangTarget
 
 _RICH = EngineConfig(
     tp=4, dp=2, max_running_requests=256, chunked_prefill_size=4096, max_prefill_tokens=8192, schedule_policy="lpm",
@@ -45,6 +45,26 @@ def test_sglang_round_trip() -> None:
     assert "--disable-radix-cache" in args and args[args.index("--kv-cache-dtype") + 1] == "fp8_e4m3"
     assert EngineConfig.from_sglang_args(args) == _RICH
     assert EngineConfig.from_sglang_args(" ".join(EngineConfig().to_sglang_args("m")) + " --port 30000") == EngineConfig()
+
+
+@pytest.mark.parametrize(("target", "flag"), [
+    (None, "--cuda-graph-max-bs"),  # no release known: the widely deployed spelling
+    (SglangTarget(version="0.4.6.post5"), "--cuda-graph-max-bs"),
+    (SglangTarget(version="0.5.23"), "--cuda-graph-max-bs-decode"),
+    (SglangTarget(version="0.6.0rc1"), "--cuda-graph-max-bs-decode"),
+    (SglangTarget(version="nightly"), "--cuda-graph-max-bs"),
+    # the parser's own flags outrank the version
+    (SglangTarget(version="0.5.23", option_strings=frozenset({"--cuda-graph-max-bs"})), "--cuda-graph-max-bs"),
+    (SglangTarget(option_strings=frozenset({"--cuda-graph-max-bs-decode", "--cuda-graph-max-bs-prefill"})), "--cuda-graph-max-bs-decode"),
+])
+def test_sglang_rendering_follows_the_target_release(target: SglangTarget | None, flag: str) -> None:
+    config = EngineConfig(max_running_requests=128, cuda_graph_max_bs=96)
+    args = config.to_sglang_args("m", target)
+    assert args[args.index(flag) + 1] == "96"
+    assert [a for a in args if a.startswith("--cuda-graph")] == [flag]
+    assert EngineConfig.from_sglang_args(args) == config
+    # flags no release renamed are spelled the same for every target
+    assert [a for a in args if not a.startswith("--cuda-graph")] == [a for a in config.to_sglang_args("m") if not a.startswith("--cuda-graph")]
 
 
 def test_vllm_round_trip_of_what_vllm_can_express() -> None:

@@ -54,6 +54,17 @@ def test_parser_gate_runs_the_parser_contract_in_a_subprocess_and_caches(standin
     assert standin_sglang.num_subprocess_runs == 1
 
 
+def test_parser_gate_asks_the_release_for_its_flags_once(standin_sglang: ParserGate) -> None:
+    assert ParserGate(python=None).target() is None
+    target = standin_sglang.target()
+    assert target is not None and target.version is None  # the stand-in has no package metadata
+    assert {"--model-path", "--cuda-graph-max-bs", "--disable-radix-cache"} <= target.option_strings  # type: ignore[operator]
+    assert standin_sglang.target() is target and standin_sglang.num_subprocess_runs == 1
+    # the stand-in knows the old spelling, so that is what a search renders for it
+    args = EngineConfig(max_running_requests=128, cuda_graph_max_bs=128).to_sglang_args("m", target)
+    assert "--cuda-graph-max-bs" in args and standin_sglang.check_many([args])[0].status == "passed"
+
+
 def test_parser_gate_reports_a_broken_interpreter_clearly(tmp_path) -> None:
     gate = ParserGate(python=str(tmp_path / "missing-python"))
     with pytest.raises(RuntimeError, match="cannot run"):

@@ -4,7 +4,8 @@ sglang lives in its own environment: `$POLYMORPH_SGLANG_PYTHON`, else the one `p
 installs (~/.cache/polymorph/peers/sglang, sglang==0.5.23 with a CUDA build of torch, ~11 GB). Its
 `sglang.srt.server_args` imports torch, which loads on a CPU-only machine. Without either environment
 (CI) these tests skip. One parser subprocess serves the whole module (the gate caches per argument
-list), because importing sglang takes 10-20 s."""
+list), because importing sglang takes 10-20 s; one more asks the release for its version and flags,
+so that candidates are rendered in the spelling it parses."""
 
 from __future__ import annotations
 
@@ -18,8 +19,9 @@ from kernels.catalog import get_gpu, get_model
 from kernels.compiler import Budget, TrialStore, compile_config
 from kernels.compiler.evaluators import AnalyticEvaluator
 from kernels.compiler.gates import SGLANG_PYTHON_ENV, GateResult, ParserGate, sglang_model_path
+from kernels.compiler.search import render_sglang_args
 from kernels.compiler.space import engine_default
-from kernels.config import EngineConfig
+from kernels.config import EngineConfig, SglangTarget
 from tests.kernels.compiler.test_compiler_gates import _Scripted
 
 
@@ -47,6 +49,7 @@ RENDERED = {
     "no-radix": EngineConfig(enable_prefix_caching=False),
     "ngram": EngineConfig(speculative_algorithm="NGRAM", speculative_num_steps=3, speculative_num_draft_tokens=4),
     "cuda-graph": EngineConfig(max_running_requests=128, cuda_graph_max_bs=128),
+    "eagle3": EngineConfig(speculative_algorithm="EAGLE3", speculative_num_steps=3, speculative_num_draft_tokens=4),
 }
 BROKEN = {
     "unknown-flag": [*RENDERED["default"].to_sglang_args(MODEL_PATH), "--no-such-flag"],
@@ -57,30 +60,44 @@ BROKEN = {
 @pytest.fixture(scope="module")
 def checked() -> tuple[ParserGate, dict[str, GateResult]]:
     gate = ParserGate(python=_sglang_python())
-    names = [*RENDERED, *BROKEN]
-    args = [c.to_sglang_args(MODEL_PATH) for c in RENDERED.values()] + list(BROKEN.values())
+    target = gate.target()
+    # and the widely deployed spelling, which a newer release may refuse
+    names = [*RENDERED, *BROKEN, "cuda-graph-default-spelling"]
+    args = [render_sglang_args(LLAMA_8B, c, target) for c in RENDERED.values()] + list(BROKEN.values())
+    args.append(RENDERED["cuda-graph"].to_sglang_args(MODEL_PATH))
     return gate, dict(zip(names, gate.check_many(args)))
+
+
+def test_the_gate_reports_the_release_it_parses_with(checked: tuple[ParserGate, dict[str, GateResult]]) -> None:
+    gate, _ = checked
+    target = gate.target()
+    assert isinstance(target, SglangTarget) and target.version
+    assert {"--model-path", "--tp-size", "--max-running-requests", "--speculative-algorithm"} <= target.option_strings  # type: ignore[operator]
 
 
 def test_sglang_parses_what_the_search_space_renders(checked: tuple[ParserGate, dict[str, GateResult]]) -> None:
     _, results = checked
-    assert {name: results[name].status for name in RENDERED if name != "cuda-graph"} == dict.fromkeys(
-        (n for n in RENDERED if n != "cuda-graph"), "passed")
+    assert "yuhuili/EAGLE3-LLaMA3.1-Instruct-8B" in render_sglang_args(LLAMA_8B, RENDERED["eagle3"], None)  # the catalog's draft
+    assert {name: results[name].status for name in RENDERED} == dict.fromkeys(RENDERED, "passed")
 
 
 def test_sglang_rejects_broken_arguments_with_its_own_message(checked: tuple[ParserGate, dict[str, GateResult]]) -> None:
     gate, results = checked
     assert results["unknown-flag"].rejected and "unrecognized arguments: --no-such-flag" in results["unknown-flag"].reason
     assert results["bad-choice"].rejected and "invalid choice: 'newest-first'" in results["bad-choice"].reason
-    assert gate.num_subprocess_runs == 1
+    assert gate.num_subprocess_runs == 2  # the release's flags once, then one parser batch
 
 
-@pytest.mark.xfail(strict=True, reason="sglang 0.5.23 split --cuda-graph-max-bs into --cuda-graph-max-bs-decode and "
-                   "--cuda-graph-max-bs-prefill; kernels/config.py still renders the old flag, which argparse "
-                   "rejects as ambiguous, so the gate rejects every candidate that sets cuda_graph_max_bs")
-def test_cuda_graph_batch_renders_a_flag_sglang_knows(checked: tuple[ParserGate, dict[str, GateResult]]) -> None:
-    _, results = checked
-    assert results["cuda-graph"].status == "passed", results["cuda-graph"].reason
+def test_cuda_graph_batch_renders_a_flag_this_release_knows(checked: tuple[ParserGate, dict[str, GateResult]]) -> None:
+    # sglang 0.5.23 split --cuda-graph-max-bs into -decode and -prefill; argparse rejects the old
+    # spelling as an ambiguous prefix, so the rendering must follow the release the gate reports
+    gate, results = checked
+    target = gate.target()
+    rendered = render_sglang_args(LLAMA_8B, RENDERED["cuda-graph"], target)
+    assert results["cuda-graph"].status == "passed", (rendered, results["cuda-graph"].reason)
+    if "--cuda-graph-max-bs" not in target.option_strings:  # type: ignore[union-attr]
+        assert "--cuda-graph-max-bs" not in rendered
+        assert results["cuda-graph-default-spelling"].rejected and "ambiguous" in results["cuda-graph-default-spelling"].reason
 
 
 def test_a_search_stores_sglang_verdicts_without_running_the_parser_again(
@@ -96,4 +113,4 @@ def test_a_search_stores_sglang_verdicts_without_running_the_parser_again(
     for name in ("default", "fp8-kv", "ngram", "cuda-graph"):
         stored = [g for g in by_config[RENDERED[name]].gates if g[0] == "sglang-parser"]
         assert stored == [("sglang-parser", results[name].status, results[name].reason)], name
-    assert gate.num_subprocess_runs == 1  # every argument list was answered from the cache
+    assert gate.num_subprocess_runs == 2  # every argument list was answered from the cache
