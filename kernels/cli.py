@@ -121,7 +121,7 @@ def register_bench(benches: argparse._SubParsersAction) -> None:  # type: ignore
         "compile", formatter_class=_FMT, help="compiled vs sglang-default goodput per (model, GPU, shape); cold vs warm",
         description="For every (model, GPU, shape) cell: compile cold and compare the predicted goodput per GPU with "
         "sglang's default configuration on the same evaluator; then drift the shape (lengths x --drift) and compare "
-        "a from-scratch compile with one warm-started from the first compile's trials (trials until within 2%% of "
+        "a from-scratch compile with one warm-started from the first compile's trials (trials until within 2% of "
         "the from-scratch optimum). The last line is one JSON object.",
     )
     compile_bench.add_argument("--models", nargs="+", default=["llama-3.1-8b:1", "llama-3.1-70b:4"],
