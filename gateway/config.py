@@ -20,6 +20,7 @@ from gateway.yamlsrc import ConfigError, FieldPath, YamlDoc, load_yaml
 DEMO_API_KEY = "sk-polymorph-demo"
 DEMO_ADMIN_TOKEN = "polymorph-admin-demo"
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.:-]{0,62}$")
+_POOL_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.:@-]{0,62}$")  # and the controller's own names, <shape>@<gpu>
 _SHA256 = re.compile(r"^[0-9a-f]{64}$")
 
 
@@ -287,8 +288,8 @@ def _pool(doc: YamlDoc, i: int, body: object, shape_names: tuple[str, ...]) -> P
     path: FieldPath = ("fleet", "pools", i)
     r = _Reader(doc, path, body, {"name", "model", "gpu", "shapes", "engine", "replicas", "min_replicas", "max_replicas"})
     name = r.text("name", None)
-    if not name or not _NAME.match(name):
-        raise r.error("name", "every pool needs a name (letters, digits, '-', '_')")
+    if not name or not _POOL_NAME.match(name):
+        raise r.error("name", "every pool needs a name (letters, digits, '-', '_', '@')")
     model = r.text("model", None)
     if not model:
         raise r.error("model", "every pool needs the model id it serves")

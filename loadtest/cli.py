@@ -6,7 +6,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from loadtest.sim_cli import register_bench_adapt, register_simulate
+from loadtest.sim_cli import register_bench_adapt, register_bench_agreement, register_simulate
 
 _DESCRIPTION = """\
 Replay production traffic (a trace) or a named scenario against any OpenAI-compatible endpoint
@@ -215,6 +215,7 @@ def register_bench(benches: argparse._SubParsersAction) -> None:  # type: ignore
     p.add_argument("--seed", type=int, default=0, help="arrival seed")
     p.set_defaults(handler=_run_bench_loadgen)
     register_bench_adapt(benches)
+    register_bench_agreement(benches)
 
 
 def _run_bench_loadgen(args: argparse.Namespace) -> int:

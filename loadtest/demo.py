@@ -50,12 +50,18 @@ _WATCH_EVERY_S = 1.0
 # -- pure parts -------------------------------------------------------------------------------
 
 
+def fleet_workload(scenario: str, duration_s: float | None, rate_rps: float | None, seed: int | None) -> Workload:
+    """The scenario in fleet time (what the simulator runs)."""
+    from loadtest.scenario import build_workload, load_scenario
+
+    return build_workload(load_scenario(scenario), duration_s, rate_rps, seed)
+
+
 def demo_workload(scenario: str, speed: float, duration_s: float | None, rate_rps: float | None, seed: int | None) -> Workload:
     """The scenario in fleet time (``duration_s`` and ``rate_rps`` are fleet figures), replayed ``speed`` times faster."""
-    from loadtest.scenario import build_workload, load_scenario
     from loadtest.transform import speed_up
 
-    return speed_up(build_workload(load_scenario(scenario), duration_s, rate_rps, seed), speed)
+    return speed_up(fleet_workload(scenario, duration_s, rate_rps, seed), speed)
 
 
 def fleet_time_slos(tier_to_objectives: Mapping[str, Mapping[str, float]], speed: float) -> dict[str, TierSlo]:
@@ -128,7 +134,7 @@ class AdminRefused(RuntimeError):
     """The admin API answered 401/403: a wrong admin token, or none configured."""
 
 
-def _get_json(url: str, token: str | None = None, timeout_s: float = 5.0) -> Any:
+def get_json(url: str, token: str | None = None, timeout_s: float = 5.0) -> Any:
     headers = {"Authorization": f"Bearer {token}"} if token else {}
     try:
         with urllib.request.urlopen(urllib.request.Request(url, headers=headers), timeout=timeout_s) as response:
@@ -142,7 +148,7 @@ def _get_json(url: str, token: str | None = None, timeout_s: float = 5.0) -> Any
 
 def answers(base_url: str) -> bool:
     try:
-        _get_json(f"{base_url}/healthz", timeout_s=2.0)
+        get_json(f"{base_url}/healthz", timeout_s=2.0)
         return True
     except (urllib.error.URLError, OSError, ValueError):
         return False
@@ -153,7 +159,7 @@ def fleet_speed(state: Mapping[str, Any]) -> float:
     for pool in state.get("pools", []):
         for replica in pool.get("replicas", []):
             try:
-                info = _get_json(f"{replica['url']}/get_server_info", timeout_s=2.0)
+                info = get_json(f"{replica['url']}/get_server_info", timeout_s=2.0)
             except (urllib.error.URLError, OSError, ValueError, KeyError):
                 continue
             if isinstance(info, dict) and info.get("emulated") and float(info.get("speed", 0)) > 0:
@@ -213,7 +219,7 @@ class DecisionWatcher:
     def _watch(self) -> None:
         while not self.stopped.wait(_WATCH_EVERY_S):
             try:
-                entries = decisions_since(_get_json(self.url, self.token).get("decisions", []), self.started_at_unix_s)
+                entries = decisions_since(get_json(self.url, self.token).get("decisions", []), self.started_at_unix_s)
             except (urllib.error.URLError, OSError, ValueError, AttributeError, AdminRefused):
                 continue  # the gateway is busy or restarting: the next poll catches up
             for entry in entries[self.seen :]:  # the log only grows
@@ -266,7 +272,7 @@ def _demo(args: argparse.Namespace, base: str, out_dir: Path) -> int:
     from loadtest.runner import RunnerConfig, TargetUnreachable, run
     from loadtest.scenario import ScenarioError
 
-    state = _get_json(f"{base}/admin/state", args.admin_token)
+    state = get_json(f"{base}/admin/state", args.admin_token)
     speed = args.speed or fleet_speed(state)
     try:
         workload = demo_workload(args.scenario, speed, args.duration, args.rate, args.seed)
@@ -297,7 +303,7 @@ def _demo(args: argparse.Namespace, base: str, out_dir: Path) -> int:
     except TargetUnreachable as exc:
         print(f"error: {exc}", file=sys.stderr)
         return EXIT_UNREACHABLE
-    decisions = decisions_since(_get_json(f"{base}/admin/decisions?limit=10000", args.admin_token).get("decisions", []), started_at)
+    decisions = decisions_since(get_json(f"{base}/admin/decisions?limit=10000", args.admin_token).get("decisions", []), started_at)
     _write_outputs(out_dir, workload, result, config, tier_to_slo)
     for line in decision_summary(decisions, started_at, speed):
         print(line)

@@ -77,6 +77,37 @@ def register_bench_adapt(benches: argparse._SubParsersAction) -> None:  # type: 
     p.set_defaults(handler=_run_bench_adapt)
 
 
+def register_bench_agreement(benches: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+    p = benches.add_parser(
+        "agreement",
+        help="one scenario with the adaptive policy in the simulator and live (emulated replicas); compare goodput",
+        description=(
+            "Run one scenario with the adaptive policy twice on the same fleet, model, tiers and seeded requests: "
+            "in the virtual-time simulator, then live (a `polymorph serve` on a temporary config whose pools are the "
+            "simulator's starting partition, emulated replicas at --speed, the embedded controller on; the load "
+            "tester replays the scenario --speed times faster). Prints goodput (fleet-time req/s meeting their SLO), "
+            "SLO attainment, moves and recompiles of both, a table and, last, one JSON line with the live/simulator "
+            "goodput ratio. The live side takes --duration / --speed wall seconds plus start-up; keep the rate low "
+            "on a small machine (the gateway, the load tester and every replica share its cores)."
+        ),
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    p.add_argument("--scenario", default=str(Path(__file__).resolve().parent.parent / "examples" / "drift-demo.yaml"),
+                   help="a built-in scenario name or a scenario YAML path")
+    p.add_argument("--duration", type=float, default=None, help="fleet seconds of traffic (default: the scenario's)")
+    p.add_argument("--speed", type=float, default=10.0, help="emulated GPUs (and the controller's clock) this many times real time")
+    p.add_argument("--out", default=None, help="folder for the live config, logs and decision logs (default: runs/agreement-<time>)")
+    p.add_argument("--no-progress", action="store_true", help="no live progress line")
+    _add_sim_args(p, "H100-SXM:2,H200:2", 1.5, 1.0)
+    p.set_defaults(handler=_run_bench_agreement)
+
+
+def _run_bench_agreement(args: argparse.Namespace) -> int:
+    from loadtest.agreement import main_agreement
+
+    return main_agreement(args)
+
+
 def _run_simulate(args: argparse.Namespace) -> int:
     from loadtest.simulate import main_simulate
 
