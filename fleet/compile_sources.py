@@ -19,6 +19,7 @@ Both implement ``fleet.compiled.ConfigSource`` for one model on ``num_gpus``-GPU
 from __future__ import annotations
 
 import concurrent.futures
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from fleet.compiled import CompiledConfig, Envelope
@@ -87,7 +88,36 @@ def _trial_ids(store: TrialStore, run_id: str, settings: CompileSettings, gpu: s
     return tuple(r.trial_id for r in records)
 
 
-class WorkerConfigSource:
+class _Source:
+    """What both sources share: compiled results by (GPU kind, envelope), and the store lookup that
+    answers an envelope compiled before without a search."""
+
+    state: _Sources
+    _pending: Mapping[_Key, object]
+
+    def _collect(self, now: float) -> None:
+        raise NotImplementedError
+
+    def best(self, gpu: str, envelope: Envelope, now: float) -> CompiledConfig | None:
+        self._collect(now)
+        return self.state.known.get((gpu, envelope))
+
+    def ready(self, now: float) -> list[CompiledConfig]:
+        self._collect(now)
+        return self.state.take()
+
+    def _settled(self, key: _Key) -> bool:
+        """Known, being compiled, or failed before: nothing to submit."""
+        return key in self.state.known or key in self._pending or key in self.state.failures
+
+    def _found_in(self, store: TrialStore, key: _Key, shape: str, now: float) -> bool:
+        found = self.state.lookup(store, key[0], key[1], shape, now)
+        if found is not None:
+            self.state.known[key] = found
+        return found is not None
+
+
+class WorkerConfigSource(_Source):
     """Live: trial-store lookups, and compiles in a ``CompileWorker`` process (see the module docstring)."""
 
     def __init__(self, settings: CompileSettings, store_path: str, worker: CompileWorker) -> None:
@@ -105,27 +135,17 @@ class WorkerConfigSource:
         """End the worker now (a compile in flight is abandoned; the trials it finished are stored)."""
         self.worker.terminate()
 
-    def best(self, gpu: str, envelope: Envelope, now: float) -> CompiledConfig | None:
-        self._collect(now)
-        return self.state.known.get((gpu, envelope))
-
     def submit(self, gpu: str, envelope: Envelope, shape: str, now: float) -> None:
         key = (gpu, envelope)
-        if key in self.state.known or key in self._pending or key in self.state.failures:
+        if self._settled(key):
             return
         with TrialStore(self.store_path) as store:
-            found = self.state.lookup(store, gpu, envelope, shape, now)
-        if found is not None:
-            self.state.known[key] = found
-            return
+            if self._found_in(store, key, shape, now):
+                return
         s = self.state.settings
         request = CompileRequest(s.model, gpu, s.num_gpus, envelope.traffic_shape(shape), s.objective, s.budget,
                                  self.store_path, s.engine_version, s.evaluator)
         self._pending[key] = (self.worker.submit(request), now)
-
-    def ready(self, now: float) -> list[CompiledConfig]:
-        self._collect(now)
-        return self.state.take()
 
     def _collect(self, now: float) -> None:
         for key, (future, submitted_at) in list(self._pending.items()):
@@ -144,7 +164,7 @@ class WorkerConfigSource:
                 self.state.deliver(key, self.state.compiled(result, store, key[0], key[1], submitted_at, now))
 
 
-class VirtualTimeConfigSource:
+class VirtualTimeConfigSource(_Source):
     """Simulator: compile at once, release ``trials x s_per_trial`` virtual seconds later (module docstring)."""
 
     def __init__(self, settings: CompileSettings, store: TrialStore, s_per_trial: float = 1.7) -> None:
@@ -161,17 +181,9 @@ class VirtualTimeConfigSource:
         makes before the run (static partitions, adaptive's start) and the oracle's free swaps."""
         return VirtualTimeConfigSource(self.state.settings, self.store, 0.0)
 
-    def best(self, gpu: str, envelope: Envelope, now: float) -> CompiledConfig | None:
-        self._collect(now)
-        return self.state.known.get((gpu, envelope))
-
     def submit(self, gpu: str, envelope: Envelope, shape: str, now: float) -> None:
         key = (gpu, envelope)
-        if key in self.state.known or key in self._pending or key in self.state.failures:
-            return
-        found = self.state.lookup(self.store, gpu, envelope, shape, now)
-        if found is not None:
-            self.state.known[key] = found
+        if self._settled(key) or self._found_in(self.store, key, shape, now):
             return
         s = self.state.settings
         self.num_searches += 1
@@ -184,10 +196,6 @@ class VirtualTimeConfigSource:
             self.state.failures[key] = "no configuration of the search space fits"
             return
         self._pending[key] = self.state.compiled(result, self.store, gpu, envelope, now, now + result.trials * self.s_per_trial)
-
-    def ready(self, now: float) -> list[CompiledConfig]:
-        self._collect(now)
-        return self.state.take()
 
     def _collect(self, now: float) -> None:
         for key, found in sorted(self._pending.items(), key=lambda item: item[1].ready_at):

@@ -42,7 +42,24 @@ class _Slot:
     healthy: bool = False
 
 
-class LocalSlots:
+class RoutedActuator:
+    """The half of the Actuator protocol that is the router's (drain, in-flight count): an actuator
+    that owns only processes hands it to its bound ``Routing``."""
+
+    routing: Routing | None
+
+    def _routes(self) -> Routing:
+        assert self.routing is not None, "no Routing bound to the actuator"
+        return self.routing
+
+    def drain(self, slot: str, now: float) -> None:
+        self._routes().drain(slot)
+
+    def num_in_flight(self, slot: str) -> int:
+        return self._routes().num_in_flight(slot)
+
+
+class LocalSlots(RoutedActuator):
     """Replica slots as child processes of the local actuator; ``add_slot`` + ``start`` place the initial fleet.
 
     ``routing`` may be bound after the initial fleet is up (the gateway's pools exist only then); it is
@@ -69,17 +86,7 @@ class LocalSlots:
         return [SlotState(s.name, s.pool, s.gpu, s.config_json, alive=s.process is not None and s.process.process.poll() is None)
                 for s in self.slots.values()]
 
-    def _routes(self) -> Routing:
-        assert self.routing is not None, "no Routing bound to the actuator"
-        return self.routing
-
-    # -- the Actuator protocol ----------------------------------------------------------------
-
-    def drain(self, slot: str, now: float) -> None:
-        self._routes().drain(slot)
-
-    def num_in_flight(self, slot: str) -> int:
-        return self._routes().num_in_flight(slot)
+    # -- the Actuator protocol (drain and num_in_flight: RoutedActuator) ----------------------
 
     def stop(self, slot: str, now: float) -> None:
         found = self.slots[slot]

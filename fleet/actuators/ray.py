@@ -35,7 +35,7 @@ from ray.util.placement_group import PlacementGroup, placement_group, remove_pla
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from fleet.actuators.local import LaunchSpec, LocalActuator
-from fleet.actuators.local_slots import ArgvFor, Routing
+from fleet.actuators.local_slots import ArgvFor, RoutedActuator, Routing
 from fleet.rollout import SlotState
 from kernels.config import EngineConfig
 
@@ -83,7 +83,7 @@ class _Slot:
     replica: _Replica | None = None
 
 
-class RayActuator:
+class RayActuator(RoutedActuator):
     """The controller's ``Actuator`` over Ray actors; ``add_slot`` + ``start`` place the initial fleet.
 
     ``routing`` may be bound after the initial fleet is up, and stays None where the caller routes by
@@ -106,17 +106,7 @@ class RayActuator:
     def slot_states(self) -> list[SlotState]:
         return [SlotState(s.name, s.pool, s.gpu, s.config_json) for s in self.slots.values()]
 
-    # -- the Actuator protocol ----------------------------------------------------------------
-
-    def _routes(self) -> Routing:
-        assert self.routing is not None, "no Routing bound to the actuator"
-        return self.routing
-
-    def drain(self, slot: str, now: float) -> None:
-        self._routes().drain(slot)
-
-    def num_in_flight(self, slot: str) -> int:
-        return self._routes().num_in_flight(slot)
+    # -- the Actuator protocol (drain and num_in_flight: RoutedActuator) ----------------------
 
     def stop(self, slot: str, now: float) -> None:
         found = self.slots[slot]
