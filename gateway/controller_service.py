@@ -34,8 +34,6 @@ import subprocess
 import sys
 import threading
 import time
-import urllib.error
-import urllib.request
 import uuid
 from collections.abc import Iterable
 from concurrent.futures import ThreadPoolExecutor
@@ -47,7 +45,7 @@ from urllib.parse import urlsplit
 import orjson
 from aiohttp import web
 
-from fleet.actuators.local import LaunchSpec, LocalActuator, emulated_replica_argv
+from fleet.actuators.local import LaunchSpec, LocalActuator, answers_health, emulated_replica_argv
 from fleet.capacity import PerfCapacity
 from fleet.controller import Controller
 from fleet.controller_state import ControllerState, SlotRecord, capture, restore
@@ -103,14 +101,6 @@ def save_state(path: Path, doc: dict[str, Any]) -> None:
         out.flush()
         os.fsync(out.fileno())
     os.replace(tmp, path)
-
-
-def _answers_health(url: str, timeout_s: float = 0.5) -> bool:
-    try:
-        with urllib.request.urlopen(url + "/health", timeout=timeout_s) as resp:
-            return resp.status == 200
-    except (urllib.error.URLError, OSError):
-        return False
 
 
 def _pid_alive(pid: int | None) -> bool:
@@ -227,7 +217,7 @@ class ControllerService:
         for record in state.slots:
             if self.ray is not None:  # known to the actuator, to be started or stopped later
                 self.ray.add_slot(record.slot, record.gpu, record.pool, record.config_json)
-            alive = record.url is not None and _pid_alive(record.pid) and (record.phase == "starting" or _answers_health(record.url, 2.0))
+            alive = record.url is not None and _pid_alive(record.pid) and (record.phase == "starting" or answers_health(record.url, 2.0))
             if record.phase == "stopped" or alive:
                 self.slots[record.slot] = record
                 if alive and record.phase != "starting":
@@ -325,7 +315,7 @@ class ControllerService:
                 continue
             if self.ray is not None and self.ray.is_healthy(record.slot, self.now()):
                 self.slots[record.slot] = dataclasses.replace(record, url=self.ray.url(record.slot))  # known once its actor answered
-            elif self.ray is not None or not (record.url and _answers_health(record.url)):
+            elif self.ray is not None or not (record.url and answers_health(record.url, 0.5)):
                 continue
             self.healthy.add(record.slot)
             if record.slot in self.recovering:

@@ -30,7 +30,7 @@ from fleet.options import Options, PoolModel, pool_models
 from fleet.pool import PoolState, ReplicaState
 from fleet.rollout import SlotState
 from fleet.telemetry import Telemetry
-from fleet.tiers import TierSlo
+from fleet.tiers import from_objectives
 from gateway.background import BackgroundTask
 from gateway.config import ControllerSettingsFile, GatewayConfig
 from kernels.compiler.worker import background_process_pool, terminate_process_pool
@@ -45,10 +45,7 @@ _DEFAULT_MAX_RUNNING = 256
 
 def controller_settings(config: GatewayConfig, model: str, gpu_to_budget: dict[str, int]) -> ControllerSettings:
     """The controller's settings for ``config``'s tiers and a budget of replica slots per GPU kind."""
-    # a request of a higher tier is worth twice one of the next lower tier (the fleet's default weights)
-    lowest = max(t.priority for t in config.tiers.values())
-    tiers = {name: TierSlo(t.ttft_p99_s, t.tpot_p99_s, 2.0 ** (lowest - t.priority), t.priority) for name, t in config.tiers.items()}
-    return ControllerSettings(model=model, gpu_to_budget=gpu_to_budget, tiers=tiers)
+    return ControllerSettings(model=model, gpu_to_budget=gpu_to_budget, tiers=from_objectives(config.tiers))
 
 
 def new_pool(name: str, model: str, gpu: str, config_json: str) -> PoolState:

@@ -29,6 +29,7 @@ class Runtime:
     classifier: RequestClassifier
     pools: tuple[PoolState, ...]
     replica_by_name: Mapping[str, ReplicaState]
+    real_pools: frozenset[str]  # config pools of real replicas (URLs): their latencies are wall time
 
     def served_models(self) -> list[str]:
         models: set[str] = set()
@@ -43,10 +44,7 @@ class Runtime:
     def time_scale(self, pool: str | None) -> float:
         """Seconds of fleet time per wall second on ``pool``'s replicas: emulated GPUs run at
         ``fleet.emulator_speed`` (so do the pools the controller creates); real replicas at 1."""
-        for spec in self.config.pools:
-            if spec.name == pool and spec.urls:
-                return 1.0
-        return self.config.emulator_speed
+        return 1.0 if pool in self.real_pools else self.config.emulator_speed
 
 
 def _max_running(spec: PoolSpec) -> int:
@@ -120,4 +118,5 @@ def build_runtime(
         classifier=classifier,
         pools=pools,
         replica_by_name={r.name: r for pool in pools for r in pool.replicas},
+        real_pools=frozenset(spec.name for spec in config.pools if spec.urls),
     )

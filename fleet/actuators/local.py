@@ -52,6 +52,15 @@ class LocalReplica:
     log_path: Path
 
 
+def answers_health(url: str, timeout_s: float = 1.0) -> bool:
+    """Does the replica at ``url`` answer ``GET /health`` with 200 (the readiness every engine serves)?"""
+    try:
+        with urllib.request.urlopen(url + "/health", timeout=timeout_s) as resp:
+            return resp.status == 200
+    except (urllib.error.URLError, OSError):
+        return False
+
+
 class LocalActuator:
     def __init__(self, log_dir: Path, host: str = "127.0.0.1", detach: bool = False) -> None:
         self.log_dir = log_dir
@@ -86,12 +95,8 @@ class LocalActuator:
             for replica in list(pending):
                 if replica.process.poll() is not None:
                     continue
-                try:
-                    with urllib.request.urlopen(replica.url + "/health", timeout=1.0) as resp:
-                        if resp.status == 200:
-                            pending.remove(replica)
-                except (urllib.error.URLError, OSError):
-                    pass
+                if answers_health(replica.url):
+                    pending.remove(replica)
             if pending:
                 time.sleep(0.1)
         return pending

@@ -11,13 +11,11 @@ from __future__ import annotations
 
 import threading
 import time
-import urllib.error
-import urllib.request
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
 
-from fleet.actuators.local import LaunchSpec, LocalActuator, LocalReplica
+from fleet.actuators.local import LaunchSpec, LocalActuator, LocalReplica, answers_health
 from fleet.rollout import SlotState
 
 ArgvFor = Callable[[str, str], tuple[str, ...]]  # (gpu kind, engine config JSON) -> replica command line
@@ -132,10 +130,7 @@ class LocalSlots(RoutedActuator):
         process = found.process
         deadline = time.monotonic() + self.start_timeout_s
         while process is not None and process is found.process and process.process.poll() is None and time.monotonic() < deadline:
-            try:
-                with urllib.request.urlopen(process.url + "/health", timeout=1.0) as resp:
-                    if resp.status == 200:
-                        found.healthy = True
-                        return
-            except (urllib.error.URLError, OSError):
-                time.sleep(0.2)
+            if answers_health(process.url):
+                found.healthy = True
+                return
+            time.sleep(0.2)

@@ -22,8 +22,6 @@ fleet is used. The caller connects to the cluster (``ray.init(...)``) before mak
 from __future__ import annotations
 
 import time
-import urllib.error
-import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -34,7 +32,7 @@ import ray
 from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from fleet.actuators.local import LaunchSpec, LocalActuator
+from fleet.actuators.local import LaunchSpec, LocalActuator, answers_health
 from fleet.actuators.local_slots import ArgvFor, RoutedActuator, Routing
 from fleet.rollout import SlotState
 from kernels.config import EngineConfig
@@ -177,13 +175,10 @@ class RayActuator(RoutedActuator):
                 except ray.exceptions.RayError as exc:
                     replica.error = f"replica actor failed: {exc}"
                     return
-            try:
-                with urllib.request.urlopen(replica.url + "/health", timeout=1.0) as resp:
-                    if resp.status == 200:
-                        replica.healthy = True
-                        return
-            except (urllib.error.URLError, OSError):
-                time.sleep(0.2)
+            if answers_health(replica.url):
+                replica.healthy = True
+                return
+            time.sleep(0.2)
         if found.replica is replica:
             replica.error = f"not healthy within {self.start_timeout_s:g} s"
 
