@@ -9,7 +9,7 @@ Stable API (the fleet controller calls these)::
         future = worker.submit(CompileRequest("llama-3.1-8b", "H100", 1, shape, store_path=str(path)))
 """
 
-from kernels.compiler.evaluators import Evaluator, Metrics, PerfModelEvaluator, ProbeEvaluator, ReplayEvaluator, ReplayRequest
+from kernels.compiler.evaluators import Evaluator, Metrics, PerfModelEvaluator, ProbeEvaluator, ReplayEvaluator, ReplayRequest, Screening
 from kernels.compiler.gates import GateResult, ParserGate
 from kernels.compiler.proposers import AgentProposer, CoordinateProposer, Proposer
 from kernels.compiler.search import OBJECTIVES, Budget, CompileResult, Trial, compile_config
@@ -21,7 +21,7 @@ from kernels.compiler.worker import CompileRequest, CompileWorker, run_compile
 __all__ = [
     "NAMED_SHAPES", "OBJECTIVES", "AgentProposer", "Budget", "CompileRequest", "CompileResult", "CompileWorker",
     "CoordinateProposer", "Evaluator", "GateResult", "Metrics", "ParserGate", "PerfModelEvaluator", "ProbeEvaluator",
-    "Proposer", "ReplayEvaluator", "ReplayRequest", "SearchSpace", "StoreError", "TrafficShape", "Trial", "TrialStore",
+    "Proposer", "ReplayEvaluator", "ReplayRequest", "Screening", "SearchSpace", "StoreError", "TrafficShape", "Trial", "TrialStore",
     "compile_config", "default_space", "engine_default", "get_shape", "run_compile", "shape_distance",
     "shape_fingerprint", "shape_from_samples",
 ]

@@ -5,15 +5,16 @@ For each (model, GPU, shape) cell, side by side in one run:
 2. drift: scale the shape's prompt and output lengths by `--drift`, then compile the drifted shape
    (a) cold from an empty store: the from-scratch optimum and the trials it needed, and
    (b) warm from the store of step 1, and count the trials until it came within 2% of (a).
-Cells run in worker processes (`--workers`); CPU seconds are each compile's own."""
+Cells run in worker processes (`--workers`); CPU seconds are each compile's own, its sglang parser
+process included (when $POLYMORPH_SGLANG_PYTHON names one)."""
 
 from __future__ import annotations
 
 import argparse
 import concurrent.futures
 import json
+import resource
 import tempfile
-import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -48,15 +49,23 @@ class CellResult:
 
 
 def trials_to_within(result: CompileResult, target: float, objective: str) -> int | None:
-    """Evaluations (in order, reused entries free) until one scored within WITHIN of `target`."""
+    """Evaluations (in order, screens counted, reused entries free) until one scored within WITHIN of `target`."""
     count = 0
     for trial in result.history:
+        if trial.screened:
+            count += 1
         if trial.metrics is None or trial.reused:
             continue
         count += 1
         if score(trial.metrics, objective) >= target - WITHIN * abs(target):
             return count
     return None
+
+
+def cpu_seconds() -> float:
+    """CPU time of this process and of its children that have ended (the sglang parser's process)."""
+    own, children = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+    return own.ru_utime + own.ru_stime + children.ru_utime + children.ru_stime
 
 
 @dataclass(frozen=True, slots=True)
@@ -74,10 +83,10 @@ def run_cell(model: str, num_gpus: int, gpu: str, shape_name: str, options: Benc
     space = default_space(get_model(model), get_gpu(gpu), num_gpus, options.allow_fp8_weights, draft_models=options.draft_models)
     budget = options.budget
     with tempfile.TemporaryDirectory() as tmp:
-        started = time.process_time()
+        started = cpu_seconds()
         with TrialStore(Path(tmp) / "seeded.sqlite3") as store:
             cold = compile_config(model, gpu, num_gpus, shape, budget=budget, store=store, space=space)
-            cold_cpu_s = time.process_time() - started
+            cold_cpu_s = cpu_seconds() - started
             if cold is None:
                 return None
             warm = compile_config(model, gpu, num_gpus, moved, budget=budget, store=store, space=space) if options.warm else None

@@ -70,7 +70,7 @@ def _print_result(result: CompileResult) -> None:
     default = result.baseline_config.to_dict()
     changed = {k: v for k, v in result.config.to_dict().items() if v != default[k]}
     print(f"{result.model} on {result.num_gpus}x {result.gpu}, shape {result.shape.name}, objective {result.objective} "
-          f"({result.evaluator}): {result.trials} trials, {result.num_rejected} rejected by gates, "
+          f"({result.evaluator}): {result.trials} trials ({result.num_screened} screened out), {result.num_rejected} rejected by gates, "
           f"{'warm' if result.warm_start else 'cold'} start, {result.elapsed_s:.1f} s")
     print(f"{'':<22}{'compiled':>12}{'default':>12}")
     for key in ("goodput_rps", "goodput_rps_per_gpu", "throughput_tokens_s", "ttft_p99_s", "tpot_p99_s", "cost_per_mtok"):

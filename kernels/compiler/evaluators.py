@@ -1,18 +1,20 @@
 """Evaluators: score one engine configuration on one traffic shape.
 
 All return `Metrics` for the whole replica (tp x dp GPUs). The performance model (`PerfModelEvaluator`)
-is the default: it bisects the largest Poisson rate whose simulated p99 TTFT and TPOT meet the shape's
-SLOs (`kernels.predict.max_rate_under_slo`). `ReplayEvaluator` replays concrete requests (a trace,
-prefix hash ids included) through the same engine on a virtual clock; `ProbeEvaluator` hands the
-configuration to a caller-supplied probe that starts a real replica and replays a short workload."""
+is the default: it bisects, on a 2% grid of rates, the largest Poisson rate whose simulated p99 TTFT
+and TPOT meet the shape's SLOs, and it can `screen` a candidate with one simulation (can it exceed a
+given rate at all?) before the search pays for the bisection. `ReplayEvaluator` replays concrete
+requests (a trace, prefix hash ids included) through the same engine on a virtual clock;
+`ProbeEvaluator` hands the configuration to a caller-supplied probe that starts a real replica and
+replays a short workload."""
 
 from __future__ import annotations
 
 import itertools
 import math
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass
-from typing import Protocol
+from dataclasses import asdict, dataclass, field
+from typing import Protocol, runtime_checkable
 
 import numpy as np
 
@@ -22,12 +24,15 @@ from kernels.config import EngineConfig
 from kernels.engine import Engine
 from kernels.engine_types import EngineRequest
 from kernels.perf import IterationShape, PerfModel
-from kernels.predict import Prediction, Workload, max_rate_under_slo, simulate
+from kernels.predict import Prediction, Workload, predict_offline, simulate
 
 BOTTLENECKS = ("memory-bound", "compute-bound", "kv-capacity", "queueing")
 _SIM_REQUESTS = 240  # simulated requests per bisection step: p99 over 240 is the 3rd-worst request
 _KV_FULL = 0.85
 _SLO_SLACK = 0.5  # both p99s under half their SLO at the best rate: capacity, not latency, caps it
+_RATE_STEP = 1.02  # the rate grid (req/s per replica): goodput is the largest 1.02**k meeting both SLOs
+_TRICKLE, _CEILING = 1e-3, 1.2  # the grid spans these multiples of the offline (closed-form) throughput
+_LADDERS_KEPT = 64  # configurations whose simulations an evaluator remembers
 
 
 @dataclass(frozen=True, slots=True)
@@ -61,6 +66,16 @@ class Evaluator(Protocol):
     def evaluate(self, model: ModelSpec, gpu: GpuSpec, config: EngineConfig, shape: TrafficShape) -> Metrics: ...
 
 
+@runtime_checkable
+class Screening(Protocol):
+    """An evaluator that can tell, for much less than an evaluation, that a configuration's goodput
+    cannot exceed `goodput_rps` (whole replica): the first stage of a successive-halving search."""
+
+    def screen(self, model: ModelSpec, gpu: GpuSpec, config: EngineConfig, shape: TrafficShape, goodput_rps: float) -> str | None:
+        """Why the goodput cannot exceed `goodput_rps`, or None when it might (then evaluate it)."""
+        ...
+
+
 def shape_workloads(shape: TrafficShape, prefix_caching: bool) -> tuple[list[Workload], list[float]]:
     """The shape as a weighted mix of fixed-length workloads (prompt x output quantile x domain).
     With prefix caching the shared part of a prompt is neither recomputed nor held twice, so the
@@ -76,21 +91,108 @@ def shape_workloads(shape: TrafficShape, prefix_caching: bool) -> tuple[list[Wor
 
 
 class PerfModelEvaluator:
-    """The default evaluator: the calibrated performance model driving the engine on a virtual clock."""
+    """The default evaluator: the calibrated performance model driving the engine on a virtual clock.
+
+    Goodput is the largest rate 1.02**k req/s (k an integer between 1e-3 and 1.2 times the offline
+    throughput) at which a simulation of the shape meets both p99 SLOs, found by bisection on k. On a
+    fixed grid the answer does not depend on which rates were simulated first, so a `screen` at the
+    rate a candidate must beat (one simulation) and the bisection that follows for a contender share
+    their simulations and agree: a screened-out candidate would have scored no higher."""
 
     name = "perf-model"
-    noise_margin = 0.03  # the rate bisection stops at 2% relative width
+    noise_margin = 0.03  # the rate grid has 2% steps
 
     def __init__(self, seed: int = 0) -> None:
         self.seed = seed
+        self._ladders: dict[tuple[str, str, EngineConfig, TrafficShape], _RateLadder] = {}
 
     def evaluate(self, model: ModelSpec, gpu: GpuSpec, config: EngineConfig, shape: TrafficShape) -> Metrics:
+        ladder = self._ladder(model, gpu, config, shape)
+        step = ladder.best()
+        if step is None:
+            at_rate = simulate(ladder.perf, [_with_rate(w, 0.05) for w in ladder.workloads], ladder.weights, seed=self.seed)
+            return metrics_from_prediction(ladder.perf, shape, 0.0, at_rate)
+        return metrics_from_prediction(ladder.perf, shape, _RATE_STEP ** step, ladder.run(step))
+
+    def screen(self, model: ModelSpec, gpu: GpuSpec, config: EngineConfig, shape: TrafficShape, goodput_rps: float) -> str | None:
+        return self._ladder(model, gpu, config, shape).cannot_exceed(goodput_rps)
+
+    def _ladder(self, model: ModelSpec, gpu: GpuSpec, config: EngineConfig, shape: TrafficShape) -> _RateLadder:
+        key = (model.name, gpu.name, config, shape)
+        if key not in self._ladders:
+            if len(self._ladders) >= _LADDERS_KEPT:
+                del self._ladders[next(iter(self._ladders))]
+            self._ladders[key] = _RateLadder.for_config(model, gpu, config, shape, self.seed)
+        return self._ladders[key]
+
+
+@dataclass(slots=True)
+class _RateLadder:
+    """One configuration's simulations on the rate grid, each run at most once. `low` (a trickle) and
+    `high` (1.2x the closed-form offline throughput, as `kernels.predict.max_rate_under_slo` brackets
+    it) bound the search: past the throughput a queue grows without end, which a finite simulation
+    hides, so `high` is never run and counts as missing the SLOs."""
+
+    perf: PerfModel
+    workloads: list[Workload]
+    weights: list[float]
+    shape: TrafficShape
+    seed: int
+    low: int
+    high: int
+    runs: dict[int, Prediction] = field(default_factory=dict)
+
+    @classmethod
+    def for_config(cls, model: ModelSpec, gpu: GpuSpec, config: EngineConfig, shape: TrafficShape, seed: int) -> _RateLadder:
         perf = PerfModel(model, gpu, config)
         workloads, weights = shape_workloads(shape, perf.config.enable_prefix_caching)
-        rate = max_rate_under_slo(perf, workloads, weights, shape.ttft_p99_s, shape.tpot_p99_s, seed=self.seed)
-        probe_rate = rate if rate > 0 else 0.05
-        at_rate = simulate(perf, [_with_rate(w, probe_rate) for w in workloads], weights, seed=self.seed)
-        return metrics_from_prediction(perf, shape, rate, at_rate)
+        isl = int(np.average([w.isl for w in workloads], weights=weights))
+        osl = max(1, int(np.average([w.osl for w in workloads], weights=weights)))
+        ceiling = predict_offline(perf, isl, osl).request_rate
+        low = math.ceil(math.log(_TRICKLE * ceiling, _RATE_STEP))
+        high = max(low + 1, math.floor(math.log(_CEILING * ceiling, _RATE_STEP)))
+        return cls(perf, workloads, weights, shape, seed, low, high)
+
+    def run(self, step: int) -> Prediction:
+        if step not in self.runs:
+            rate = _RATE_STEP ** step
+            self.runs[step] = simulate(self.perf, [_with_rate(w, rate) for w in self.workloads], self.weights, seed=self.seed)
+        return self.runs[step]
+
+    def meets(self, step: int) -> bool:
+        if step >= self.high:
+            return False
+        at = self.run(step)
+        return at.ttft_p99_s <= self.shape.ttft_p99_s and at.tpot_p99_s <= self.shape.tpot_p99_s
+
+    def best(self) -> int | None:
+        """The largest step meeting both SLOs, None when even the trickle misses them: bisection
+        between the largest step known to pass and the smallest known to miss above it."""
+        passed = [s for s in self.runs if self.low <= s < self.high and self.meets(s)]
+        if passed:
+            good = max(passed)
+        elif self.meets(self.low):
+            good = self.low
+        else:
+            return None
+        bad = min((s for s in self.runs if s > good and not self.meets(s)), default=self.high)
+        while bad - good > 1:
+            middle = (good + bad) // 2
+            good, bad = (middle, bad) if self.meets(middle) else (good, middle)
+        return good
+
+    def cannot_exceed(self, goodput_rps: float) -> str | None:
+        if goodput_rps <= 0:
+            return None
+        step = math.floor(math.log(goodput_rps, _RATE_STEP) + 1e-9) + 1  # the first grid rate above goodput_rps
+        if step >= self.high:
+            return (f"cannot exceed {goodput_rps:.3g} req/s: rates are searched up to {_RATE_STEP ** (self.high - 1):.3g} "
+                    f"req/s, {_CEILING}x its offline throughput (a finite simulation past it hides the growing queue)")
+        if step < self.low or self.meets(step):
+            return None
+        at = self.run(step)
+        return (f"misses the p99 SLOs at {_RATE_STEP ** step:.3g} req/s (TTFT {at.ttft_p99_s:.3g} s, TPOT "
+                f"{at.tpot_p99_s * 1e3:.3g} ms), the least rate that could win over {goodput_rps:.3g} req/s")
 
 
 def _with_rate(w: Workload, rate: float) -> Workload:

@@ -6,17 +6,21 @@
    HBM left outside `mem_fraction_static` covers activations and CUDA graphs.
 3. `ParserGate`: the rendered arguments parse with sglang's own `ServerArgs.add_cli_args` +
    `from_cli_args`, run in a separate sglang interpreter (sglang is never installed beside
-   Polymorph). With no interpreter configured it reports "skipped", never "passed"."""
+   Polymorph), one process per compile. With no interpreter configured it reports "skipped", never "passed"."""
 
 from __future__ import annotations
 
 import hashlib
 import json
 import os
+import select
 import subprocess
 import tempfile
+import time
+import weakref
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import IO, Self
 
 from kernels.catalog import GpuSpec, ModelSpec
 from kernels.compiler.shape import TrafficShape
@@ -91,10 +95,17 @@ def check_memory(model: ModelSpec, gpu: GpuSpec, config: EngineConfig, shape: Tr
     return GateResult("memory", "passed")
 
 
-# Runs inside the sglang interpreter: one JSON list of argument lists on stdin, one JSON list of
-# {"ok": bool, "error": str} on stdout. argparse errors raise instead of exiting.
+# Runs inside the sglang interpreter for as long as the gate lives (importing sglang takes 10-20 s of
+# CPU, so once per compile): first one JSON line with its version (None for a package without
+# metadata) and every option string its parser registers; then, for each JSON list of argument lists
+# read from stdin, one JSON list of {"ok": bool, "error": str}. argparse errors raise instead of
+# exiting; whatever sglang prints goes to stderr, so the answers on stdout stay one line each.
 PARSER_DRIVER = r"""
-import argparse, json, sys
+import argparse, importlib.metadata, json, os, sys
+
+answers = os.fdopen(os.dup(1), "w")
+os.dup2(2, 1)
+sys.stdout = sys.stderr
 from sglang.srt.server_args import ServerArgs
 
 class _Fail(Exception):
@@ -103,48 +114,45 @@ class _Fail(Exception):
 def _error(message):
     raise _Fail(message)
 
-results = []
-for argv in json.load(sys.stdin):
+def _parser():
     parser = argparse.ArgumentParser()
     parser.error = _error
     ServerArgs.add_cli_args(parser)
+    return parser
+
+def _check(argv):
     try:
-        ServerArgs.from_cli_args(parser.parse_args(argv))
-        results.append({"ok": True, "error": ""})
+        ServerArgs.from_cli_args(_parser().parse_args(argv))
+        return {"ok": True, "error": ""}
     except BaseException as exc:
-        results.append({"ok": False, "error": f"{type(exc).__name__}: {exc}"})
-sys.stdout.write(json.dumps(results))
-"""
+        return {"ok": False, "error": f"{type(exc).__name__}: {exc}"}
 
-
-# Runs inside the sglang interpreter: its version (None for a package without metadata) and every
-# option string its parser registers, as one JSON object on stdout.
-TARGET_DRIVER = r"""
-import argparse, importlib.metadata, json, sys
-from sglang.srt.server_args import ServerArgs
-
-parser = argparse.ArgumentParser()
-ServerArgs.add_cli_args(parser)
 try:
     version = importlib.metadata.version("sglang")
 except importlib.metadata.PackageNotFoundError:
     version = None
-sys.stdout.write(json.dumps({"version": version, "option_strings": sorted(
-    s for action in parser._actions for s in action.option_strings)}))
+options = sorted(s for action in _parser()._actions for s in action.option_strings)
+answers.write(json.dumps({"version": version, "option_strings": options}) + "\n")
+answers.flush()
+for line in sys.stdin:
+    answers.write(json.dumps([_check(argv) for argv in json.loads(line)]) + "\n")
+    answers.flush()
 """
-# (interpreter, extra environment) -> what it reported: importing sglang takes 10-20 s; once a process is enough
+# (interpreter, extra environment) -> what it reported, so a later gate renders without starting sglang
 _TARGETS: dict[tuple[str, str], SglangTarget] = {}
 
 
 @dataclass(slots=True)
 class ParserGate:
-    """sglang's argument parser in its own interpreter, one subprocess per batch of candidates,
-    results cached per argument list. `python` None (and no $POLYMORPH_SGLANG_PYTHON) skips the gate."""
+    """sglang's argument parser in its own interpreter: one long-lived process (started on first use,
+    ended by `close()`) answers every batch of candidates over stdin/stdout; results are cached per
+    argument list. `python` None (and no $POLYMORPH_SGLANG_PYTHON) skips the gate."""
 
     python: str | None = None
     env: Mapping[str, str] = field(default_factory=dict)
     cache: dict[str, GateResult] = field(default_factory=dict)
     num_subprocess_runs: int = 0
+    _parser: _ParserProcess | None = field(default=None, repr=False)
 
     @classmethod
     def from_environment(cls) -> ParserGate:
@@ -162,10 +170,7 @@ class ParserGate:
             return None
         key = (self.python, json.dumps(sorted(self.env.items())))
         if key not in _TARGETS:
-            answer = self._driver(TARGET_DRIVER, "")
-            if not isinstance(answer, dict) or not isinstance(answer.get("option_strings"), list):
-                raise RuntimeError(f"sglang parser gate: {self.python} did not report its parser's flags: {str(answer)[:200]}")
-            _TARGETS[key] = SglangTarget(answer.get("version"), frozenset(answer["option_strings"]))
+            _TARGETS[key] = self._process().target
         return _TARGETS[key]
 
     def check_many(self, arg_lists: Sequence[Sequence[str]]) -> list[GateResult]:
@@ -178,8 +183,24 @@ class ParserGate:
                 self.cache[key] = result
         return [self.cache[key] for key in keys]
 
+    def close(self) -> None:
+        """End the parser process (if one runs); a later check starts another."""
+        if self._parser is not None:
+            self._parser.close()
+            self._parser = None
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
     def _run(self, arg_lists: list[list[str]]) -> list[GateResult]:
-        answers = self._driver(PARSER_DRIVER, json.dumps(arg_lists))
+        try:
+            answers = self._process().ask(arg_lists)
+        except RuntimeError:
+            self.close()  # the next check starts a fresh process
+            raise
         if not isinstance(answers, list) or len(answers) != len(arg_lists):
             raise RuntimeError(f"sglang parser gate: {self.python} answered {len(answers) if isinstance(answers, list) else 'no list'} "
                                f"for {len(arg_lists)} argument lists")
@@ -187,25 +208,106 @@ class ParserGate:
                 GateResult("sglang-parser", "rejected", f"sglang rejects the arguments: {answer.get('error', '')}")
                 for answer in answers]
 
-    def _driver(self, driver: str, stdin: str) -> object:
-        """Run `driver` in the sglang interpreter and decode the JSON it prints."""
-        self.num_subprocess_runs += 1
-        env = {**os.environ, **self.env}
+    def _process(self) -> _ParserProcess:
+        if self._parser is None:
+            assert self.python is not None
+            self._parser = _ParserProcess.start(self.python, self.env)
+            self.num_subprocess_runs += 1
+        return self._parser
+
+
+class _ParserProcess:
+    """The running PARSER_DRIVER: one JSON line in, one JSON line out, each answer within the timeout.
+    Its stderr (sglang's warnings) goes to a file that is quoted when the process fails."""
+
+    def __init__(self, python: str, process: subprocess.Popen[bytes], cwd: tempfile.TemporaryDirectory[str],
+                 stderr: IO[bytes]) -> None:
+        self.python = python
+        self.process = process
+        self.cwd = cwd
+        self.stderr = stderr
+        self.pending = b""
+        # a gate dropped without close() must not leave sglang running
+        self._finalizer = weakref.finalize(self, _stop, process, cwd, stderr)
+        answer = self._read()
+        options = answer.get("option_strings") if isinstance(answer, dict) else None
+        if type(options) is not list:
+            self.close()
+            raise RuntimeError(f"sglang parser gate: {python} did not report its parser's flags: {str(answer)[:200]}")
+        self.target = SglangTarget(answer.get("version"), frozenset(options))  # type: ignore[union-attr]
+
+    @classmethod
+    def start(cls, python: str, env: Mapping[str, str]) -> _ParserProcess:
+        # `python -c` puts its working directory first on sys.path: run in an empty one, so that
+        # Polymorph's `kernels` package (when started from a checkout) cannot shadow the top-level
+        # `kernels` module one of sglang's dependencies installs
+        cwd = tempfile.TemporaryDirectory(prefix="polymorph-sglang-parser-")
+        stderr = tempfile.TemporaryFile()  # noqa: SIM115 - it lives as long as the process; _stop closes it
         try:
-            # `python -c` puts its working directory first on sys.path: run in an empty one, so that
-            # Polymorph's `kernels` package (when started from a checkout) cannot shadow the top-level
-            # `kernels` module one of sglang's dependencies installs
-            with tempfile.TemporaryDirectory(prefix="polymorph-sglang-parser-") as cwd:
-                done = subprocess.run([self.python, "-c", driver], input=stdin, capture_output=True,  # type: ignore[list-item]
-                                      text=True, timeout=_PARSER_TIMEOUT_S, env=env, check=False, cwd=cwd)
-        except (OSError, subprocess.TimeoutExpired) as exc:
-            raise RuntimeError(f"sglang parser gate: cannot run {self.python}: {exc}") from exc
+            process = subprocess.Popen([python, "-c", PARSER_DRIVER], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                       stderr=stderr, env={**os.environ, **env}, cwd=cwd.name)
+        except OSError as exc:
+            stderr.close()
+            cwd.cleanup()
+            raise RuntimeError(f"sglang parser gate: cannot run {python}: {exc}") from exc
+        return cls(python, process, cwd, stderr)
+
+    def ask(self, arg_lists: list[list[str]]) -> object:
+        assert self.process.stdin is not None
         try:
-            return json.loads(done.stdout)
+            self.process.stdin.write(json.dumps(arg_lists).encode() + b"\n")
+            self.process.stdin.flush()
+        except OSError:
+            pass  # it died: _read reports how
+        return self._read()
+
+    def _read(self) -> object:
+        """The next answer line, decoded; RuntimeError when the process ends, hangs or talks nonsense."""
+        assert self.process.stdout is not None
+        fd, deadline = self.process.stdout.fileno(), time.monotonic() + _PARSER_TIMEOUT_S
+        while b"\n" not in self.pending:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0 or not select.select([fd], [], [], remaining)[0]:
+                self.close()
+                raise RuntimeError(f"sglang parser gate: {self.python} did not answer within {_PARSER_TIMEOUT_S:.0f} s")
+            chunk = os.read(fd, 1 << 16)
+            if not chunk:
+                tail = self._tail()
+                raise RuntimeError(f"sglang parser gate: {self.python} (exit {self.close()}) did not answer: {tail}")
+            self.pending += chunk
+        line, self.pending = self.pending.split(b"\n", 1)
+        try:
+            return json.loads(line)
         except ValueError as exc:
-            tail = (done.stderr or done.stdout).strip().splitlines()[-3:]
-            raise RuntimeError(f"sglang parser gate: {self.python} (exit {done.returncode}) did not answer: "
-                               f"{' | '.join(tail) or exc}") from exc
+            self.close()
+            raise RuntimeError(f"sglang parser gate: {self.python} did not answer in JSON: {exc}: {line[:200]!r}") from exc
+
+    def _tail(self) -> str:
+        self.stderr.seek(0)
+        return " | ".join(self.stderr.read().decode(errors="replace").strip().splitlines()[-3:]) or "no output"
+
+    def close(self) -> int | None:
+        """Stop the process; its exit status."""
+        self._finalizer()
+        return self.process.returncode
+
+
+def _stop(process: subprocess.Popen[bytes], cwd: tempfile.TemporaryDirectory[str], stderr: IO[bytes]) -> None:
+    """Close stdin (the driver's loop ends), wait briefly, kill if it does not, then clean up."""
+    if process.stdin is not None:
+        try:
+            process.stdin.close()
+        except OSError:
+            pass
+    try:
+        process.wait(timeout=10.0)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        process.wait()
+    if process.stdout is not None:
+        process.stdout.close()
+    stderr.close()
+    cwd.cleanup()
 
 
 def _args_key(args: Sequence[str]) -> str:

@@ -2,9 +2,10 @@
 parses it, checks it against the search space and runs every gate before evaluating it.
 
 `CoordinateProposer` (deterministic, the default) steps one knob at a time to a neighbouring value
-of the incumbent, knobs that address the current bottleneck first; it returns nothing once every
-neighbour has been tried, which ends the search. `AgentProposer` asks an LLM behind any
-OpenAI-compatible endpoint for candidates as JSON, given a structured summary of the search."""
+of the incumbent (then two steps, then any other value), knobs that address the current bottleneck
+first; it returns nothing once every one-knob move has been tried, which ends the search.
+`AgentProposer` asks an LLM behind any OpenAI-compatible endpoint for candidates as JSON, given a
+structured summary of the search."""
 
 from __future__ import annotations
 
@@ -92,9 +93,10 @@ class CoordinateProposer:
         tried = context.tried()
         order = _BOTTLENECK_KNOBS.get(context.incumbent_metrics.bottleneck, ())
         knobs = [*order, *(k for k in KNOBS if k not in order)]
-        # Nearest neighbours of every knob first, then two-step jumps (a plateau can hide a gain).
+        # Nearest neighbours of every knob first, then two-step jumps (a plateau can hide a gain), then
+        # every other value of each knob: a line search per knob before the search stops.
         proposals: list[Proposal] = []
-        for distance in (1, 2):
+        for distance in (1, 2, 3):
             for knob in knobs:
                 for config in _neighbours(context, knob, distance):
                     key = config_key(config)
@@ -112,8 +114,12 @@ def _neighbours(context: SearchContext, knob: str, distance: int) -> list[Engine
     if current not in choices:
         return []
     index = choices.index(current)
-    picks = [index + distance, index - distance] if knob != "speculative" else (
-        [i for i in range(len(choices)) if i != index] if distance == 1 else [])
+    if knob == "speculative":  # unordered: every other choice is one move away
+        picks = [i for i in range(len(choices)) if i != index] if distance == 1 else []
+    elif distance < 3:
+        picks = [index + distance, index - distance]
+    else:  # the rest of the knob's values, nearest first
+        picks = sorted((i for i in range(len(choices)) if abs(i - index) >= 3), key=lambda i: (abs(i - index), i))
     return [with_knob(context.incumbent, knob, choices[i], context.num_gpus) for i in picks if 0 <= i < len(choices)]
 
 

@@ -5,7 +5,10 @@ store (the best configurations of the nearest stored shapes: a warm start); then
 for batches of candidates until it has nothing new, or the trial or time budget runs out. Every
 candidate is parsed, checked against the search space and passed through the gates before it is
 evaluated; every outcome is stored. A candidate replaces the incumbent only when it beats it by more
-than the evaluator's noise margin."""
+than the evaluator's noise margin. With an evaluator that can screen (the performance model), a
+candidate is first asked whether it can exceed the goodput it needs to change the round's outcome
+(the incumbent's plus the margin, or the round's best so far; one simulation): only contenders are
+evaluated in full (successive halving), so the search takes the same path for a fraction of the cost."""
 
 from __future__ import annotations
 
@@ -13,10 +16,10 @@ import math
 import time
 import uuid
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from kernels.catalog import GpuSpec, ModelSpec, get_gpu, get_model
-from kernels.compiler.evaluators import Evaluator, Metrics, PerfModelEvaluator
+from kernels.compiler.evaluators import Evaluator, Metrics, PerfModelEvaluator, Screening
 from kernels.compiler.gates import GateResult, ParserGate, check_constraints, check_memory, sglang_model_path
 from kernels.compiler.proposers import AgentProposer, CoordinateProposer, Proposal, Proposer, SearchContext, TrialView
 from kernels.compiler.shape import TrafficShape, get_shape, shape_distance, shape_fingerprint
@@ -50,12 +53,13 @@ class Trial:
     """One candidate's outcome in this run."""
 
     config: EngineConfig
-    metrics: Metrics | None  # None: rejected by a gate (see `gates`) or unparseable
+    metrics: Metrics | None  # None: rejected by a gate (see `gates`), unparseable, or screened out
     gates: tuple[GateResult, ...]
     proposer: str
     accepted: bool = False  # became the incumbent
     reused: bool = False  # metrics came from the store (same fingerprints), not a new evaluation
     note: str = ""
+    screened: bool = False  # the evaluator's screen showed it cannot win (the "screen" entry of `gates` says why)
 
 
 @dataclass(frozen=True, slots=True)
@@ -64,8 +68,8 @@ class CompileResult:
     predicted: Metrics
     baseline_config: EngineConfig
     baseline: Metrics
-    trials: int  # evaluations run in this compile (reused store entries not counted)
-    num_rejected: int
+    trials: int  # evaluations run in this compile, screens included (reused store entries not counted)
+    num_rejected: int  # by a gate, before any evaluation
     warm_start: bool  # seeded from stored trials of other (or stale) shapes
     trials_to_best: int  # evaluations until the winner was first evaluated
     objective: str
@@ -80,6 +84,7 @@ class CompileResult:
     store_path: str | None = None
     history: tuple[Trial, ...] = field(default=(), repr=False)
     sglang_target: SglangTarget | None = field(default=None, repr=False)  # the release the parser gate ran, if any
+    num_screened: int = 0  # evaluations stopped after the screen: they could not have won
 
     @property
     def speedup(self) -> float:
@@ -100,7 +105,7 @@ class CompileResult:
             "predicted": self.predicted.to_dict(), "baseline": self.baseline.to_dict(), "trials": self.trials,
             "warm_start": self.warm_start, "store": self.store_path,
             "shape": self.shape.name, "shape_fingerprint": shape_fingerprint(self.shape), "objective": self.objective,
-            "evaluator": self.evaluator, "rejected": self.num_rejected, "reason": self.reason,
+            "evaluator": self.evaluator, "rejected": self.num_rejected, "screened": self.num_screened, "reason": self.reason,
         }
 
 
@@ -155,15 +160,19 @@ def compile_config(
         raise ValueError(f"num_gpus must be >= 1, got {num_gpus}")
     model_spec = get_model(model) if isinstance(model, str) else model
     gpu_spec = get_gpu(gpu) if isinstance(gpu, str) else gpu
+    gate = parser_gate or ParserGate.from_environment()
     run = _Run(
         model=model_spec, gpu=gpu_spec, num_gpus=num_gpus, shape=get_shape(shape), objective=objective, budget=budget,
         store=store, proposer=proposer or AgentProposer.from_environment() or CoordinateProposer(),
         evaluator=evaluator or PerfModelEvaluator(), space=space or default_space(model_spec, gpu_spec, num_gpus),
-        parser_gate=parser_gate or ParserGate.from_environment(),
-        fingerprints=fingerprints_for(model_spec, gpu_spec, num_gpus, engine_version),
+        parser_gate=gate, fingerprints=fingerprints_for(model_spec, gpu_spec, num_gpus, engine_version),
         clock=clock, wall_clock=wall_clock,
     )
-    return run.execute()
+    try:
+        return run.execute()
+    finally:
+        if parser_gate is None:
+            gate.close()  # the parser process lives for one compile unless the caller shares a gate
 
 
 @dataclass(slots=True)
@@ -273,9 +282,19 @@ class _Run:
             if passed and self._out_of_budget():
                 self.tried.discard(config_key(config))  # type: ignore[arg-type]
                 continue
-            outcomes.append(self._evaluate(config, gates, source, "; ".join(x for x in (note, why) if x)))
+            outcomes.append(self._evaluate(config, gates, source, "; ".join(x for x in (note, why) if x), self._to_matter(outcomes)))
         self._accept(outcomes)
         return outcomes
+
+    def _to_matter(self, outcomes: list[Trial]) -> float:
+        """The goodput (req/s per replica) a candidate must exceed to change this round's outcome: the
+        incumbent's past the noise margin (for cost too: at a fixed GPU count cost falls as goodput
+        rises) and the best of the round so far (a tie keeps the earlier one). 0: anything may matter."""
+        if self.incumbent is None or self.incumbent.metrics is None:
+            return 0.0  # the baseline is evaluated in full
+        margin, incumbent = self.evaluator.noise_margin, self.incumbent.metrics.goodput_rps
+        need = incumbent * (1 + margin) if self.objective == "goodput" else incumbent / (1 - margin)
+        return max([need, *(t.metrics.goodput_rps for t in outcomes if t.metrics is not None)])
 
     def _static_gates(self, proposal: Proposal) -> tuple[EngineConfig | None, tuple[GateResult, ...], str]:
         values = proposal.values
@@ -291,7 +310,8 @@ class _Run:
             return config, (constraints,), ""
         return config, (constraints, check_memory(self.model, self.gpu, config, self.shape)), ""
 
-    def _evaluate(self, config: EngineConfig | None, gates: tuple[GateResult, ...], source: str, note: str) -> Trial:
+    def _evaluate(self, config: EngineConfig | None, gates: tuple[GateResult, ...], source: str, note: str,
+                  to_matter: float) -> Trial:
         if config is None or any(g.rejected for g in gates):
             trial = Trial(config or EngineConfig(), None, gates, source, note=note)
             self._record(trial)
@@ -302,10 +322,19 @@ class _Run:
             trial = Trial(config, stored, gates, source, reused=True, note=note)
         else:
             self.num_evaluations += 1
-            trial = Trial(config, self.evaluator.evaluate(self.model, self.gpu, config, self.shape), gates, source, note=note)
+            why_not = self._screen(config, to_matter)
+            if why_not:
+                trial = Trial(config, None, (*gates, GateResult("screen", "rejected", why_not)), source, note=note, screened=True)
+            else:
+                trial = Trial(config, self.evaluator.evaluate(self.model, self.gpu, config, self.shape), gates, source, note=note)
             self._record(trial)
         self.history.append(trial)
         return trial
+
+    def _screen(self, config: EngineConfig, to_matter: float) -> str | None:
+        if to_matter <= 0 or not isinstance(self.evaluator, Screening):
+            return None
+        return self.evaluator.screen(self.model, self.gpu, config, self.shape, to_matter)
 
     def _record(self, trial: Trial) -> None:
         if self.store is None:
@@ -338,12 +367,12 @@ class _Run:
         reason = _why(winner, baseline, self.objective, self.evaluator.noise_margin, len(self.history))
         result = CompileResult(
             config=winner.config, predicted=winner.metrics, baseline_config=baseline.config, baseline=baseline.metrics,
-            trials=self.num_evaluations, num_rejected=sum(1 for t in self.history if t.metrics is None),
+            trials=self.num_evaluations, num_rejected=sum(1 for t in self.history if t.metrics is None and not t.screened),
             warm_start=warm_start, trials_to_best=self.incumbent_at, objective=self.objective,
             evaluator=self.evaluator.name, shape=self.shape, model=self.model.name, gpu=self.gpu.name,
             num_gpus=self.num_gpus, run_id=self.run_id, reason=reason, elapsed_s=self.clock() - self.started_at,
             store_path=None if self.store is None else str(self.store.path), history=tuple(self.history),
-            sglang_target=self.parser_gate.target(),
+            sglang_target=self.parser_gate.target(), num_screened=sum(1 for t in self.history if t.screened),
         )
         if self.store is not None:
             self.store.record_artefact(self.run_id, self.wall_clock(), self.model, self.gpu, self.num_gpus, self.fingerprints,
@@ -353,7 +382,7 @@ class _Run:
 
 
 def _accepted(trial: Trial) -> Trial:
-    return Trial(trial.config, trial.metrics, trial.gates, trial.proposer, True, trial.reused, trial.note)
+    return replace(trial, accepted=True)
 
 
 def _why(winner: Trial, baseline: Trial, objective: str, margin: float, num_candidates: int) -> str:

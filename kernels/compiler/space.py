@@ -68,7 +68,7 @@ def default_space(
     spec: list[SpecChoice] = [None, ("NGRAM", 3, 4)]
     published = tuple(algorithm for algorithm, _ in model.drafts) if published_drafts else ()
     for algorithm in dict.fromkeys((*published, *draft_models)):
-        spec += [(algorithm, 1, 2), (algorithm, 3, 4), (algorithm, 5, 6)]
+        spec += [(algorithm, steps, steps + 1) for steps in range(1, 6)]  # chains of 1 to 5 draft steps (top-k 1)
     space = SearchSpace(tp=tps, kv_cache_dtype=kv, quantization=quant, speculative=tuple(spec))
     resolved = PerfModel(model, gpu, EngineConfig(tp=tps[-1])).config
     ordered = {knob: _place_auto(space.choices(knob), getattr(resolved, knob)) for knob in _AUTO_KNOBS}

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import sys
 import textwrap
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -53,16 +54,18 @@ _SERVER_ARGS = textwrap.dedent('''
 
         @classmethod
         def from_cli_args(cls, args):
+            print("stand-in: building ServerArgs")  # sglang logs to stdout too; the gate's answers must survive it
             names = [f.name for f in dataclasses.fields(cls)]
             return cls(**{n: getattr(args, n) for n in names if getattr(args, n, None) is not None})
 ''')
 
 
 @pytest.fixture
-def standin_sglang(tmp_path: Path) -> ParserGate:
+def standin_sglang(tmp_path: Path) -> Iterator[ParserGate]:
     package = tmp_path / "standin" / "sglang" / "srt"
     package.mkdir(parents=True)
     (package.parent / "__init__.py").write_text("")
     (package / "__init__.py").write_text("")
     (package / "server_args.py").write_text(_SERVER_ARGS)
-    return ParserGate(python=sys.executable, env={"PYTHONPATH": str(tmp_path / "standin")})
+    with ParserGate(python=sys.executable, env={"PYTHONPATH": str(tmp_path / "standin")}) as gate:
+        yield gate

@@ -71,6 +71,30 @@ def test_parser_gate_reports_a_broken_interpreter_clearly(tmp_path) -> None:
         gate.check_many([["--model-path", "m"]])
 
 
+def test_one_parser_process_answers_every_batch_until_closed(standin_sglang: ParserGate) -> None:
+    args = [EngineConfig(max_running_requests=m, cuda_graph_max_bs=32).to_sglang_args("m") for m in (64, 128, 256)]
+    assert standin_sglang.target() is not None
+    for one in args:  # one batch per search round, as a compile sends them
+        assert standin_sglang.check_many([one])[0].status == "passed"
+    process = standin_sglang._parser.process  # type: ignore[union-attr]
+    assert standin_sglang.num_subprocess_runs == 1 and process.poll() is None
+    standin_sglang.close()
+    assert process.poll() is not None  # ended, not left behind
+    assert standin_sglang.check_many([[*args[0], "--no-such-flag"]])[0].rejected  # a later check starts another
+    assert standin_sglang.num_subprocess_runs == 2
+
+
+def test_a_parser_process_that_dies_is_reported_with_its_exit_status(standin_sglang: ParserGate) -> None:
+    standin_sglang.check_many([EngineConfig().to_sglang_args("m")])
+    process = standin_sglang._parser.process  # type: ignore[union-attr]
+    process.kill()
+    process.wait()
+    with pytest.raises(RuntimeError, match=r"\(exit -9\) did not answer"):
+        standin_sglang.check_many([EngineConfig(tp=2).to_sglang_args("m")])
+    assert standin_sglang.check_many([EngineConfig(tp=2).to_sglang_args("m")])[0].status == "passed"  # a fresh process
+    assert standin_sglang.num_subprocess_runs == 2
+
+
 class _Scripted:
     """A proposer returning fixed candidates once, then nothing."""
 
