@@ -10,7 +10,8 @@ import gzip
 import hashlib
 import json
 import random
-from collections.abc import Iterable, Iterator
+import re
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -29,11 +30,15 @@ SHARED_LABEL_TO_DOMAIN: dict[str, str] = {
 # the same way T0's labels come from a (dataset, template) rule. README.md says so next to the score.
 WEAK_CHAT_DATASETS = frozenset({"helpful_base"})
 
-# T0 datasets held out whole (grouped split): T0 text is templated, so a row split would put the
-# same template and source document on both sides. Chosen so every class keeps training data.
+# Cross-dataset split: these T0 datasets are held out whole, so every test prompt comes from a
+# dataset (and templates) training never saw. Chosen so every class keeps training data.
 T0_TEST_DATASETS = frozenset(
     {"gigaword", "wiki_bio", "sciq", "yelp_review_full", "glue_qqp", "quartz", "ropes", "wiki_qa", "dream"}
 )
+# Classes whose shared rows all come from one T0 template (brainstorming: cnn_dailymail
+# "spice_up_story"): no split can keep the template off one side, so they are split by source line
+# and their scores are flagged as same-template.
+SINGLE_TEMPLATE_CLASSES = frozenset({"brainstorming"})
 TEST_FRACTION = 0.25
 
 
@@ -41,8 +46,9 @@ TEST_FRACTION = 0.25
 class Example:
     text: str
     label: str  # one of DOMAINS
-    group: str  # rows sharing a group land on the same side of the split
+    group: str  # rows sharing a group (template, source document, task) land on the same side of a split
     source: str
+    dataset: str = ""  # the set a row comes from ("t0/gigaword", "gsm8k"): the cross-dataset split's unit
 
 
 def _read_jsonl(path: Path) -> Iterator[dict]:
@@ -53,38 +59,91 @@ def _read_jsonl(path: Path) -> Iterator[dict]:
                 yield json.loads(line)
 
 
-def _shared_examples(prompts_dir: Path) -> Iterator[Example]:
+class _UnionFind:
+    """Connected components of string keys (T0 templates linked through the source documents they share)."""
+
+    def __init__(self) -> None:
+        self.parent: dict[str, str] = {}
+
+    def find(self, key: str) -> str:
+        self.parent.setdefault(key, key)
+        while self.parent[key] != key:
+            self.parent[key] = self.parent[self.parent[key]]
+            key = self.parent[key]
+        return key
+
+    def union(self, a: str, b: str) -> None:
+        self.parent[self.find(a)] = self.find(b)
+
+
+def _shared_rows(prompts_dir: Path) -> Iterator[tuple[str, dict, int]]:
     for path in sorted(prompts_dir.glob("*/prompts.jsonl*")):
-        folder = path.parent.name
         for row_num, row in enumerate(_read_jsonl(path)):
             text = row.get("text")
-            if not isinstance(text, str) or not text.strip():
-                continue
             label = row.get("label")
             if label is None and row.get("dataset") in WEAK_CHAT_DATASETS:
                 label = "general_chat"
-            if label is None:
-                continue
-            domain = SHARED_LABEL_TO_DOMAIN[label]
-            if folder == "t0":
-                dataset = row["dataset"]
-                # brainstorming comes from a single T0 template: hold out by source line instead
-                group = f"t0/{dataset}" if domain != "brainstorming" else f"t0/{dataset}/{row['line']}"
-            elif folder == "mbpp":
-                group = f"mbpp/{row['task_id']}"
-            else:
-                group = f"{folder}/{row_num}"
-            yield Example(text, domain, group, folder)
-            with_tests = row.get("text_with_tests")
-            if isinstance(with_tests, str) and with_tests != text:
-                # MBPP as its paper prompts it (task + asserts): code-looking text, same group
-                yield Example(with_tests, domain, group, folder)
+            if isinstance(text, str) and text.strip() and label is not None:
+                yield path.parent.name, {**row, "label": label}, row_num
+
+
+def _t0_groups(rows: list[tuple[str, dict, int]]) -> dict[str, str]:
+    """T0 template -> leak group: templates of a dataset that share a source document share a group.
+
+    PromptSource applies several templates to the same passages (a template covers 40 source lines
+    of its dataset), so grouping by template alone would put one passage on both sides of a split.
+    """
+    components = _UnionFind()
+    for folder, row, _ in rows:
+        if folder == "t0" and SHARED_LABEL_TO_DOMAIN[row["label"]] not in SINGLE_TEMPLATE_CLASSES:
+            components.union(f"template/{row['template']}", f"line/{row['dataset']}/{row['line']}")
+    return {key[len("template/"):]: f"t0/{components.find(key)}" for key in components.parent if key.startswith("template/")}
+
+
+_NON_WORD = re.compile(r"[\W_]+")
+
+
+def normalise(text: str) -> str:
+    """Dedup key: case, whitespace and punctuation do not make two prompts different."""
+    return _NON_WORD.sub(" ", text.lower()).strip()
+
+
+def _shared_examples(prompts_dir: Path) -> Iterator[Example]:
+    rows = list(_shared_rows(prompts_dir))
+    t0_groups = _t0_groups(rows)
+    for folder, row, row_num in rows:
+        text, domain = row["text"], SHARED_LABEL_TO_DOMAIN[row["label"]]
+        dataset = folder
+        if folder == "t0":
+            dataset = f"t0/{row['dataset']}"
+            group = t0_groups.get(row["template"], f"{dataset}/{row['template']}/{row['line']}")
+        elif folder == "mbpp":
+            group = f"mbpp/{row['task_id']}"
+        else:
+            group = f"{folder}/{row_num}"
+        yield Example(text, domain, group, folder, dataset)
+        with_tests = row.get("text_with_tests")
+        if isinstance(with_tests, str) and with_tests != text:
+            # MBPP as its paper prompts it (task + asserts): code-looking text, same group
+            yield Example(with_tests, domain, group, folder, dataset)
+
+
+def dedupe(examples: Iterable[Example]) -> list[Example]:
+    """The first of each set of prompts equal after :func:`normalise` (the sets repeat some prompts)."""
+    seen: set[str] = set()
+    kept: list[Example] = []
+    for example in examples:
+        key = normalise(example.text)
+        if key not in seen:
+            seen.add(key)
+            kept.append(example)
+    return kept
 
 
 def load_shared_examples(data_dir: Path) -> list[Example]:
-    """Every labelled prompt under ``data_dir`` (the shared ``data`` folder or its ``prompts``)."""
+    """Every distinct labelled prompt under ``data_dir`` (the shared ``data`` folder or its ``prompts``)."""
     prompts_dir = data_dir / "prompts" if (data_dir / "prompts").is_dir() else data_dir
-    examples = list(_shared_examples(prompts_dir))
+    examples = dedupe(_shared_examples(prompts_dir))
     if not examples:
         raise ValueError(f"no labelled prompts under {prompts_dir}")
     return examples
@@ -107,20 +166,38 @@ def load_jsonl_examples(path: Path) -> list[Example]:
     return examples
 
 
-def _in_test(group: str, seed: int) -> bool:
-    if group.startswith("t0/") and "/" not in group[3:]:
-        return group[3:] in T0_TEST_DATASETS
+def _hashed_to_test(group: str, seed: int) -> bool:
     digest = hashlib.sha256(f"{seed}:{group}".encode()).digest()
     return int.from_bytes(digest[:8], "big") / 2**64 < TEST_FRACTION
 
 
-def split_by_group(examples: Iterable[Example], seed: int = 0) -> tuple[list[Example], list[Example]]:
-    """Train/test split where a group never straddles the two sides (deterministic for a seed)."""
+def _in_cross_dataset_test(example: Example, seed: int) -> bool:
+    if example.dataset.startswith("t0/") and example.label not in SINGLE_TEMPLATE_CLASSES:
+        return example.dataset[3:] in T0_TEST_DATASETS
+    return _hashed_to_test(example.group, seed)
+
+
+def split_cross_dataset(examples: Iterable[Example], seed: int = 0) -> tuple[list[Example], list[Example]]:
+    """Generality split: T0_TEST_DATASETS held out whole, other rows by group (deterministic for a seed)."""
     train: list[Example] = []
     test: list[Example] = []
     for example in examples:
-        (test if _in_test(example.group, seed) else train).append(example)
+        (test if _in_cross_dataset_test(example, seed) else train).append(example)
     return train, test
+
+
+def grouped_folds(examples: Sequence[Example], seed: int = 0) -> Iterator[tuple[list[Example], list[Example]]]:
+    """(train, test) folds of the same sets: each row is tested once, no group on both sides of a fold.
+
+    Scikit-learn's StratifiedGroupKFold (1/TEST_FRACTION folds) balances the classes over whole
+    groups, so a T0 template and the passages it shares with other templates stay on one side.
+    """
+    from sklearn.model_selection import StratifiedGroupKFold
+
+    folds = StratifiedGroupKFold(n_splits=round(1 / TEST_FRACTION), shuffle=True, random_state=seed)
+    labels = [example.label for example in examples]
+    for train_rows, test_rows in folds.split(labels, labels, [example.group for example in examples]):
+        yield [examples[i] for i in train_rows], [examples[i] for i in test_rows]
 
 
 def cap_per_class(examples: list[Example], max_per_class: int, rng: random.Random) -> list[Example]:

@@ -1,27 +1,30 @@
 """Domain of a prompt: word and bigram features, a linear model, and a lean inference path.
 
 Training builds a scikit-learn pipeline (``TfidfVectorizer`` over :func:`analyze`, then a
-multinomial ``LogisticRegression``). Serving does not call scikit-learn: the vocabulary is a dict
-keyed by a word or a (word, word) pair, so a prompt's features are C-level ``map`` look-ups with no
-bigram strings built, and its scores a sum of idf-scaled weight rows: in plain Python for the few
-dozen features of a short prompt (numpy's per-call overhead would dominate), one numpy gather and
-reduce above that. Both give the numbers scikit-learn computes (tests/classifiers check the paths
-agree). Only a bounded head and tail of a prompt are read, so a 32k-token prompt costs what a
-200-token one does (the instruction sits at either end).
+multinomial ``LogisticRegression``). Serving does not call scikit-learn: a prompt's bounded head
+and tail window is tokenized in C (one UTF-8 encode, one ``bytes.translate``, one regex
+``findall``) and the vocabulary is a dict keyed by a token or a (token, token) pair, so a prompt's
+features are two C-level ``map(dict.get, ...)`` passes with no bigram strings built. Scores sum
+idf-scaled weight rows: in plain Python for the few dozen features of a short prompt (numpy's
+per-call overhead would dominate), one numpy gather and reduce above that. Both give the numbers
+scikit-learn computes (tests/classifiers check the paths agree). A 32k-token prompt costs what a
+short one with a full window does: nothing before the window reads more than the window.
 """
 
 from __future__ import annotations
 
 import json
 import math
+import re
 import string
 from dataclasses import dataclass, field
 from importlib import resources
+from itertools import pairwise
 from pathlib import Path
 
 import numpy as np
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: byte tokens (ASCII lower-case), temperature
 MODEL_FILE = "domain_model.npz"
 METADATA_FILE = "metadata.json"
 
@@ -30,12 +33,14 @@ TAIL_CHARS = 384
 # Above this many distinct features one numpy gather+reduce beats summing Python tuples.
 MAX_PYTHON_SUM_FEATURES = 48
 
-# Digits become 0 (numbers matter by shape, not value) and each ASCII symbol becomes a token of its
-# own: symbols carry most of the code and math signal ("= =", "def x (", "$ 0"). One translate and
-# one split run in C, several times faster than a regex tokenizer on the hot path.
-_TOKENIZE_TABLE = str.maketrans(
-    {**{symbol: f" {symbol} " for symbol in string.punctuation}, **{digit: "0" for digit in "123456789"}}
+# One bytes.translate lower-cases ASCII and maps digits to 0 (numbers matter by shape, not value).
+_BYTE_TABLE = bytes.maketrans(
+    string.ascii_uppercase.encode() + b"123456789", string.ascii_lowercase.encode() + b"0" * 9
 )
+# A token is a run of anything but whitespace and ASCII punctuation, or one ASCII symbol: symbols
+# carry most of the code and math signal ("= =", "def x (", "$ 0"). Non-ASCII bytes stay inside words.
+_PUNCT = re.escape(string.punctuation.encode())
+_TOKEN_RE = re.compile(rb"[^\s" + _PUNCT + rb"]+|[" + _PUNCT + rb"]")
 
 
 class ModelFileError(Exception):
@@ -49,10 +54,36 @@ def window(text: str) -> str:
     return text[:HEAD_CHARS] + "\n" + text[-TAIL_CHARS:]
 
 
+def window_of_parts(parts: list[str]) -> str:
+    """``window("\\n".join(parts))`` without joining the parts: only the pieces the window keeps are copied."""
+    if sum(map(len, parts)) + len(parts) - 1 <= HEAD_CHARS + TAIL_CHARS:
+        return "\n".join(parts)
+    head: list[str] = []
+    budget = HEAD_CHARS
+    for part in parts:
+        head.append(part[:budget])
+        budget -= len(head[-1]) + 1
+        if budget < 0:
+            break
+    tail: list[str] = []
+    budget = TAIL_CHARS
+    for part in reversed(parts):
+        tail.append(part[-budget:] if budget else "")
+        budget -= len(tail[-1]) + 1
+        if budget < 0:
+            break
+    return "\n".join(head)[:HEAD_CHARS] + "\n" + "\n".join(reversed(tail))[-TAIL_CHARS:]
+
+
+def tokenize(text: str) -> list[bytes]:
+    """Tokens of the window of ``text``: ASCII-lower-cased words/numbers (digits as 0) and single symbols."""
+    return _TOKEN_RE.findall(window(text).encode("utf-8", "surrogatepass").translate(_BYTE_TABLE))
+
+
 def analyze(text: str) -> list[str]:
-    """Features of one text: lower-cased word/number/symbol tokens and their adjacent pairs."""
-    tokens = window(text).lower().translate(_TOKENIZE_TABLE).split()
-    return tokens + [f"{a} {b}" for a, b in zip(tokens, tokens[1:])]
+    """Features of one text (training): its tokens and their adjacent pairs, as strings."""
+    tokens = [token.decode("utf-8", "surrogatepass") for token in tokenize(text)]
+    return tokens + [f"{a} {b}" for a, b in pairwise(tokens)]
 
 
 @dataclass(frozen=True, slots=True)
@@ -65,15 +96,20 @@ class DomainModel:
     coef: np.ndarray  # (num_features, num_classes) float64, transposed for row gathers
     intercept: np.ndarray  # (num_classes,)
     metadata: dict
+    temperature: float = 1.0  # confidence = softmax(scores / temperature), fitted on held-out rows
     # Serving tables derived from the fields above (__post_init__).
-    _feature_ids: dict[str | tuple[str, str], int] = field(init=False, repr=False, compare=False)
+    _feature_ids: dict[bytes | tuple[bytes, bytes], int] = field(init=False, repr=False, compare=False)
     _rows: list[tuple[float, ...]] = field(init=False, repr=False, compare=False)  # idf*coef, then idf**2
     _table: np.ndarray = field(init=False, repr=False, compare=False)  # the same rows as one array
     _intercept: tuple[float, ...] = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
-        # bigram terms are "a b" and tokens never hold a space: key them by the pair analyze zips
-        feature_ids = {tuple(term.split(" ")) if " " in term else term: i for term, i in self.vocabulary.items()}
+        # bigram terms are "a b" and tokens never hold a space: key them by the pair pairwise() yields
+        feature_ids = {
+            tuple(part.encode("utf-8", "surrogatepass") for part in term.split(" ")) if " " in term
+            else term.encode("utf-8", "surrogatepass"): i
+            for term, i in self.vocabulary.items()
+        }
         table = np.ascontiguousarray(np.hstack([self.coef * self.idf[:, None], (self.idf**2)[:, None]]))
         object.__setattr__(self, "_feature_ids", feature_ids)
         object.__setattr__(self, "_table", table)
@@ -81,11 +117,11 @@ class DomainModel:
         object.__setattr__(self, "_intercept", tuple(self.intercept.tolist()))
 
     def _feature_set(self, text: str) -> set[int]:
-        """Ids of the features of ``text`` (the same terms as :func:`analyze`, deduplicated: tf is binary)."""
-        tokens = window(text).lower().translate(_TOKENIZE_TABLE).split()
+        """Ids of the features of ``text`` (the terms of :func:`analyze`, deduplicated: tf is binary)."""
+        tokens = tokenize(text)
         get = self._feature_ids.get
         ids = set(map(get, tokens))
-        ids.update(map(get, zip(tokens, tokens[1:])))
+        ids.update(map(get, pairwise(tokens)))
         ids.discard(None)
         return ids  # type: ignore[return-value]
 
@@ -105,13 +141,14 @@ class DomainModel:
         return np.asarray(self._score_list(text))
 
     def predict(self, text: str) -> tuple[str, float]:
-        """The most likely domain and its probability (softmax of the scores)."""
+        """The most likely domain and its calibrated probability (softmax of scores / temperature)."""
         scores = self._score_list(text)  # nine floats: plain Python beats numpy for the softmax
         top = max(scores)
-        return self.classes[scores.index(top)], 1.0 / sum(math.exp(value - top) for value in scores)
+        inverse_t = 1.0 / self.temperature
+        return self.classes[scores.index(top)], 1.0 / sum(math.exp((value - top) * inverse_t) for value in scores)
 
     def predict_proba(self, text: str) -> np.ndarray:
-        scores = self.scores(text)
+        scores = self.scores(text) / self.temperature
         exp = np.exp(scores - scores.max())
         return exp / exp.sum()
 
@@ -125,6 +162,7 @@ class DomainModel:
             coef=self.coef.astype(np.float32),
             intercept=self.intercept,
             classes=np.array(self.classes, dtype=np.str_),
+            temperature=np.float64(self.temperature),
         )
         metadata = {**self.metadata, "format_version": FORMAT_VERSION, "classes": list(self.classes)}
         (out_dir / METADATA_FILE).write_text(json.dumps(metadata, indent=1, sort_keys=True) + "\n")
@@ -142,6 +180,7 @@ def load_domain_model(model_dir: str | Path) -> DomainModel:
         with np.load(model_path, allow_pickle=False) as arrays:
             terms, idf, coef = arrays["terms"], arrays["idf"], arrays["coef"]
             intercept, classes = arrays["intercept"], arrays["classes"]
+            temperature = float(arrays["temperature"])
     except (OSError, ValueError, KeyError) as exc:
         raise ModelFileError(f"cannot read domain model in {model_dir}: {exc}") from exc
     if metadata.get("format_version") != FORMAT_VERSION:
@@ -158,6 +197,7 @@ def load_domain_model(model_dir: str | Path) -> DomainModel:
         coef=coef.astype(np.float64),
         intercept=intercept.astype(np.float64),
         metadata=metadata,
+        temperature=temperature,
     )
 
 

@@ -109,7 +109,7 @@ class QuantileSketch:
 class OutputPredictor:
     """Per (tenant, domain) output-length quantiles with bounded memory (LRU over keys)."""
 
-    __slots__ = ("_sketches", "_max_history", "_max_keys")
+    __slots__ = ("_max_history", "_max_keys", "_sketches")
 
     def __init__(self, max_history_per_key: int = DEFAULT_MAX_HISTORY_PER_KEY, max_keys: int = DEFAULT_MAX_KEYS):
         if max_history_per_key < 1 or max_keys < 1:

@@ -11,49 +11,69 @@ import zlib
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from classifiers.domain import DomainModel, ModelFileError, builtin_model_dir, load_domain_model
+from classifiers.domain import DomainModel, ModelFileError, builtin_model_dir, load_domain_model, window_of_parts
 from classifiers.output_predictor import DEFAULT_MAX_HISTORY_PER_KEY, OutputPredictor
 from classifiers.shape import DOMAINS, Shape, ShapeRules, default_shape_rules
-from classifiers.tokens import ExactTokenCounter, content_text, count_chat_tokens, estimate_tokens
+from classifiers.tokens import ExactTokenCounter, content_parts, count_chat_tokens, estimate_tokens
+
+# The fingerprint reads this many leading characters of system text: requests that agree that far
+# share at least that much cacheable prefix, which is what prefix affinity routes on, and a 32k-token
+# system prompt costs what a short one does.
+PREFIX_FP_CHARS = 4096
+
 
 class ClassifierLoadError(Exception):
     """The classifier cannot start: the message says which file or setting and why."""
 
 
 def prefix_fingerprint(messages: list) -> int:
-    """Stable 32-bit hash of the system prompt(s) leading a chat (0 when there is none).
+    """Stable 32-bit hash of the first PREFIX_FP_CHARS of the system prompt(s) leading a chat (0: none).
 
     crc32 rather than ``hash()``: it must agree across processes and restarts for prefix affinity.
     """
-    crc = 0
+    crc, budget = 0, PREFIX_FP_CHARS
     for message in messages:
         if not isinstance(message, Mapping) or message.get("role") not in ("system", "developer"):
             break
-        text, _ = content_text(message.get("content"))
-        crc = zlib.crc32(text.encode("utf-8", "surrogatepass"), crc)
+        for part in content_parts(message.get("content"))[0]:
+            if budget <= 0:
+                return crc
+            piece = part[:budget]
+            budget -= len(piece)
+            crc = zlib.crc32(piece.encode("utf-8", "surrogatepass"), crc)
     return crc
+
+
+def _model_text(content: Any) -> str:
+    """What the domain model reads of a message content (multi-part text is never joined whole)."""
+    return content if isinstance(content, str) else window_of_parts(content_parts(content)[0])
 
 
 def _chat_text(messages: list) -> str:
     """The text the domain model reads: the last user turn (what is asked now), else the last turn."""
     for message in reversed(messages):
         if isinstance(message, Mapping) and message.get("role") == "user":
-            return content_text(message.get("content"))[0]
+            return _model_text(message.get("content"))
     if messages and isinstance(messages[-1], Mapping):
-        return content_text(messages[-1].get("content"))[0]
+        return _model_text(messages[-1].get("content"))
     return ""
 
 
-def _prompt_text(prompt: Any) -> tuple[str, int]:
-    """(text, pre-tokenized count) of a completion ``prompt``: str, list of str, or token ids."""
+def _prompt_text(prompt: Any, count_text: Callable[[str], int]) -> tuple[str, int]:
+    """(text the model reads, prompt tokens) of a validated completion ``prompt``: str, list of str, or ids.
+
+    The gateway has checked the list's items, so the first one says which kind it is: a 32k-id
+    prompt is not walked again.
+    """
     if isinstance(prompt, str):
-        return prompt, 0
+        return prompt, count_text(prompt)
     if isinstance(prompt, list) and prompt:
-        if all(isinstance(item, int) for item in prompt):
+        if isinstance(prompt[0], int):
             return "", len(prompt)
         if isinstance(prompt[0], list):  # a batch of token-id lists
             return "", sum(len(item) for item in prompt if isinstance(item, list))
-        return "\n".join(item for item in prompt if isinstance(item, str)), 0
+        texts = [item for item in prompt if isinstance(item, str)]
+        return window_of_parts(texts), sum(map(count_text, texts))
     return "", 0
 
 
@@ -65,7 +85,7 @@ def _max_tokens(body: Mapping) -> int | None:
 class RequestClassifier:
     """Features, domain, predicted output and shape of each request; learns from finished ones."""
 
-    __slots__ = ("domain_model", "rules", "predictor", "_count_text", "tokenizer_path")
+    __slots__ = ("_count_text", "domain_model", "predictor", "rules", "tokenizer_path")
 
     def __init__(self, domain_model: DomainModel, rules: ShapeRules, predictor: OutputPredictor,
                  count_text: Callable[[str], int] = estimate_tokens, tokenizer_path: str | None = None) -> None:
@@ -112,8 +132,7 @@ class RequestClassifier:
             prompt_tokens = count_chat_tokens(messages, self._count_text)
             text = _chat_text(messages)
         else:
-            text, num_token_ids = _prompt_text(body.get("prompt"))
-            prompt_tokens = num_token_ids or self._count_text(text)
+            text, prompt_tokens = _prompt_text(body.get("prompt"), self._count_text)
         tools = body.get("tools") or body.get("functions")
         if tools:
             prompt_tokens += self._count_text(repr(tools))  # tool schemas are part of the prompt

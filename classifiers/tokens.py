@@ -74,12 +74,12 @@ def estimate_tokens(text: str) -> int:
     return max(1, round(sampled * num_chars / (3 * _WINDOW_CHARS)))
 
 
-def content_text(content: Any) -> tuple[str, int]:
-    """The text of an OpenAI message ``content`` (str or list of parts) and the count of non-text parts."""
+def content_parts(content: Any) -> tuple[list[str], int]:
+    """The text parts of an OpenAI message ``content`` (str or list of parts) and the count of other parts."""
     if isinstance(content, str):
-        return content, 0
+        return [content], 0
     if not isinstance(content, list):
-        return "", 0
+        return [], 0
     texts: list[str] = []
     num_other_parts = 0
     for part in content:
@@ -92,6 +92,14 @@ def content_text(content: Any) -> tuple[str, int]:
             texts.append(part)
             continue
         num_other_parts += 1
+    return texts, num_other_parts
+
+
+def content_text(content: Any) -> tuple[str, int]:
+    """The text of a message ``content`` (its text parts joined by newlines) and the count of other parts."""
+    if isinstance(content, str):
+        return content, 0
+    texts, num_other_parts = content_parts(content)
     return "\n".join(texts), num_other_parts
 
 
@@ -99,14 +107,19 @@ def count_chat_tokens(messages: Iterable[Mapping[str, Any]], count_text: Any = e
     """Prompt tokens of a chat request after the chat template is applied.
 
     ``count_text`` maps a string to its token count: the estimate by default, or an exact
-    tokenizer's count (``ExactTokenCounter.count``).
+    tokenizer's count (``ExactTokenCounter.count``). Text parts are counted one by one, so a long
+    multi-part message is never joined into one string (the estimate of each is bounded).
     """
     total = BOS_TOKENS + REPLY_PRIMER_TOKENS
     for message in messages:
         if not isinstance(message, Mapping):
             continue
-        text, num_other_parts = content_text(message.get("content"))
-        total += MESSAGE_OVERHEAD_TOKENS + count_text(text) + num_other_parts * IMAGE_PART_TOKENS
+        content = message.get("content")
+        if isinstance(content, str):
+            total += MESSAGE_OVERHEAD_TOKENS + count_text(content)
+        else:
+            texts, num_other_parts = content_parts(content)
+            total += MESSAGE_OVERHEAD_TOKENS + sum(map(count_text, texts)) + num_other_parts * IMAGE_PART_TOKENS
         name = message.get("name")
         if isinstance(name, str):
             total += count_text(name) + 1

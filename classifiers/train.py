@@ -12,24 +12,27 @@ from __future__ import annotations
 import argparse
 import random
 import sys
+from collections import Counter
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import numpy as np
 
 from classifiers.datasets import (
+    T0_TEST_DATASETS,
     Example,
     cap_per_class,
     digest_files,
+    grouped_folds,
     load_jsonl_examples,
     load_shared_examples,
-    split_by_group,
+    split_cross_dataset,
 )
 from classifiers.domain import DomainModel, analyze
 from classifiers.shape import DOMAINS
 
-MODEL_VERSION = "domain-1.0"
+MODEL_VERSION = "domain-2.0"
 MAX_FEATURES = 40_000
 MAX_TRAIN_PER_CLASS = 1500
 REGULARIZATION_C = 20.0
@@ -94,11 +97,26 @@ def build_pipeline(max_features: int = MAX_FEATURES, c: float = REGULARIZATION_C
     return Pipeline([("features", vectorizer), ("linear", model)])
 
 
+def dataset_weights(examples: Sequence[Example]) -> np.ndarray:
+    """Row weights under which every dataset of a class weighs the same and a class keeps its row count.
+
+    T0 labels come from templates, so one dataset with many templates (adversarial_qa's twelve)
+    would otherwise teach a class its phrasing; ``class_weight="balanced"`` then evens the classes.
+    """
+    per_dataset = Counter((example.label, example.dataset) for example in examples)
+    datasets_per_class = Counter(label for label, _ in per_dataset)
+    per_class = Counter(example.label for example in examples)
+    return np.array([
+        per_class[e.label] / (datasets_per_class[e.label] * per_dataset[(e.label, e.dataset)]) for e in examples
+    ])
+
+
 def fit_pipeline(examples: Sequence[Example], max_features: int = MAX_FEATURES, c: float = REGULARIZATION_C):
     if len({example.label for example in examples}) < 2:
         raise ValueError("training needs at least two distinct labels")
     pipeline = build_pipeline(max_features, c)
-    pipeline.fit([example.text for example in examples], [example.label for example in examples])
+    pipeline.fit([example.text for example in examples], [example.label for example in examples],
+                 linear__sample_weight=dataset_weights(examples))
     return pipeline
 
 
@@ -119,11 +137,18 @@ def export_pipeline(pipeline, metadata: dict) -> DomainModel:
     )
 
 
-def score(model: DomainModel, test: Sequence[Example], num_train: int) -> Scores:
+def _score_matrix(model: DomainModel, rows: Sequence[Example], classes: Sequence[str]) -> np.ndarray:
+    """Decision scores in ``classes`` order; a class the model never saw scores -inf."""
+    matrix = np.full((len(rows), len(classes)), -np.inf)
+    columns = [classes.index(name) for name in model.classes]
+    for row, example in enumerate(rows):
+        matrix[row, columns] = model.scores(example.text)
+    return matrix
+
+
+def evaluate(truth: Sequence[str], predicted: Sequence[str], num_train: int) -> Scores:
     from sklearn.metrics import f1_score
 
-    truth = [example.label for example in test]
-    predicted = [model.predict(example.text)[0] for example in test]
     labels = [name for name in DOMAINS if name in set(truth)]
     f1s = f1_score(truth, predicted, labels=labels, average=None, zero_division=0)
     support = {label: truth.count(label) for label in labels}
@@ -135,29 +160,103 @@ def score(model: DomainModel, test: Sequence[Example], num_train: int) -> Scores
         per_class_accuracy={label: correct[label] / support[label] for label in labels},
         per_class_support=support,
         num_train=num_train,
-        num_test=len(test),
+        num_test=len(truth),
     )
+
+
+def score(model: DomainModel, test: Sequence[Example], num_train: int) -> Scores:
+    return evaluate([example.label for example in test], [model.predict(example.text)[0] for example in test], num_train)
+
+
+def _probabilities(scores: np.ndarray, temperature: float) -> np.ndarray:
+    scaled = scores / temperature
+    exp = np.exp(scaled - scaled.max(axis=1, keepdims=True))
+    return exp / exp.sum(axis=1, keepdims=True)
+
+
+def fit_temperature(scores: np.ndarray, truth: np.ndarray) -> float:
+    """The temperature that minimises the log loss of softmax(scores / T) (a 1-parameter calibration)."""
+    grid = np.exp(np.linspace(np.log(0.05), np.log(20.0), 400))
+    rows = np.arange(len(truth))
+    losses = [-np.log(_probabilities(scores, t)[rows, truth] + 1e-12).mean() for t in grid]
+    return float(grid[int(np.argmin(losses))])
+
+
+def expected_calibration_error(scores: np.ndarray, truth: np.ndarray, temperature: float, bins: int = 10) -> float:
+    """|accuracy - confidence| of the top class, averaged over equal-width confidence bins by row count."""
+    probabilities = _probabilities(scores, temperature)
+    confidence, correct = probabilities.max(axis=1), probabilities.argmax(axis=1) == truth
+    which = np.minimum((confidence * bins).astype(int), bins - 1)
+    return float(sum(abs(correct[which == b].mean() - confidence[which == b].mean()) * (which == b).sum()
+                     for b in range(bins) if (which == b).any()) / len(truth))
+
+
+@dataclass(frozen=True, slots=True)
+class Report:
+    """What training measured: both held-out splits and the confidence calibration."""
+
+    grouped: Scores  # same sets, 4 folds grouped by template/source, out-of-fold predictions pooled
+    cross_dataset: Scores  # whole T0 datasets held out: generality to unseen phrasing
+    temperature: float
+    ece_before: float  # on the pooled out-of-fold scores, temperature 1
+    ece_after: float  # the same rows at the fitted temperature (in-sample for one parameter)
+
+    def as_dict(self) -> dict:
+        return {
+            "grouped_cv": {
+                "what": "4-fold StratifiedGroupKFold over the same sets; a group is a T0 template with every template "
+                        "sharing its source passages, an MBPP task, or one row; out-of-fold predictions pooled; "
+                        "brainstorming (one template) split by source line",
+                **self.grouped.as_dict(),
+            },
+            "cross_dataset": {
+                "what": "T0 datasets " + ", ".join(sorted(T0_TEST_DATASETS)) + " held out whole; other rows 25% by group",
+                **self.cross_dataset.as_dict(),
+            },
+            "calibration": {
+                "temperature": round(self.temperature, 4),
+                "ece_before": round(self.ece_before, 4),
+                "ece_after": round(self.ece_after, 4),
+            },
+        }
 
 
 def train_and_score(
     examples: Sequence[Example], seed: int = 0, max_per_class: int = MAX_TRAIN_PER_CLASS
-) -> tuple[DomainModel, Scores]:
-    """Fit on the train side of a group split, score on the held-out side, then refit on everything.
+) -> tuple[DomainModel, Report]:
+    """Score both held-out splits, fit the confidence temperature, then refit on everything.
 
-    The shipped model is the refit (it has seen every group); its metadata carries the held-out
-    scores of the model fitted without the test groups.
+    The shipped model is the refit (it has seen every group); its metadata carries the scores of
+    the models fitted without the test groups.
     """
     rng = random.Random(seed)
-    train, test = split_by_group(examples, seed)
+    examples = list(examples)
+    classes = sorted({example.label for example in examples})
+    truth: list[str] = []
+    fold_scores: list[np.ndarray] = []
+    train_sizes = []
+    for train, test in grouped_folds(examples, seed):
+        model = export_pipeline(fit_pipeline(cap_per_class(train, max_per_class, rng)), {})
+        truth.extend(example.label for example in test)
+        fold_scores.append(_score_matrix(model, test, classes))
+        train_sizes.append(len(train))
+    oof = np.vstack(fold_scores)
+    truth_ids = np.array([classes.index(label) for label in truth])
+    grouped = evaluate(truth, [classes[i] for i in oof.argmax(axis=1)], round(float(np.mean(train_sizes))))
+    temperature = fit_temperature(oof, truth_ids)
+
+    train, test = split_cross_dataset(examples, seed)
     if not train or not test:
-        raise ValueError("the group split left one side empty: add more rows or groups")
-    held_out = export_pipeline(fit_pipeline(cap_per_class(train, max_per_class, rng)), {})
-    scores = score(held_out, test, len(train))
-    final = export_pipeline(fit_pipeline(cap_per_class(list(examples), max_per_class, rng)), {})
-    return final, scores
+        raise ValueError("the cross-dataset split left one side empty: add more rows or groups")
+    cross = score(export_pipeline(fit_pipeline(cap_per_class(train, max_per_class, rng)), {}), test, len(train))
+
+    final = export_pipeline(fit_pipeline(cap_per_class(examples, max_per_class, rng)), {})
+    report = Report(grouped, cross, temperature, expected_calibration_error(oof, truth_ids, 1.0),
+                    expected_calibration_error(oof, truth_ids, temperature))
+    return replace(final, temperature=temperature), report
 
 
-def _metadata(scores: Scores, data_digest: str, data_desc: str, attribution: list[dict]) -> dict:
+def _metadata(report: Report, data_digest: str, data_desc: str, attribution: list[dict]) -> dict:
     import sklearn
 
     return {
@@ -166,13 +265,13 @@ def _metadata(scores: Scores, data_digest: str, data_desc: str, attribution: lis
         "numpy_version": np.__version__,
         "training_data": data_desc,
         "training_data_sha256": data_digest,
-        "held_out_scores": scores.as_dict(),
+        "held_out_scores": report.as_dict(),
         "attribution": attribution,
     }
 
 
-def print_scores(scores: Scores, out=sys.stdout) -> None:
-    print(f"held-out rows {scores.num_test} (trained on {scores.num_train})", file=out)
+def print_scores(scores: Scores, title: str, out=sys.stdout) -> None:
+    print(f"{title}: held-out rows {scores.num_test} (trained on {scores.num_train})", file=out)
     print(f"{'domain':<18}{'support':>8}{'F1':>8}{'acc':>8}", file=out)
     for label, f1 in scores.per_class_f1.items():
         print(
@@ -182,15 +281,18 @@ def print_scores(scores: Scores, out=sys.stdout) -> None:
     print(f"{'macro-F1':<18}{'':>8}{scores.macro_f1:>8.3f}{scores.accuracy:>8.3f}", file=out)
 
 
+def print_report(report: Report, out=sys.stdout) -> None:
+    print_scores(report.grouped, "grouped 4-fold CV (same sets, templates/sources never on both sides)", out)
+    print_scores(report.cross_dataset, "cross-dataset (T0 datasets held out whole)", out)
+    print(f"confidence temperature {report.temperature:.3f}: ECE {report.ece_before:.3f} -> {report.ece_after:.3f}",
+          file=out)
+
+
 def train_to_dir(examples: Sequence[Example], out_dir: Path, data_digest: str, data_desc: str,
-                 attribution: list[dict]) -> Scores:
-    model, scores = train_and_score(examples)
-    model = DomainModel(
-        model.classes, model.vocabulary, model.idf, model.coef, model.intercept,
-        _metadata(scores, data_digest, data_desc, attribution),
-    )
-    model.save(out_dir)
-    return scores
+                 attribution: list[dict]) -> Report:
+    model, report = train_and_score(examples)
+    replace(model, metadata=_metadata(report, data_digest, data_desc, attribution)).save(out_dir)
+    return report
 
 
 def main_train(args: argparse.Namespace) -> int:
@@ -205,8 +307,8 @@ def main_train(args: argparse.Namespace) -> int:
         files = sorted((shared / "prompts" if (shared / "prompts").is_dir() else shared).glob("*/prompts.jsonl*"))
         digest, desc, attribution = digest_files(files), "shared prompt sets: " + ", ".join(
             f.parent.name for f in files), TRAINING_SETS_ATTRIBUTION
-    scores = train_to_dir(examples, Path(args.out), digest, desc, attribution)
-    print_scores(scores)
+    report = train_to_dir(examples, Path(args.out), digest, desc, attribution)
+    print_report(report)
     print(f"model written to {args.out}")
     return 0
 

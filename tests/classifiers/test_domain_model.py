@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import shutil
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -16,6 +17,8 @@ from classifiers.domain import (
     builtin_model_dir,
     load_builtin_domain_model,
     load_domain_model,
+    window,
+    window_of_parts,
 )
 from classifiers.train import export_pipeline, fit_pipeline
 
@@ -48,19 +51,27 @@ def test_a_code_block_without_task_text_is_code(model) -> None:
 
 
 def test_confidence_is_a_probability_and_long_prompts_are_windowed(model) -> None:
-    domain, confidence = model.predict(KNOWN["math"][0])
+    _, confidence = model.predict(KNOWN["math"][0])
     assert 0.0 < confidence <= 1.0
     long_text = KNOWN["code"][0] + " lorem ipsum dolor" * 20000 + " " + KNOWN["code"][0]
     assert model.predict(long_text)[0] == "code"
     assert model.predict("")[0] in model.classes
 
 
-def test_shipped_metadata_carries_version_digest_and_scores(model) -> None:
+def test_shipped_metadata_carries_version_digest_and_both_splits_scores(model) -> None:
     meta = model.metadata
     assert meta["model_version"] and len(meta["training_data_sha256"]) == 64
-    assert set(meta["held_out_scores"]["per_class_f1"]) >= {"code", "math"}
+    for split in ("grouped_cv", "cross_dataset"):
+        assert set(meta["held_out_scores"][split]["per_class_f1"]) == set(model.classes)
+    assert meta["held_out_scores"]["calibration"]["temperature"] == pytest.approx(model.temperature, rel=1e-3)
     assert meta["attribution"]
     assert sum(f.stat().st_size for f in builtin_model_dir().iterdir()) < 4 * 2**20
+
+
+def test_window_of_parts_equals_the_window_of_the_joined_text() -> None:
+    for parts in (["short", "parts"], ["x" * 1000], ["a" * 383, "b" * 2, "c" * 5000, "d"], ["", "e" * 900, ""],
+                  ["f" * 384, "g" * 384], ["h" * 200] * 10):
+        assert window_of_parts(parts) == window("\n".join(parts))
 
 
 TINY = [
@@ -89,6 +100,21 @@ def test_sklearn_and_fast_paths_agree() -> None:
         assert np.allclose(fast.scores(probe), row, atol=1e-9)
         assert fast.predict(probe)[0] == pipeline.predict([probe])[0]
         assert np.allclose(fast.predict_proba(probe), pipeline.predict_proba([probe])[0], atol=1e-9)
+    # a temperature rescales confidence only: same domain, softmax(scores / T)
+    warm = replace(fast, temperature=2.5)
+    for probe, row in zip(probes, expected):
+        domain, confidence = warm.predict(probe)
+        softmax = np.exp(row / 2.5 - (row / 2.5).max())
+        assert domain == fast.predict(probe)[0] and confidence == pytest.approx(softmax.max() / softmax.sum())
+
+
+def test_a_model_round_trips_through_its_files(tmp_path: Path) -> None:
+    fast = replace(export_pipeline(fit_pipeline(TINY * 2), {"note": "x"}), temperature=1.7)
+    fast.save(tmp_path)
+    loaded = load_domain_model(tmp_path)
+    assert loaded.temperature == pytest.approx(1.7) and loaded.metadata["note"] == "x"
+    for example in TINY:
+        assert np.allclose(loaded.scores(example.text), fast.scores(example.text), atol=1e-5)  # float32 on disk
 
 
 def test_missing_and_incompatible_model_files_fail_clearly(tmp_path: Path) -> None:

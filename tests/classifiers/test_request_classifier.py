@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from classifiers.config import ClassifierConfigError, rules_from_mapping
-from classifiers.request import ClassifierLoadError, RequestClassifier
+from classifiers.request import PREFIX_FP_CHARS, ClassifierLoadError, RequestClassifier, prefix_fingerprint
 from classifiers.shape import Shape
 
 MATH = "Tom has 12 apples and gives a third of them to Ann. She eats 2. How many apples does Ann have left?"
@@ -82,6 +82,21 @@ def test_validated_but_unusual_bodies_do_not_raise(classifier, body, chat) -> No
 
 def test_token_id_prompts_count_exactly(classifier) -> None:
     assert classifier.classify({"prompt": list(range(77))}, chat=False, tenant="t", tier="s").prompt_tokens == 77
+
+
+def test_long_inputs_are_read_through_bounded_windows(classifier) -> None:
+    system = "You answer questions about the attached manual. " * 200
+    same_head = system[:PREFIX_FP_CHARS] + "A different ending."
+    assert prefix_fingerprint([{"role": "system", "content": system}]) == prefix_fingerprint(
+        [{"role": "system", "content": same_head}]) != prefix_fingerprint([{"role": "system", "content": "Other."}])
+    parts = [MATH, "filler words here. " * 3000, MATH]
+    as_parts = classifier.classify({"messages": [{"role": "user", "content": [{"type": "text", "text": p} for p in parts]}]},
+                                   chat=True, tenant="t", tier="s")
+    joined = classifier.classify(_chat("\n".join(parts)), chat=True, tenant="t", tier="s")
+    assert (as_parts.domain, as_parts.domain_confidence) == (joined.domain, joined.domain_confidence)
+    assert as_parts.prompt_tokens == pytest.approx(joined.prompt_tokens, rel=0.01)
+    completion = classifier.classify({"prompt": parts}, chat=False, tenant="t", tier="s")
+    assert completion.domain == joined.domain and completion.prompt_tokens == pytest.approx(joined.prompt_tokens, rel=0.01)
 
 
 def test_observe_moves_the_prediction(classifier) -> None:
