@@ -3,7 +3,12 @@
 aiohttp's client costs about 120 µs of CPU per request on this path (tracing hooks, cookie jar,
 multidict headers, per-read timers); a request here is one pre-built write and a byte-level parse,
 about 15 µs. The proxy needs only POST with a JSON body and a response it can read whole or chunk
-by chunk, so that is all this does. Deadlines belong to the caller (``asyncio.timeout``).
+by chunk, so that is all this does.
+
+Deadlines live on the connection, not in ``asyncio.timeout`` blocks around each await: one timer for
+the whole exchange up to its ``deadline`` (head and body), then, for a stream, one lazily re-armed
+timer for the gap between pieces, so a long stream costs a timer per gap length, not one per piece.
+A passed deadline raises ``TimeoutError`` from the read that was waiting, and drops the connection.
 """
 
 from __future__ import annotations
@@ -13,6 +18,7 @@ from collections import deque
 
 _MAX_HEAD_BYTES = 64 * 1024
 _PAUSE_ABOVE_BYTES = 1 << 20  # stop reading from a replica whose client is slower than it
+_SPACE = " \t\r\x0b\x0c"  # what bytes.strip() strips (str.strip() would take latin-1's NBSP too)
 
 
 class UpstreamError(Exception):
@@ -34,6 +40,7 @@ class _Conn(asyncio.Protocol):
         self.paused = False
         self.head_waiter: asyncio.Future[None] | None = None
         self.body_waiter: asyncio.Future[None] | None = None
+        self.timer: asyncio.TimerHandle | None = None
         self._reset()
 
     def _reset(self) -> None:
@@ -49,8 +56,10 @@ class _Conn(asyncio.Protocol):
         self.num_buffered = 0
         self.complete = False
         self.keep_alive = True
-        self.error: UpstreamError | None = None
+        self.error: UpstreamError | TimeoutError | None = None
         self.received_any = False
+        self.gap_s = 0.0  # > 0: the longest wait for the next body piece (a stream), instead of a deadline
+        self.waiting_since = 0.0  # when the reader began waiting for the next piece
 
     # -- asyncio.Protocol --------------------------------------------------------------------
 
@@ -59,6 +68,7 @@ class _Conn(asyncio.Protocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.closed = True
+        self.disarm()
         if not self.complete:
             if self.error is None and self.remaining == -1 and self.head_done and not self.chunked:
                 self.complete = True  # a body delimited by the close itself
@@ -97,25 +107,26 @@ class _Conn(asyncio.Protocol):
 
     def _head(self, head: bytes) -> bool:
         # A bare LF ends a line too (RFC 9112 allows it): otherwise it would hide inside a header value.
-        lines = head.split(b"\n")
-        parts = lines[0].rstrip(b"\r").split(b" ", 2)
-        if len(parts) < 2 or not parts[0].startswith(b"HTTP/1.") or not parts[1].isdigit():
+        lines = head.decode("latin-1").split("\n")
+        parts = lines[0].rstrip("\r").split(" ", 2)
+        if len(parts) < 2 or not parts[0].startswith("HTTP/1.") or not parts[1].isdigit():
             self._fail("the replica did not answer with HTTP/1.x")
             return False
-        if len(parts[1]) != 3 or not 100 <= int(parts[1]) <= 599:
-            self._fail(f"the replica answered with an invalid status {parts[1][:8].decode()}")
+        if len(parts[1]) != 3 or not parts[1].isascii() or not 100 <= int(parts[1]) <= 599:
+            self._fail(f"the replica answered with an invalid status {parts[1][:8]}")
             return False
         self.status = int(parts[1])
+        headers = self.headers
         for line in lines[1:]:
-            name, sep, value = line.rstrip(b"\r").partition(b":")
+            name, sep, value = line.partition(":")
             if sep:
-                self.headers[name.strip().lower().decode("latin-1")] = value.strip().decode("latin-1")
+                headers[name.strip(_SPACE).lower()] = value.strip(_SPACE)  # takes the CR of a CRLF too
         if self.status < 200:  # 1xx: an interim answer; the real head follows
             self.status = 0
             self.headers = {}
             return True
         self.head_done = True
-        self.keep_alive = self.headers.get("connection", "").lower() != "close" and parts[0] == b"HTTP/1.1"
+        self.keep_alive = self.headers.get("connection", "").lower() != "close" and parts[0] == "HTTP/1.1"
         if "chunked" in self.headers.get("transfer-encoding", "").lower():
             self.chunked = True
         elif "content-length" in self.headers:
@@ -157,28 +168,33 @@ class _Conn(asyncio.Protocol):
     def _dechunk(self) -> None:
         buf = self.buf
         pos = 0
-        while pos < len(buf) and not self.complete:
+        size = len(buf)
+        while pos < size and not self.complete:
             if self.chunk_state == 0:
                 end = buf.find(b"\r\n", pos)
                 if end < 0:
                     break
-                size_text = bytes(buf[pos:end]).split(b";", 1)[0].strip()
                 try:
-                    self.chunk_left = int(size_text, 16)
+                    left = int(buf[pos:end].split(b";", 1)[0], 16)  # int() ignores surrounding whitespace
                 except ValueError:
                     self._fail("the replica sent an invalid chunk size")
                     return
                 pos = end + 2
-                self.chunk_state = 1 if self.chunk_left else 3
+                if left and pos + left + 2 <= size:  # the whole chunk and its CRLF are here (the usual case)
+                    self._push(bytes(buf[pos : pos + left]))
+                    pos += left + 2
+                    continue
+                self.chunk_left = left
+                self.chunk_state = 1 if left else 3
             elif self.chunk_state == 1:
-                take = min(self.chunk_left, len(buf) - pos)
+                take = min(self.chunk_left, size - pos)
                 self._push(bytes(buf[pos : pos + take]))
                 pos += take
                 self.chunk_left -= take
                 if self.chunk_left == 0:
                     self.chunk_state = 2
             elif self.chunk_state == 2:
-                if len(buf) - pos < 2:
+                if size - pos < 2:
                     break
                 pos += 2
                 self.chunk_state = 0
@@ -198,6 +214,51 @@ class _Conn(asyncio.Protocol):
             self.transport.close()
         self._wake()
 
+    # -- deadlines ------------------------------------------------------------------------
+
+    def arm(self, deadline: float) -> None:
+        self.disarm()
+        self.gap_s = 0.0
+        self.timer = asyncio.get_running_loop().call_at(deadline, self._expire, "did not answer in time")
+
+    def disarm(self) -> None:
+        if self.timer is not None:
+            self.timer.cancel()
+            self.timer = None
+
+    def limit_gaps(self, gap_s: float) -> None:
+        """From now on, wait at most ``gap_s`` for each next piece (instead of the exchange's deadline)."""
+        self.disarm()
+        self.gap_s = gap_s
+
+    def begin_wait(self, now: float) -> None:
+        self.waiting_since = now
+        if self.gap_s > 0 and self.timer is None:
+            self.timer = asyncio.get_running_loop().call_at(now + self.gap_s, self._check_gap)
+
+    def _check_gap(self) -> None:
+        # Armed once per gap length, not per piece: a reader that got pieces meanwhile is re-checked
+        # at the end of its current wait, and one that is not waiting re-arms when it next waits.
+        self.timer = None
+        if self.body_waiter is None or self.complete or self.error is not None:
+            return
+        due = self.waiting_since + self.gap_s
+        loop = asyncio.get_running_loop()
+        if loop.time() < due:
+            self.timer = loop.call_at(due, self._check_gap)
+        else:
+            self._expire("stalled between pieces")
+
+    def _expire(self, reason: str) -> None:
+        self.timer = None
+        if self.complete or self.error is not None:
+            return
+        self.error = TimeoutError(f"the replica {reason}")
+        self.keep_alive = False
+        if self.transport is not None:
+            self.transport.close()
+        self._wake()
+
     def _wake(self) -> None:
         for waiter in (self.head_waiter, self.body_waiter):
             if waiter is not None and not waiter.done():
@@ -207,7 +268,7 @@ class _Conn(asyncio.Protocol):
 class UpstreamResponse:
     """A replica's answer: status and headers at once, the body whole (``read``) or piece by piece."""
 
-    __slots__ = ("_conn", "status", "headers", "_released")
+    __slots__ = ("_conn", "_released", "headers", "status")
 
     def __init__(self, conn: _Conn) -> None:
         self._conn = conn
@@ -232,7 +293,10 @@ class UpstreamResponse:
             if conn.error is not None:
                 self.close()
                 raise conn.error
-            waiter = conn.body_waiter = asyncio.get_running_loop().create_future()
+            loop = asyncio.get_running_loop()
+            if conn.gap_s > 0:
+                conn.begin_wait(loop.time())
+            waiter = conn.body_waiter = loop.create_future()
             try:
                 await waiter
             finally:
@@ -242,7 +306,12 @@ class UpstreamResponse:
         parts = []
         while piece := await self.read_chunk():
             parts.append(piece)
-        return b"".join(parts)
+        return parts[0] if len(parts) == 1 else b"".join(parts)
+
+    def limit_gaps(self, gap_s: float) -> None:
+        """Stop the exchange's deadline; from now on each next piece may take at most ``gap_s``."""
+        if not self._released:  # a body already complete gave its connection back for reuse
+            self._conn.limit_gaps(gap_s)
 
     def release(self) -> None:
         """Give the connection back for reuse (only a complete, keep-alive answer can be reused)."""
@@ -250,6 +319,7 @@ class UpstreamResponse:
             return
         self._released = True
         conn = self._conn
+        conn.disarm()
         if conn.complete and conn.keep_alive and not conn.closed and not conn.pieces:
             conn.pool.put_back(conn)
         elif conn.transport is not None:
@@ -258,6 +328,7 @@ class UpstreamResponse:
     def close(self) -> None:
         """Drop the connection: the replica sees a disconnect and stops generating."""
         self._released = True
+        self._conn.disarm()
         if self._conn.transport is not None:
             self._conn.transport.close()
 
@@ -298,34 +369,44 @@ class UpstreamPool:
             raise UpstreamError(f"cannot connect ({exc.strerror or type(exc).__name__})", before_response=True) from None
         return conn
 
-    async def post(self, base_url: str, path: str, body: bytes, connect_timeout_s: float) -> UpstreamResponse:
-        """Send ``body`` to ``base_url + path`` and wait for the response head."""
+    async def post(
+        self, base_url: str, path: str, body: bytes, connect_timeout_s: float, deadline: float | None = None
+    ) -> UpstreamResponse:
+        """Send ``body`` to ``base_url + path`` and wait for the response head.
+
+        With ``deadline`` (loop time), the head and the body must arrive by then, or the waiting read
+        raises TimeoutError (``UpstreamResponse.limit_gaps`` lifts it for a stream)."""
         host, port, head = self._target(base_url, path)
-        request = head + b"Content-Length: %d\r\n\r\n" % len(body) + body
+        request = b"".join((head, b"Content-Length: %d\r\n\r\n" % len(body), body))
         idle = self.idle.get((host, port))
         while idle:
             conn = idle.pop()
             if not conn.closed:
                 try:
-                    return await self._exchange(conn, request)
+                    return await self._exchange(conn, request, deadline)
                 except UpstreamError as exc:
                     if not exc.before_response:
                         raise
                     # A kept-alive connection the replica had already closed: try a fresh one.
-        async with asyncio.timeout(connect_timeout_s):
+        connect_by = asyncio.get_running_loop().time() + connect_timeout_s
+        async with asyncio.timeout_at(connect_by if deadline is None else min(connect_by, deadline)):
             conn = await self._connect(host, port)
-        return await self._exchange(conn, request)
+        return await self._exchange(conn, request, deadline)
 
-    async def _exchange(self, conn: _Conn, request: bytes) -> UpstreamResponse:
+    async def _exchange(self, conn: _Conn, request: bytes, deadline: float | None) -> UpstreamResponse:
         assert conn.transport is not None
+        if deadline is not None:
+            conn.arm(deadline)
         conn.transport.write(request)
         while not conn.head_done:
             if conn.error is not None:
+                conn.disarm()
                 raise conn.error
             waiter = conn.head_waiter = asyncio.get_running_loop().create_future()
             try:
                 await waiter
             except asyncio.CancelledError:
+                conn.disarm()
                 conn.transport.close()
                 raise
             finally:

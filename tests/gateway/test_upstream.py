@@ -162,3 +162,44 @@ def test_garbage_instead_of_http_is_an_error() -> None:
             await pool.post(url, "/x", b"{}", 1.0)
 
     _serve(handler, check)
+
+
+def test_a_passed_deadline_raises_timeout_and_drops_the_connection() -> None:
+    async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await _read_request(reader)
+        writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: 10\r\n\r\npart")  # the rest never comes
+        await writer.drain()
+        await reader.read()  # until the client drops the connection
+
+    async def check(url: str, pool: UpstreamPool) -> None:
+        deadline = asyncio.get_running_loop().time() + 0.3
+        response = await pool.post(url, "/x", b"{}", 1.0, deadline)
+        with pytest.raises(TimeoutError):
+            await response.read()
+        assert not pool.idle.get(("127.0.0.1", int(url.rsplit(":", 1)[1])))
+
+    _serve(handler, check)
+
+
+def test_gap_limit_applies_to_each_wait_not_to_the_whole_stream() -> None:
+    async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await _read_request(reader)
+        writer.write(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n")
+        for _ in range(30):  # 1.5 s of pieces 0.05 s apart: longer than the gap limit, no gap near it
+            writer.write(b"2\r\nok\r\n")
+            await writer.drain()
+            await asyncio.sleep(0.05)
+        await reader.read()  # then silence until the client gives up
+
+    async def check(url: str, pool: UpstreamPool) -> None:
+        deadline = asyncio.get_running_loop().time() + 0.5  # lifted by limit_gaps once the first piece is in
+        response = await pool.post(url, "/x", b"{}", 1.0, deadline)
+        assert await response.read_chunk() == b"ok"
+        response.limit_gaps(1.0)
+        pieces = 1
+        with pytest.raises(TimeoutError):
+            while await response.read_chunk():
+                pieces += 1
+        assert pieces == 30
+
+    _serve(handler, check)
