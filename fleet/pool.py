@@ -64,6 +64,9 @@ class PoolState:
     # Requests waiting for room in this pool, by tier priority and deadline; None: the caller keeps no
     # queue and the router never answers Wait for this pool.
     queue: PoolQueue[Any] | None = None
+    # True when the operator set ``max_running_per_replica`` as the gateway's admission limit (config
+    # ``max_in_flight_per_replica``), so requests beyond it wait in the queue as for a modelled pool.
+    declared_limit: bool = False
 
     def serves(self, model: str) -> bool:
         if self.models is not None:

@@ -8,8 +8,8 @@ before ``interactive`` waits. ``take(now)`` returns the most urgent live entry a
 whose deadline has passed (they would miss their SLO anyway; shedding them early with 429 and
 ``Retry-After`` lets the client back off). ``num_ahead(priority)`` counts the live entries a newcomer
 of that priority would wait behind (the router's SLO-chance estimate reads it); ``expire(now)`` sheds
-every entry past its deadline, wherever it sits. Pure: the caller passes ``now``; O(log n) per call
-(``expire`` is O(n)).
+every entry past its deadline, wherever it sits; ``remove(item)`` takes out one that gave up waiting (a
+client that went away). Pure: the caller passes ``now``; O(log n) per call (``expire`` is O(n)).
 """
 
 from __future__ import annotations
@@ -49,6 +49,7 @@ class PoolQueue(Generic[Item]):
         self._seq = itertools.count()
         self._num_live = 0
         self._priority_to_num: dict[int, int] = {}
+        self._entry_of: dict[Item, _Entry[Item]] = {}  # live entries by item, for remove
 
     def __len__(self) -> int:
         return self._num_live
@@ -68,6 +69,7 @@ class PoolQueue(Generic[Item]):
         heapq.heappush(self._least, (-priority, -deadline_at, -entry.seq, entry))
         self._num_live += 1
         self._priority_to_num[priority] = self._priority_to_num.get(priority, 0) + 1
+        self._entry_of[item] = entry
         return shed
 
     def num_ahead(self, priority: int) -> int:
@@ -95,7 +97,17 @@ class PoolQueue(Generic[Item]):
             self._remove(entry)
         return [Shed(e.item, "deadline passed", self.retry_after_s) for e in sorted(expired)]
 
+    def remove(self, item: Item) -> bool:
+        """Take ``item`` out of the queue at once; False when it is not waiting there (served or shed already)."""
+        entry = self._entry_of.get(item)
+        if entry is None:
+            return False
+        self._remove(entry)
+        return True
+
     def _remove(self, entry: _Entry[Item]) -> None:
+        if self._entry_of.get(entry.item) is entry:
+            del self._entry_of[entry.item]
         entry.live = False
         self._num_live -= 1
         self._priority_to_num[entry.priority] -= 1

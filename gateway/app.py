@@ -69,8 +69,11 @@ async def _read_json(request: web.Request, max_body_bytes: int, timeout_s: float
     if length is not None and length > max_body_bytes:
         raise ApiError(413, f"Request body of {length} bytes exceeds the limit of {max_body_bytes} bytes.", "request_too_large")
     try:
-        async with asyncio.timeout(timeout_s):
+        if request.content.is_eof():  # the whole body came with the head (the usual case): nothing to wait for
             raw = await request.read()
+        else:
+            async with asyncio.timeout(timeout_s):
+                raw = await request.read()
     except web.HTTPRequestEntityTooLarge:
         raise ApiError(413, f"Request body exceeds the limit of {max_body_bytes} bytes.", "request_too_large") from None
     except TimeoutError:
@@ -157,11 +160,12 @@ class Handlers:
         metrics = self.state.metrics
         metrics.count_request(tenant, tier, outcome.pool, outcome.status)
         if outcome.pool != "-":
-            metrics.child(metrics.e2e, tier, outcome.pool).observe(duration_s)
+            e2e, ttft, tpot = metrics.latencies(tier, outcome.pool)
+            e2e.observe(duration_s)
             if outcome.ttft_s is not None:
-                metrics.child(metrics.ttft, tier, outcome.pool).observe(outcome.ttft_s)
+                ttft.observe(outcome.ttft_s)
             if outcome.tpot_s is not None:
-                metrics.child(metrics.tpot, tier, outcome.pool).observe(outcome.tpot_s)
+                tpot.observe(outcome.tpot_s)
         if shape is not None:
             met_slo = _met_slo(runtime, tier, outcome)
             self.state.series.record(time.time(), shape.name, tier, outcome.pool, outcome.status == 200, met_slo, outcome.ttft_s, outcome.tpot_s)
@@ -237,6 +241,7 @@ async def _on_startup(app: web.Application) -> None:
     state.session = aiohttp.ClientSession(connector=connector, auto_decompress=False, json_serialize=lambda o: orjson.dumps(o).decode())
     state.upstream_pool = UpstreamPool()
     state.proxy = Proxy(state.upstream_pool, state.metrics, state.runtime.config.upstream, loop.time())
+    state.proxy.waits.attach(state.runtime, loop.time())
     state.prober = HealthProber(state)
     await state.prober.discover_models()
     state.prober.start()

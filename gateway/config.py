@@ -48,6 +48,8 @@ class UpstreamSettings:
     eject_after_failures: int = 3
     eject_cooldown_s: float = 5.0
     health_interval_s: float = 2.0
+    # per pool: requests waiting for a replica's room when the pool is saturated (0: no queues)
+    queue_max_len: int = 1024
 
 
 @dataclass(frozen=True, slots=True)
@@ -99,6 +101,9 @@ class PoolSpec:
     num_emulated: int
     min_replicas: int
     max_replicas: int
+    # requests in flight per replica the gateway admits (more wait in the pool's queue); None: the
+    # engine's max_running_requests marks saturation but the engine queues beyond it itself
+    max_in_flight_per_replica: int | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -234,6 +239,7 @@ def _upstream(doc: YamlDoc) -> UpstreamSettings:
         eject_after_failures=r.number("eject_after_failures", d.eject_after_failures, lo=1, hi=1000, integer=True),
         eject_cooldown_s=r.number("eject_cooldown_s", d.eject_cooldown_s, lo=0.01, hi=3600),
         health_interval_s=r.number("health_interval_s", d.health_interval_s, lo=0.05, hi=3600),
+        queue_max_len=r.number("queue_max_len", d.queue_max_len, lo=0, hi=1_000_000, integer=True),
     )
 
 
@@ -286,7 +292,7 @@ def _shapes(doc: YamlDoc) -> ShapeRules:
 
 def _pool(doc: YamlDoc, i: int, body: object, shape_names: tuple[str, ...]) -> PoolSpec:
     path: FieldPath = ("fleet", "pools", i)
-    r = _Reader(doc, path, body, {"name", "model", "gpu", "shapes", "engine", "replicas", "min_replicas", "max_replicas"})
+    r = _Reader(doc, path, body, {"name", "model", "gpu", "shapes", "engine", "replicas", "min_replicas", "max_replicas", "max_in_flight_per_replica"})
     name = r.text("name", None)
     if not name or not _POOL_NAME.match(name):
         raise r.error("name", "every pool needs a name (letters, digits, '-', '_', '@')")
@@ -320,6 +326,8 @@ def _pool(doc: YamlDoc, i: int, body: object, shape_names: tuple[str, ...]) -> P
         num_emulated=num_emulated,
         min_replicas=r.number("min_replicas", 0, lo=0, hi=4096, integer=True),
         max_replicas=r.number("max_replicas", max(num_replicas, 1), lo=1, hi=4096, integer=True),
+        max_in_flight_per_replica=(r.number("max_in_flight_per_replica", 1, lo=1, hi=1_000_000, integer=True)
+                                   if "max_in_flight_per_replica" in r.data else None),
     )
 
 

@@ -61,8 +61,11 @@ def new_replica(state: GatewayState, name: str, url: str, pool: str) -> ReplicaS
 
 
 def swap_pools(state: GatewayState, pools: tuple[PoolState, ...]) -> None:
-    """Publish a new set of pools (the event loop's only writer swaps them whole)."""
+    """Publish a new set of pools (the event loop's only writer swaps them whole); requests waiting in
+    the pools' queues follow them, and a replica just added takes some at once."""
     state.runtime = dataclasses.replace(state.runtime, pools=pools, replica_by_name={r.name: r for p in pools for r in p.replicas})
+    if state.proxy is not None:
+        state.proxy.waits.attach(state.runtime, asyncio.get_running_loop().time())
 
 
 EJECTED_DEAD_AFTER_COOLDOWNS = 3.0  # a replica out of service this many eject cool-downs in a row is lost
@@ -177,6 +180,8 @@ class LiveFleet:
         for pool in self.state.runtime.pools:
             if pool.name in models:
                 models[pool.name].apply(pool)
+        if self.state.proxy is not None:  # modelled pools queue, and one sized for more concurrency has room now
+            self.state.proxy.waits.attach(self.state.runtime, asyncio.get_running_loop().time())
 
     # -- the loop ---------------------------------------------------------------------------
 

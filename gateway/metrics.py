@@ -38,7 +38,12 @@ class GatewayMetrics:
         self.tokens = Counter("polymorph_tokens", "Tokens in usage reports, by tenant and kind (prompt, completion).", ["tenant", "kind"], registry=r)
         self.reloads = Counter("polymorph_config_reloads", "Config reload attempts, by result (applied, rejected).", ["result"], registry=r)
         self.config_version = Gauge("polymorph_config_version", "Number of the config version being served.", registry=r, multiprocess_mode="livemax")
+        self.queue_depth = Gauge("polymorph_pool_queue_depth", "Requests waiting in a pool's queue for a replica's room, by pool and tier.", ["pool", "tier"], registry=r, multiprocess_mode="livesum")
+        self.queue_waits = Counter("polymorph_pool_queue_waits", "Requests parked in a pool's queue because its replicas were full.", ["pool", "tier"], registry=r)
+        self.queue_sheds = Counter("polymorph_pool_queue_sheds", "Waiting requests shed with 429, by reason (deadline: it passed; full: the queue was).", ["pool", "tier", "reason"], registry=r)
+        self.queue_wait = Histogram("polymorph_pool_queue_wait_seconds", "Time a request waited in its pool's queue before a replica took it.", ["pool", "tier"], buckets=_LATENCY_BUCKETS_S, registry=r)
         self._children: dict[tuple[Any, ...], Any] = {}
+        self._latency_children: dict[tuple[str, str], tuple[Any, Any, Any]] = {}
 
     def child(self, family: Any, *labels: str) -> Any:
         key = (id(family), *labels)
@@ -46,6 +51,15 @@ class GatewayMetrics:
         if found is None:
             found = family.labels(*labels)
             self._children[key] = found
+        return found
+
+    def latencies(self, tier: str, pool: str) -> tuple[Any, Any, Any]:
+        """The e2e, TTFT and TPOT histograms of ``tier`` on ``pool``, found with one lookup."""
+        found = self._latency_children.get((tier, pool))
+        if found is None:
+            found = self._latency_children[(tier, pool)] = (
+                self.child(self.e2e, tier, pool), self.child(self.ttft, tier, pool), self.child(self.tpot, tier, pool)
+            )
         return found
 
     def count_request(self, tenant: str, tier: str, pool: str, status: int) -> None:

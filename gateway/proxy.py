@@ -17,12 +17,13 @@ from aiohttp import web
 from classifiers.shape import Shape
 from fleet.health import HealthState
 from fleet.pool import ReplicaState
-from fleet.router import Reject, Route, RouterSettings, route
+from fleet.router import Reject, Route, RouterSettings, Wait, route, work_units
 from fleet.tiers import TierSlo, from_objectives
 from gateway.admission import RetryBudget
 from gateway.config import GatewayConfig, UpstreamSettings
 from gateway.errors import ApiError, sse_error_event
 from gateway.metrics import GatewayMetrics
+from gateway.pool_wait import PoolWaits
 from gateway.runtime import Runtime
 from gateway.upstream import UpstreamError, UpstreamPool, UpstreamResponse
 
@@ -30,6 +31,7 @@ _DONE = b"data: [DONE]"
 _USAGE_KEY = b'"completion_tokens":'
 _PROMPT_KEY = b'"prompt_tokens":'
 _MEDIA_TYPE = re.compile(r"[\x21-\x7e]+(?: ?;[\x20-\x7e]*)?")
+_DIGITS = re.compile(rb"[ \t]*([0-9]+)")
 
 
 @dataclass(slots=True)
@@ -58,15 +60,15 @@ def _usage_int(data: bytes, key: bytes) -> int | None:
     at = data.rfind(key)
     if at < 0:
         return None
-    start = at + len(key)
-    end = start
-    length = len(data)
-    while end < length and data[end] in b" \t":
-        end += 1
-    digits_at = end
-    while end < length and 48 <= data[end] <= 57:
-        end += 1
-    return int(data[digits_at:end]) if end > digits_at else None
+    found = _DIGITS.match(data, at + len(key))
+    return int(found[1]) if found is not None else None
+
+
+def _work_units(shape: Shape, runtime: Runtime, pool_name: str) -> float:
+    for pool in runtime.pools:
+        if pool.name == pool_name:
+            return work_units(shape, pool)
+    return 1.0
 
 
 class Proxy:
@@ -76,6 +78,7 @@ class Proxy:
         self.pool = pool
         self.metrics = metrics
         self.router_settings = RouterSettings()
+        self.waits = PoolWaits(metrics, self.router_settings)  # pools' queues; attached to each runtime as it goes live
         self.retry_budget = RetryBudget(settings.retry_budget_ratio, now)
         self._tiers_of: GatewayConfig | None = None
         self._tier_slos: dict[str, TierSlo] = {}
@@ -110,12 +113,20 @@ class Proxy:
                 if last_error is not None:
                     raise last_error
                 raise ApiError(decision.status, decision.reason, decision.code, "model" if decision.status == 404 else None, decision.retry_after_s or None)
-            replica = runtime.replica_by_name[decision.replica]
+            if isinstance(decision, Wait):  # its pool is saturated: wait in the pool's queue for a replica's room
+                placed = await self.waits.wait(decision, shape, model, tried, budget_tokens)
+                if placed is None:  # the pools changed and that one has no routable replica: route it again
+                    runtime = self.waits.runtime or runtime
+                    continue
+                decision, replica, work = placed
+            else:
+                replica = runtime.replica_by_name[decision.replica]
+                work = _work_units(shape, runtime, decision.pool)
             outcome.pool, outcome.replica = decision.pool, decision.replica
             outcome.attempts += 1
             tried.append(replica.name)
             replica.breaker.on_dispatch()
-            replica.begin(budget_tokens)
+            replica.begin(budget_tokens, work)  # an overflow from another shape weighs what the router weighed
             gauge = self.metrics.child(self.metrics.in_flight, decision.pool)
             gauge.inc()
             try:
@@ -127,8 +138,10 @@ class Proxy:
                 self.metrics.child(self.metrics.retries, decision.pool).inc()
                 continue
             finally:
-                replica.end(budget_tokens)
+                replica.end(budget_tokens, work)
                 gauge.dec()
+                if self.waits.num_waiting:
+                    self.waits.wake(replica.pool, loop.time())
             return result
 
     def mark_failure(self, replica: ReplicaState) -> None:
@@ -156,9 +169,9 @@ class Proxy:
         started_at = loop.time()
         first_byte_deadline = started_at + settings.first_byte_timeout_s
         try:
-            async with asyncio.timeout_at(first_byte_deadline):
-                upstream = await self.pool.post(decision.url, request.path, raw_body, settings.connect_timeout_s)
-        except asyncio.TimeoutError:
+            # The deadline covers the head and the body (a stream: its first piece), on one timer.
+            upstream = await self.pool.post(decision.url, request.path, raw_body, settings.connect_timeout_s, first_byte_deadline)
+        except TimeoutError:
             self.mark_failure(replica)
             raise ApiError(504, f"Replica {replica.name} did not answer within {settings.first_byte_timeout_s:g} s.", "upstream_timeout") from None
         except UpstreamError as exc:
@@ -178,10 +191,9 @@ class Proxy:
                 err = ApiError(upstream.status, f"Replica {replica.name} answered {upstream.status}: {body[:300].decode('utf-8', 'replace')}", "upstream_error", retry_after_s=1.0)
                 raise err
             if stream and upstream.status == 200:
-                return await self._stream(request, upstream, replica, headers, settings, started_at, first_byte_deadline, outcome)
-            async with asyncio.timeout_at(first_byte_deadline):
-                body = await upstream.read()
-        except asyncio.TimeoutError:
+                return await self._stream(request, upstream, replica, headers, settings, started_at, outcome)
+            body = await upstream.read()
+        except TimeoutError:
             self.mark_failure(replica)
             raise ApiError(504, f"Replica {replica.name} did not answer within {settings.first_byte_timeout_s:g} s.", "upstream_timeout") from None
         except UpstreamError as exc:
@@ -216,13 +228,13 @@ class Proxy:
         headers: dict[str, str],
         settings: UpstreamSettings,
         started_at: float,
-        first_byte_deadline: float,
         outcome: Outcome,
     ) -> web.StreamResponse:
         loop = asyncio.get_running_loop()
-        # The first chunk decides whether this attempt can still be retried: read it before answering.
-        async with asyncio.timeout_at(first_byte_deadline):
-            first = await upstream.read_chunk()
+        # The first chunk decides whether this attempt can still be retried: read it (within the
+        # first-byte deadline) before answering; then each next chunk has its own time limit.
+        first = await upstream.read_chunk()
+        upstream.limit_gaps(settings.between_chunks_timeout_s)
         first_at = loop.time()
         outcome.ttft_s = first_at - started_at
         outcome.status = 200
@@ -231,7 +243,7 @@ class Proxy:
         response = web.StreamResponse(status=200, headers=headers)
         try:
             await response.prepare(request)
-            await self._relay(response, upstream, first, first_at, replica, settings, outcome)
+            await self._relay(response, upstream, first, first_at, replica, outcome)
             await response.write_eof()
         except ConnectionError:
             # The client went away: not the replica's fault. Stop its generation and say nothing.
@@ -246,7 +258,6 @@ class Proxy:
         first: bytes,
         first_at: float,
         replica: ReplicaState,
-        settings: UpstreamSettings,
         outcome: Outcome,
     ) -> None:
         """Copy the replica's events to the client; a broken upstream ends with an SSE error event."""
@@ -258,12 +269,11 @@ class Proxy:
         while chunk:
             num_events += chunk.count(b"data:")
             last_event_at = loop.time()
-            tail = (tail + chunk)[-512:]
+            tail = (tail + chunk[-512:])[-512:]
             await response.write(chunk)
             try:
-                async with asyncio.timeout(settings.between_chunks_timeout_s):
-                    chunk = await upstream.read_chunk()
-            except asyncio.TimeoutError:
+                chunk = await upstream.read_chunk()  # TimeoutError after between_chunks_timeout_s
+            except TimeoutError:
                 upstream.close()
                 outcome.stream_error = "upstream_stalled"
                 break

@@ -64,7 +64,8 @@ def _build_pools(
             models=None if discover else frozenset({spec.model}),
             shapes=frozenset(spec.shapes),
             gpu=spec.gpu,
-            max_running_per_replica=_max_running(spec),
+            max_running_per_replica=spec.max_in_flight_per_replica or _max_running(spec),
+            declared_limit=spec.max_in_flight_per_replica is not None,
         )
         for i, url in enumerate(replica_urls.get(spec.name, spec.urls)):
             old = old_by_url.get((spec.name, url))

@@ -67,6 +67,8 @@ class GatewayState:
         if self.live is not None:  # the controller owns the pools now; the config seeded them
             runtime = dataclasses.replace(runtime, pools=self.runtime.pools, replica_by_name=self.runtime.replica_by_name)
         self.runtime = runtime
+        if self.proxy is not None:  # waiting requests move to the new pools' queues; new replicas may take some
+            self.proxy.waits.attach(runtime, asyncio.get_running_loop().time())
         self._publish_runtime()
         return self.runtime
 

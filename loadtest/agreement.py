@@ -10,6 +10,10 @@ Both sides get the same fleet (GPU kinds and counts), model, tiers and seeded re
   on; the load test's runner replays the scenario X times faster (``polymorph demo``'s replay) and
   holds requests to the objectives divided by X.
 
+Both sides admit by the same policy: the router given the tiers, and a bounded tier queue per pool
+(``fleet.queueing.PoolQueue``; live, ``gateway.pool_wait``) in which a request waits for a replica's
+room until half its tier's TTFT objective has passed, then is shed with 429.
+
 Goodput is requests that met their tier's SLO per second of fleet time (the scenario's duration) on
 both sides, so the two figures are the same unit. Moves and recompiles come from the simulator's
 controller counters and from the live decision log (``plan`` decisions that moved replicas, the
