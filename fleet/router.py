@@ -13,7 +13,12 @@ prefill and KV they hold, not as one chat each. The wait budget is
 ``wait_share`` of the tier's TTFT objective (the rest is the engine's own queueing and prefill).
 Pools with a chance of at least ``good_chance`` come first: the shape's own pools (compiled for it)
 by load, then other pools by cost per request (overflow takes the cheapest capacity that can serve
-it); below that, pools by chance. No per-request simulation: O(pools + replicas) arithmetic.
+it); below that, pools by chance. Load is work in flight over the model's SLO concurrency, or per
+replica for pools without a capacity model (an engine's ``max_running_requests`` is a batch cap,
+not a capacity). Without a model a pool's chance is only "below its engines' batch cap", so an
+overflow heavier than the pool's own requests (``work_units`` > 1: a long prompt into a chat pool,
+whose prefill would stall the chats) is not sent there on that word alone: it stays in its own
+pools. No per-request simulation: O(pools + replicas) arithmetic.
 
 Replica choice inside a pool is least outstanding work, with prefix affinity: the request's prefix
 fingerprint ranks replicas by rendezvous hashing and the top-ranked one is taken unless it carries
@@ -94,7 +99,8 @@ def route(
         return Reject(404, "model_not_found", f"no pool serves model {model!r}", 0.0)
     slo = (tiers or DEFAULT_TIERS).get(shape.tier) or DEFAULT_TIERS["standard"]
     wait_s = settings.wait_share * slo.ttft_p99_s
-    scored = sorted((_rank(p, shape, now, slo.priority, wait_s, settings), i, p) for i, p in enumerate(serving))
+    has_own = any(shape.name in p.shapes for p in serving)
+    scored = sorted((_rank(p, shape, now, slo.priority, wait_s, settings, has_own), i, p) for i, p in enumerate(serving))
     ordered = [p for _, _, p in scored]
     if tiers is not None:
         best = ordered[0]
@@ -152,11 +158,19 @@ def work_units(shape: Shape, pool: PoolState) -> float:
     The capacity model sized ``max_running_per_replica`` and the rate for the pool's own shape, so
     its requests count 1. Another shape's request (an overflow) counts its dominant length ratio to
     the pool's mean prompt and output, at least 1: a 6k-token prompt in a pool sized for 1k-token
-    chats holds six chats' worth of prefill and KV. Pools with unknown means count every request 1.
+    chats holds six chats' worth of prefill and KV. A pool without a capacity model's means is
+    judged by the requests it holds now (predicted prompt + output tokens per request in flight);
+    an idle one counts every request 1.
     """
-    if shape.name in pool.shapes or pool.mean_prompt_tokens <= 0 or pool.mean_output_tokens <= 0:
+    if shape.name in pool.shapes:
         return 1.0
-    return max(1.0, shape.prompt_tokens / pool.mean_prompt_tokens, shape.predicted_output_p50 / pool.mean_output_tokens)
+    if pool.mean_prompt_tokens > 0 and pool.mean_output_tokens > 0:
+        return max(1.0, shape.prompt_tokens / pool.mean_prompt_tokens, shape.predicted_output_p50 / pool.mean_output_tokens)
+    num_in_flight = sum(r.num_in_flight for r in pool.replicas)
+    tokens = sum(r.outstanding_tokens for r in pool.replicas)
+    if num_in_flight <= 0 or tokens <= 0:
+        return 1.0
+    return max(1.0, (shape.prompt_tokens + shape.predicted_output_p50) * num_in_flight / tokens)
 
 
 def _num_to_leave(pool: PoolState, now: float, priority: int, num_routable: int, work: float) -> int:
@@ -173,12 +187,31 @@ def _clear_s(pool: PoolState, now: float, priority: int, work: float) -> float:
     return max(0, _num_to_leave(pool, now, priority, n, work)) / rate if rate > 0 else 0.0
 
 
-def _rank(pool: PoolState, shape: Shape, now: float, priority: int, wait_s: float, settings: RouterSettings) -> tuple[float, ...]:
-    chance = slo_chance(pool, now, priority, wait_s, work_units(shape, pool))
+def _rank(
+    pool: PoolState, shape: Shape, now: float, priority: int, wait_s: float, settings: RouterSettings, has_own: bool
+) -> tuple[float, ...]:
+    work = work_units(shape, pool)
     other = shape.name not in pool.shapes
+    # Without a capacity model a pool's saturation is only its engines' batch cap, far past where its
+    # own requests miss their SLO; an overflow heavier than those (a long prompt into a chat pool)
+    # would stall them with its prefill, so only a model's word sends it there.
+    heavy_unmodelled = has_own and other and work > 1.0 and pool.rate_per_replica_rps <= 0
+    chance = 0.0 if heavy_unmodelled else slo_chance(pool, now, priority, wait_s, work)
     if chance >= settings.good_chance:
-        return (0.0, float(other), pool.cost_per_request() if other else 0.0, pool.load_fraction(now))
-    return (1.0, -chance, float(other), pool.load_fraction(now))
+        return (0.0, float(other), pool.cost_per_request() if other else 0.0, _balance_load(pool, now))
+    return (1.0, -chance, float(other), _balance_load(pool, now))
+
+
+def _balance_load(pool: PoolState, now: float) -> float:
+    """What pools of equal standing are balanced on: work in flight over the capacity model's SLO
+    concurrency; without a capacity model, per routable replica. An engine's ``max_running_requests``
+    is a batch cap (a long-context config sets it low to keep KV for long prompts), not its capacity:
+    dividing by it sent four times as much work to a chat pool with 256 as to a long-context pool
+    with 64, long prompts included. An operator's ``max_in_flight_per_replica`` is a capacity."""
+    if pool.rate_per_replica_rps > 0 or pool.declared_limit:
+        return pool.load_fraction(now)
+    n = pool.num_routable(now)
+    return sum(r.work_in_flight for r in pool.replicas) / n if n else math.inf
 
 
 def _should_shed(shape: Shape, ordered: list[PoolState], now: float, settings: RouterSettings, tiers: Mapping[str, TierSlo]) -> bool:

@@ -90,9 +90,11 @@ raw: direct, nginx, sglang-router (cache_aware), LiteLLM proxy, Polymorph (1 pro
 rounds), CPU ms per request, resident memory, start-up time, and added latency p50/p99 at one
 common rate every peer sustains.
 routing: a heterogeneous emulated fleet (2 H100 replicas with a short-chat engine config, 2 H200
-replicas with a long-context one) under a production-shaped workload with shared prefixes;
-goodput and TTFT p99 for sglang-router round_robin and cache_aware, Polymorph with shape routing
-off (least load only) and on.
+replicas with a long-context one) under a production-shaped workload (interactive chat and code
+behind shared system prompts, long documents) at a rate that keeps it busy; goodput, SLO
+attainment per tier (TTFT and TPOT objectives) and TTFT p99 for sglang-router round_robin and
+cache_aware (its defaults), Polymorph with shape routing off (least load only) and on. The
+emulated GPUs run at --speed 0.5, so the fleet is busy at a request rate two cores can proxy.
 bench-serving: sglang's own `python -m sglang.bench_serving --backend sglang-oai` through
 Polymorph, checking it completes every request it sent.
 Prints the tables, then one JSON line last (ratios to Polymorph and the issue's targets).
@@ -136,7 +138,7 @@ def _register_peers(benches: argparse._SubParsersAction) -> None:  # type: ignor
     )
     parser.add_argument(
         "--routing-duration", type=float, default=None,
-        help="routing part: seconds of workload per run (default 40; 20 with --quick)",
+        help="routing part: engine seconds of workload per run (default 15; 8 with --quick)",
     )
     parser.add_argument(
         "--routing-rounds", type=int, default=None,
@@ -144,11 +146,11 @@ def _register_peers(benches: argparse._SubParsersAction) -> None:  # type: ignor
     )
     parser.add_argument(
         "--routing-rate", type=float, default=0.0,
-        help="routing part: mean offered req/s in engine time (0: the scenario's own, 45 req/s)",
+        help="routing part: mean offered req/s in engine time (0: the scenario's own, 100 req/s)",
     )
     parser.add_argument(
-        "--speed", type=float, default=2.0,
-        help="routing part: emulated GPUs run this many times real time",
+        "--speed", type=float, default=0.5,
+        help="routing part: emulated GPUs run this many times real time (below 1: slower GPUs, fewer requests per wall second)",
     )
     parser.add_argument("--seed", type=int, default=7, help="routing part: workload seed")
     parser.add_argument(
@@ -170,7 +172,7 @@ def _register_peers(benches: argparse._SubParsersAction) -> None:  # type: ignor
 
 def _run_bench_peers(args: argparse.Namespace) -> int:
     quick = args.quick
-    for field, full, short in (("duration", 5.0, 2.0), ("rounds", 3, 2), ("routing_duration", 40.0, 20.0),
+    for field, full, short in (("duration", 5.0, 2.0), ("rounds", 3, 2), ("routing_duration", 15.0, 8.0),
                                ("routing_rounds", 2, 1), ("num_prompts", 200, 60)):
         if getattr(args, field) is None:
             setattr(args, field, short if quick else full)

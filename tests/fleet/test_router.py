@@ -12,7 +12,7 @@ from classifiers.shape import Shape
 from fleet.health import CircuitBreaker, HealthState
 from fleet.pool import PoolState, ReplicaState
 from fleet.queueing import PoolQueue
-from fleet.router import Reject, Route, RouterSettings, Wait, pick_replica, poisson_at_least, route, slo_chance
+from fleet.router import Reject, Route, RouterSettings, Wait, pick_replica, poisson_at_least, route, slo_chance, work_units
 from fleet.tiers import DEFAULT_TIERS
 
 SETTINGS = RouterSettings()
@@ -158,3 +158,54 @@ def test_batch_is_shed_before_interactive_misses_when_the_pool_queue_is_long() -
     assert pool.queue.take(0.1)[0] == "inter"  # the interactive request is served first
     pool.queue = None  # a caller without queues (the gateway) keeps placing higher tiers
     assert isinstance(route(replace(SHAPE, tier="interactive"), "m", [pool], 0.0, SETTINGS, tiers=DEFAULT_TIERS), Route)
+
+
+def test_without_a_capacity_model_pools_balance_on_work_per_replica_not_on_engine_batch_caps() -> None:
+    # no shapes declared, no capacity model: a chat pool whose engines cap batches at 256 and a
+    # long-context pool capped at 64 serve equally well; the request goes where each replica carries less
+    chat, long = _pool("chat", set(), max_running=256), _pool("long", set(), max_running=64)
+    for replica in chat.replicas:
+        replica.num_in_flight = 3
+    for replica in long.replicas:
+        replica.num_in_flight = 1
+    decision = route(SHAPE, "m", [chat, long], 0.0, SETTINGS)
+    assert isinstance(decision, Route) and decision.pool == "long"
+    chat.rate_per_replica_rps = long.rate_per_replica_rps = 1.0  # with a model, its SLO concurrency is the capacity
+    chat.max_running_per_replica, long.max_running_per_replica = 16, 4
+    decision = route(SHAPE, "m", [chat, long], 0.0, SETTINGS)
+    assert isinstance(decision, Route) and decision.pool == "chat"
+
+
+LONG = replace(SHAPE, name="long-context", prompt_tokens=6000, predicted_output_p50=300, predicted_output_p90=600)
+
+
+def test_an_overflow_weighs_its_length_against_the_requests_a_pool_without_means_holds_now() -> None:
+    chat = _pool("chat", {"short-chat"})
+    assert work_units(LONG, chat) == 1.0  # idle: nothing to compare with
+    for replica in chat.replicas:
+        replica.num_in_flight, replica.outstanding_tokens = 3, 3 * 1050
+    assert work_units(LONG, chat) == pytest.approx(6.0)  # 6,300 tokens against 1,050 per chat in flight
+    assert work_units(SHAPE, chat) == 1.0  # its own shape counts 1
+    chat.mean_prompt_tokens, chat.mean_output_tokens = 1500.0, 100.0  # a capacity model's means win
+    assert work_units(LONG, chat) == pytest.approx(4.0)
+
+
+def test_without_a_capacity_model_a_long_prompt_waits_in_its_own_pool_instead_of_stalling_the_chats() -> None:
+    # the long-context pool is at its engines' batch cap; the chat pool is far below its own but busy
+    # with short requests: a 6k-token prefill there would stall every chat, and nothing says it would
+    # meet its own SLO either, so it stays home (the engine queues it)
+    chat, long = _pool("chat", {"short-chat"}, max_running=256), _pool("long", {"long-context"}, max_running=4)
+    for replica in chat.replicas:
+        replica.num_in_flight, replica.outstanding_tokens = 20, 20 * 1050
+    for replica in long.replicas:
+        replica.num_in_flight, replica.outstanding_tokens = 4, 4 * 6300
+    decision = route(LONG, "m", [chat, long], 0.0, SETTINGS, tiers=DEFAULT_TIERS)
+    assert isinstance(decision, Route) and decision.pool == "long" and not decision.overflow
+    light = replace(SHAPE, name="long-context", prompt_tokens=500)  # no heavier than a chat: overflow is harmless
+    decision = route(light, "m", [chat, long], 0.0, SETTINGS, tiers=DEFAULT_TIERS)
+    assert isinstance(decision, Route) and decision.pool == "chat" and decision.overflow
+    chat.rate_per_replica_rps = long.rate_per_replica_rps = 1.0  # a capacity model: the chat pool has room, home is backed up
+    for replica in long.replicas:
+        replica.num_in_flight = 6
+    decision = route(LONG, "m", [chat, long], 0.0, SETTINGS, tiers=DEFAULT_TIERS)
+    assert isinstance(decision, Route) and decision.pool == "chat" and decision.overflow

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+from dataclasses import replace
 from pathlib import Path
 
 import orjson
@@ -12,7 +13,7 @@ from gateway.bench import cli, peers_report
 from gateway.bench.load import WrkResult
 from gateway.bench.peers import parse_list
 from gateway.bench.peers_raw import PeerFigures, common_rate
-from gateway.bench.peers_routing import write_polymorph_config
+from gateway.bench.peers_routing import RoutingFigures, format_routing_table, kept_up, routing_summary, write_polymorph_config
 from gateway.bench.peers_stack import RAW_PEERS, write_litellm_config
 from gateway.config import load_config
 
@@ -78,3 +79,33 @@ def test_litellm_config_points_at_the_backend_with_a_master_key(tmp_path: Path) 
         "model": "openai/bench-model", "api_base": "http://127.0.0.1:9/v1", "api_key": "dummy",
     }
     assert config["general_settings"]["master_key"].startswith("sk-")
+
+
+def _routing(router: str, goodput_rps: float, interactive: float) -> RoutingFigures:
+    return RoutingFigures(router, goodput_rps, 0.9, 0.8, 0.1, 100, 0, {"interactive": interactive, "standard": 0.95}, 0.03, True)
+
+
+def test_routing_summary_judges_shape_routing_against_cache_aware_only_when_the_generator_kept_up() -> None:
+    args = _args(["--parts", "routing", "--routing-rate", "100"])
+    args.routing_duration, args.routing_rounds = 30.0, 2
+    figures = [_routing("sglang-cache-aware", 70.0, 0.8), _routing("polymorph-shapes", 91.0, 0.99)]
+
+    summary = routing_summary(figures, args)
+    table = format_routing_table(figures, args)
+
+    assert summary["goodput_ratio_shapes_vs_cache_aware"] == pytest.approx(1.3)
+    assert summary["targets"] == {f"goodput_ge_{peers_report.MIN_GOODPUT_RATIO_VS_CACHE_AWARE}x_cache_aware": True}
+    assert summary["routers"]["polymorph-shapes"]["slo_attainment_by_tier"] == {"interactive": 0.99, "standard": 0.95}  # type: ignore[index]
+    assert "interactive" in table.splitlines()[0] and "at 100 req/s" in table
+    behind = [_routing("sglang-cache-aware", 70.0, 0.8), replace(_routing("polymorph-shapes", 91.0, 0.99), generator_kept_up=False)]
+    assert routing_summary(behind, args)["targets"] == {f"goodput_ge_{peers_report.MIN_GOODPUT_RATIO_VS_CACHE_AWARE}x_cache_aware": None}
+    assert "load generator fell behind" in format_routing_table(behind, args)
+
+
+def test_the_generator_kept_up_when_its_rate_held_and_its_lag_is_small_next_to_the_tightest_ttft() -> None:
+    def run(achieved: float, lag_p99_ms: float) -> dict[str, object]:
+        return {"target_rate": 50.0, "achieved_rate": achieved, "scheduling_error_ms": {"p99": lag_p99_ms}}
+
+    assert kept_up(run(50.0, 80.0), speed=0.5)  # 40 ms of engine time: 4% of interactive's 1 s TTFT
+    assert not kept_up(run(50.0, 80.0), speed=1.0)
+    assert not kept_up(run(45.0, 1.0), speed=0.5)  # sent 10% short of the offered rate
