@@ -80,6 +80,11 @@ class PoolState:
     def num_routable(self, now: float) -> int:
         return sum(1 for r in self.replicas if not r.draining and r.breaker.available(now))
 
+    def replicas_with_room(self, now: float) -> list[ReplicaState]:
+        """Routable replicas carrying less than ``max_running_per_replica`` work: where a queued request may start."""
+        return [r for r in self.replicas
+                if not r.draining and r.breaker.available(now) and r.work_in_flight < self.max_running_per_replica]
+
     def load_fraction(self, now: float) -> float:
         """Work in flight over what the available replicas run at once (inf when none is available)."""
         capacity = self.num_routable(now) * self.max_running_per_replica

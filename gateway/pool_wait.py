@@ -140,8 +140,7 @@ class PoolWaits:
 
     def _pump(self, pool: PoolState, queue: PoolQueue[_Waiter], now: float) -> None:
         while len(queue):
-            room = [r for r in pool.replicas
-                    if not r.draining and r.breaker.available(now) and r.work_in_flight < pool.max_running_per_replica]
+            room = pool.replicas_with_room(now)
             if not room:
                 return
             waiter, expired = queue.take(now)

@@ -281,8 +281,7 @@ class FleetSim:
         """Admit waiting requests, most urgent first, while a routable replica of ``pool`` has room."""
         queue = pool.queue
         while queue is not None and len(queue):
-            room = [r for r in pool.replicas
-                    if not r.draining and r.breaker.available(now) and r.work_in_flight < pool.max_running_per_replica]
+            room = pool.replicas_with_room(now)
             if not room:
                 return
             index, expired = queue.take(now)
