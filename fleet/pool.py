@@ -80,6 +80,12 @@ class PoolState:
     def num_routable(self, now: float) -> int:
         return sum(1 for r in self.replicas if not r.draining and r.breaker.available(now))
 
+    @property
+    def knows_capacity(self) -> bool:
+        """``max_running_per_replica`` is a real saturation point (a capacity model's SLO concurrency
+        or the operator's declared limit), not just the engines' batch cap."""
+        return self.rate_per_replica_rps > 0 or self.declared_limit
+
     def replicas_with_room(self, now: float) -> list[ReplicaState]:
         """Routable replicas carrying less than ``max_running_per_replica`` work: where a queued request may start."""
         return [r for r in self.replicas

@@ -51,6 +51,7 @@ class Route:
     replica: str
     url: str
     overflow: bool  # True when the shape's own pools were saturated or absent
+    work: float = 1.0  # work_units(shape, pool): what the request weighs in its replica's books (begin/end)
 
 
 @dataclass(frozen=True, slots=True)
@@ -100,24 +101,25 @@ def route(
     slo = (tiers or DEFAULT_TIERS).get(shape.tier) or DEFAULT_TIERS["standard"]
     wait_s = settings.wait_share * slo.ttft_p99_s
     has_own = any(shape.name in p.shapes for p in serving)
-    scored = sorted((_rank(p, shape, now, slo.priority, wait_s, settings, has_own), i, p) for i, p in enumerate(serving))
-    ordered = [p for _, _, p in scored]
+    works = [work_units(shape, p) for p in serving]  # computed once: ranking, queueing and the route's books
+    scored = sorted((_rank(p, shape, now, slo.priority, wait_s, settings, has_own, works[i]), i, p) for i, p in enumerate(serving))
+    ranked = [(p, works[i]) for _, i, p in scored]
     if tiers is not None:
-        best = ordered[0]
+        best, work = ranked[0]
         own = shape.name in best.shapes
-        n, work = best.num_routable(now), work_units(shape, best)
+        n = best.num_routable(now)
         if best.queue is not None and n > 0 and _num_to_leave(best, now, slo.priority, n, work) > 0:
             chance = slo_chance(best, now, slo.priority, wait_s, work)
             if chance < settings.shed_chance and best.rate_per_replica_rps > 0:
                 return Reject(429, "shed", f"capacity is short; a tier {shape.tier!r} request would miss its SLO",
                               max(settings.shed_retry_after_s, _clear_s(best, now, slo.priority, work)))
             return Wait(best.name, slo.priority, now + wait_s, chance, overflow=not own)
-        if _should_shed(shape, ordered, now, settings, tiers):
+        if _should_shed(shape, [p for p, _ in ranked], now, settings, tiers):
             return Reject(429, "shed", f"capacity is short; tier {shape.tier!r} is shed first", settings.shed_retry_after_s)
-    for pool in ordered:
+    for pool, work in ranked:
         replica = pick_replica(shape, model, pool.replicas, now, settings, exclude)
         if replica is not None:
-            return Route(pool.name, replica.name, replica.url, overflow=shape.name not in pool.shapes)
+            return Route(pool.name, replica.name, replica.url, overflow=shape.name not in pool.shapes, work=work)
     return Reject(503, "no_healthy_replica", f"no healthy replica can serve model {model!r} right now", 1.0)
 
 
@@ -188,9 +190,8 @@ def _clear_s(pool: PoolState, now: float, priority: int, work: float) -> float:
 
 
 def _rank(
-    pool: PoolState, shape: Shape, now: float, priority: int, wait_s: float, settings: RouterSettings, has_own: bool
+    pool: PoolState, shape: Shape, now: float, priority: int, wait_s: float, settings: RouterSettings, has_own: bool, work: float
 ) -> tuple[float, ...]:
-    work = work_units(shape, pool)
     other = shape.name not in pool.shapes
     # Without a capacity model a pool's saturation is only its engines' batch cap, far past where its
     # own requests miss their SLO; an overflow heavier than those (a long prompt into a chat pool)
@@ -208,7 +209,7 @@ def _balance_load(pool: PoolState, now: float) -> float:
     is a batch cap (a long-context config sets it low to keep KV for long prompts), not its capacity:
     dividing by it sent four times as much work to a chat pool with 256 as to a long-context pool
     with 64, long prompts included. An operator's ``max_in_flight_per_replica`` is a capacity."""
-    if pool.rate_per_replica_rps > 0 or pool.declared_limit:
+    if pool.knows_capacity:
         return pool.load_fraction(now)
     n = pool.num_routable(now)
     return sum(r.work_in_flight for r in pool.replicas) / n if n else math.inf

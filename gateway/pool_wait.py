@@ -71,21 +71,22 @@ class PoolWaits:
         self._pools = {pool.name: pool for pool in runtime.pools}
         max_len = runtime.config.upstream.queue_max_len
         for pool in runtime.pools:
-            queues = max_len > 0 and (pool.rate_per_replica_rps > 0 or pool.declared_limit)
+            if not (max_len > 0 and pool.knows_capacity):
+                pool.queue = None
+                continue
             queue = self._queues.get(pool.name)
-            if queue is None and queues:
+            if queue is None:
                 queue = self._queues[pool.name] = PoolQueue(max_len, self.settings.shed_retry_after_s)
-            if queue is not None and queues:
-                queue.max_len = max_len
-            pool.queue = queue if queues else None
+            queue.max_len = max_len
+            pool.queue = queue
         self.pump_all(now)
 
     async def wait(
         self, decision: Wait, shape: Shape, model: str, tried: Sequence[str], tokens: int
-    ) -> tuple[Route, ReplicaState, float] | None:
-        """Park the request until a replica of ``decision.pool`` takes it: that route, replica (with
-        its slot free for the caller to take) and the request's work units there, or None to route it
-        again (its pool has no routable replica now). Raises the 429 when it is shed."""
+    ) -> tuple[Route, ReplicaState] | None:
+        """Park the request until a replica of ``decision.pool`` takes it: that route (with the
+        request's work units there) and replica (its slot free for the caller to take), or None to
+        route it again (its pool has no routable replica now). Raises the 429 when it is shed."""
         loop = asyncio.get_running_loop()
         now = loop.time()
         pool, queue = self._pools.get(decision.pool), self._queues.get(decision.pool)
@@ -114,7 +115,7 @@ class PoolWaits:
         if replica is None:
             return None
         replica.end(tokens, waiter.work)  # the slot held since the pump chose this replica passes to the caller's own begin()
-        return Route(decision.pool, replica.name, replica.url, decision.overflow), replica, waiter.work
+        return Route(decision.pool, replica.name, replica.url, decision.overflow, waiter.work), replica
 
     def wake(self, pool_name: str, now: float) -> None:
         """A request on ``pool_name`` ended: admit its queue's most urgent waiters while there is room."""

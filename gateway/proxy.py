@@ -17,7 +17,7 @@ from aiohttp import web
 from classifiers.shape import Shape
 from fleet.health import HealthState
 from fleet.pool import ReplicaState
-from fleet.router import Reject, Route, RouterSettings, Wait, route, work_units
+from fleet.router import Reject, Route, RouterSettings, Wait, route
 from fleet.tiers import TierSlo, from_objectives
 from gateway.admission import RetryBudget
 from gateway.config import GatewayConfig, UpstreamSettings
@@ -62,13 +62,6 @@ def _usage_int(data: bytes, key: bytes) -> int | None:
         return None
     found = _DIGITS.match(data, at + len(key))
     return int(found[1]) if found is not None else None
-
-
-def _work_units(shape: Shape, runtime: Runtime, pool_name: str) -> float:
-    for pool in runtime.pools:
-        if pool.name == pool_name:
-            return work_units(shape, pool)
-    return 1.0
 
 
 class Proxy:
@@ -118,15 +111,14 @@ class Proxy:
                 if placed is None:  # the pools changed and that one has no routable replica: route it again
                     runtime = self.waits.runtime or runtime
                     continue
-                decision, replica, work = placed
+                decision, replica = placed
             else:
                 replica = runtime.replica_by_name[decision.replica]
-                work = _work_units(shape, runtime, decision.pool)
             outcome.pool, outcome.replica = decision.pool, decision.replica
             outcome.attempts += 1
             tried.append(replica.name)
             replica.breaker.on_dispatch()
-            replica.begin(budget_tokens, work)  # an overflow from another shape weighs what the router weighed
+            replica.begin(budget_tokens, decision.work)  # an overflow from another shape weighs what the router weighed
             gauge = self.metrics.child(self.metrics.in_flight, decision.pool)
             gauge.inc()
             try:
@@ -138,7 +130,7 @@ class Proxy:
                 self.metrics.child(self.metrics.retries, decision.pool).inc()
                 continue
             finally:
-                replica.end(budget_tokens, work)
+                replica.end(budget_tokens, decision.work)
                 gauge.dec()
                 if self.waits.num_waiting:
                     self.waits.wake(replica.pool, loop.time())
