@@ -210,6 +210,18 @@ class _Run:
         )
 
 
+# The rates searched for the largest one meeting the SLOs, as multiples of the offline throughput: past
+# it a queue grows without end, which a finite simulation hides, so the search stops a little above it.
+RATE_BRACKET = (1e-3, 1.2)
+
+
+def offline_rate_rps(perf: PerfModel, workloads: Sequence[Workload], weights: Sequence[float]) -> float:
+    """The closed-form offline request rate of the mix's mean request: what the rate search is bracketed by."""
+    isl = int(np.average([w.isl for w in workloads], weights=weights))
+    osl = max(1, int(np.average([w.osl for w in workloads], weights=weights)))
+    return predict_offline(perf, isl, osl).request_rate
+
+
 def max_rate_under_slo(
     perf: PerfModel,
     workloads: Sequence[Workload],
@@ -228,9 +240,8 @@ def max_rate_under_slo(
         result = simulate(perf, mix, weights, seed=seed)
         return result.ttft_p99_s <= ttft_p99_s and result.tpot_p99_s <= tpot_p99_s
 
-    mean_osl = float(np.average([w.osl for w in workloads], weights=weights))
-    ceiling = predict_offline(perf, int(np.average([w.isl for w in workloads], weights=weights)), max(1, int(mean_osl))).request_rate
-    low, high = ceiling * 1e-3, ceiling * 1.2
+    ceiling = offline_rate_rps(perf, workloads, weights)
+    low, high = ceiling * RATE_BRACKET[0], ceiling * RATE_BRACKET[1]
     if not meets(low):
         return 0.0
     while high - low > rel_tol * high:

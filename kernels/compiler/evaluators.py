@@ -24,14 +24,13 @@ from kernels.config import EngineConfig
 from kernels.engine import Engine
 from kernels.engine_types import EngineRequest
 from kernels.perf import IterationShape, PerfModel
-from kernels.predict import Prediction, Workload, predict_offline, simulate
+from kernels.predict import RATE_BRACKET, Prediction, Workload, offline_rate_rps, simulate
 
 BOTTLENECKS = ("memory-bound", "compute-bound", "kv-capacity", "queueing")
 _SIM_REQUESTS = 240  # simulated requests per bisection step: p99 over 240 is the 3rd-worst request
 _KV_FULL = 0.85
 _SLO_SLACK = 0.5  # both p99s under half their SLO at the best rate: capacity, not latency, caps it
 _RATE_STEP = 1.02  # the rate grid (req/s per replica): goodput is the largest 1.02**k meeting both SLOs
-_TRICKLE, _CEILING = 1e-3, 1.2  # the grid spans these multiples of the offline (closed-form) throughput
 _LADDERS_KEPT = 64  # configurations whose simulations an evaluator remembers
 
 
@@ -146,11 +145,9 @@ class _RateLadder:
     def for_config(cls, model: ModelSpec, gpu: GpuSpec, config: EngineConfig, shape: TrafficShape, seed: int) -> _RateLadder:
         perf = PerfModel(model, gpu, config)
         workloads, weights = shape_workloads(shape, perf.config.enable_prefix_caching)
-        isl = int(np.average([w.isl for w in workloads], weights=weights))
-        osl = max(1, int(np.average([w.osl for w in workloads], weights=weights)))
-        ceiling = predict_offline(perf, isl, osl).request_rate
-        low = math.ceil(math.log(_TRICKLE * ceiling, _RATE_STEP))
-        high = max(low + 1, math.floor(math.log(_CEILING * ceiling, _RATE_STEP)))
+        ceiling = offline_rate_rps(perf, workloads, weights)
+        low = math.ceil(math.log(RATE_BRACKET[0] * ceiling, _RATE_STEP))
+        high = max(low + 1, math.floor(math.log(RATE_BRACKET[1] * ceiling, _RATE_STEP)))
         return cls(perf, workloads, weights, shape, seed, low, high)
 
     def run(self, step: int) -> Prediction:
@@ -187,7 +184,7 @@ class _RateLadder:
         step = math.floor(math.log(goodput_rps, _RATE_STEP) + 1e-9) + 1  # the first grid rate above goodput_rps
         if step >= self.high:
             return (f"cannot exceed {goodput_rps:.3g} req/s: rates are searched up to {_RATE_STEP ** (self.high - 1):.3g} "
-                    f"req/s, {_CEILING}x its offline throughput (a finite simulation past it hides the growing queue)")
+                    f"req/s, {RATE_BRACKET[1]}x its offline throughput (a finite simulation past it hides the growing queue)")
         if step < self.low or self.meets(step):
             return None
         at = self.run(step)
