@@ -22,9 +22,13 @@ DOMAINS: tuple[str, ...] = (
 )
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class Shape:
-    """One request's classification: its features, predictions and the shape name they select."""
+    """One request's classification: its features, predictions and the shape name they select.
+
+    Treat it as read-only. It is not ``frozen``: a frozen dataclass sets each field through
+    ``object.__setattr__``, which doubled the cost of building one on every request.
+    """
 
     name: str
     domain: str
