@@ -5,13 +5,11 @@ multinomial ``LogisticRegression``). Serving does not call scikit-learn: a promp
 and tail window is tokenized in C (one UTF-8 encode, one ``bytes.translate``, one regex
 ``findall``) and the vocabulary is a dict keyed by a token or a (token, token) pair, so a prompt's
 features are two C-level ``map(dict.get, ...)`` passes with no bigram strings built. Scores sum
-idf-scaled weight rows: for the few dozen features of a short prompt, each row is one Python int
-packing its ten values as 64-bit fixed-point fields, so one C-level ``sum`` adds whole rows and one
-``struct`` unpack splits the total (numpy's per-call overhead, or ten float objects per row, cost
-several times more inside a busy event loop); above that, one numpy gather and reduce. Both give
-the numbers scikit-learn computes to 1e-12 (tests/classifiers check the paths agree). A 32k-token
-prompt costs what a short one with a full window does: nothing before the window reads more than
-the window.
+idf-scaled weight rows, each row one Python int packing its values as 64-bit fixed-point fields:
+one C-level ``sum`` adds whole rows and one ``struct`` unpack splits the total (a numpy gather and
+reduce, or ten float objects per row, cost more at every feature count a window can hold). The
+scores are scikit-learn's to ~1e-11 (tests/classifiers check). A 32k-token prompt costs what a
+short one with a full window does: nothing before the window reads more than the window.
 """
 
 from __future__ import annotations
@@ -34,12 +32,14 @@ METADATA_FILE = "metadata.json"
 
 HEAD_CHARS = 384
 TAIL_CHARS = 384
-# Above this many distinct features one numpy gather+reduce beats summing packed Python ints.
-MAX_PYTHON_SUM_FEATURES = 48
+# A window has at most HEAD_CHARS + TAIL_CHARS + 1 tokens (each holds a character at least), so a
+# prompt has at most twice that many distinct features (tokens and adjacent pairs).
+MAX_FEATURES_PER_PROMPT = 2 * (HEAD_CHARS + TAIL_CHARS + 1)
 # A packed row field holds offset + value x scale in 64 bits (scale: |value x scale| <= offset / 2).
 # The offset keeps every field non-negative, so fields add without borrowing; each stays below
-# 1.5 x 2**57, so the sum of MAX_PYTHON_SUM_FEATURES rows (up to 85) fits its 64 bits.
-_FIELD_OFFSET = 1 << 57
+# 1.5 x offset, so a sum of MAX_FEATURES_PER_PROMPT rows fits its 64 bits.
+_FIELD_OFFSET = 1 << 52
+assert MAX_FEATURES_PER_PROMPT * 3 * _FIELD_OFFSET // 2 < 1 << 64
 
 # One bytes.translate lower-cases ASCII and maps digits to 0 (numbers matter by shape, not value).
 _BYTE_TABLE = bytes.maketrans(
@@ -107,8 +107,7 @@ class DomainModel:
     temperature: float = 1.0  # confidence = softmax(scores / temperature), fitted on held-out rows
     # Serving tables derived from the fields above (__post_init__).
     _feature_ids: dict[bytes | tuple[bytes, bytes], int] = field(init=False, repr=False, compare=False)
-    _table: np.ndarray = field(init=False, repr=False, compare=False)  # rows: idf*coef, then idf**2
-    _packed_rows: list[int] = field(init=False, repr=False, compare=False)  # the same rows, fixed-point fields
+    _packed_rows: list[int] = field(init=False, repr=False, compare=False)  # idf*coef, then idf**2: fixed-point fields
     _row_scale: float = field(init=False, repr=False, compare=False)  # a field's value x this is the row's value
     _unpack_row: struct.Struct = field(init=False, repr=False, compare=False)
     _intercept: tuple[float, ...] = field(init=False, repr=False, compare=False)
@@ -126,7 +125,6 @@ class DomainModel:
         scale = 2.0 ** (math.floor(math.log2(_FIELD_OFFSET / largest)) - 1) if largest > 0 else 1.0
         fields = (np.rint(table * scale).astype(np.int64) + _FIELD_OFFSET).astype("<u8")
         object.__setattr__(self, "_feature_ids", feature_ids)
-        object.__setattr__(self, "_table", table)
         object.__setattr__(self, "_packed_rows", [int.from_bytes(row.tobytes(), "little") for row in fields])
         object.__setattr__(self, "_row_scale", 1.0 / scale)
         object.__setattr__(self, "_unpack_row", struct.Struct(f"<{table.shape[1]}Q"))
@@ -145,12 +143,9 @@ class DomainModel:
         ids = self._feature_set(text)
         if not ids:
             return list(self._intercept)
-        if len(ids) <= MAX_PYTHON_SUM_FEATURES:
-            packed = sum(map(self._packed_rows.__getitem__, ids))
-            offset, scale = len(ids) * _FIELD_OFFSET, self._row_scale
-            sums = [(total - offset) * scale for total in self._unpack_row.unpack(packed.to_bytes(self._unpack_row.size, "little"))]
-        else:
-            sums = self._table[np.fromiter(ids, dtype=np.intp, count=len(ids))].sum(axis=0).tolist()
+        packed = sum(map(self._packed_rows.__getitem__, ids))
+        offset, scale = len(ids) * _FIELD_OFFSET, self._row_scale
+        sums = [(total - offset) * scale for total in self._unpack_row.unpack(packed.to_bytes(self._unpack_row.size, "little"))]
         norm = 1.0 / math.sqrt(sums.pop())  # l2 norm of the tf-idf vector (binary tf: sqrt of idf**2 sum)
         return [total * norm + bias for total, bias in zip(sums, self._intercept)]
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import shutil
 from dataclasses import replace
+from itertools import pairwise
 from pathlib import Path
 
 import numpy as np
@@ -12,7 +13,8 @@ import pytest
 
 from classifiers.datasets import Example
 from classifiers.domain import (
-    MAX_PYTHON_SUM_FEATURES,
+    MAX_FEATURES_PER_PROMPT,
+    DomainModel,
     ModelFileError,
     builtin_model_dir,
     load_builtin_domain_model,
@@ -91,8 +93,7 @@ def test_sklearn_and_fast_paths_agree() -> None:
     examples = TINY * 2  # min_df=2 needs each term twice
     pipeline = fit_pipeline(examples)
     fast = export_pipeline(pipeline, {})
-    every_term = " ".join(e.text for e in TINY)  # past the plain-Python sum: takes the numpy branch
-    assert len(fast._feature_set(every_term)) > MAX_PYTHON_SUM_FEATURES >= len(fast._feature_set(TINY[0].text))
+    every_term = " ".join(e.text for e in TINY)
     probes = [e.text for e in TINY] + ["an unseen prompt with no known words zzz", "", "how many dollars per hour",
                                        every_term]
     expected = pipeline.decision_function(probes)
@@ -106,6 +107,24 @@ def test_sklearn_and_fast_paths_agree() -> None:
         domain, confidence = warm.predict(probe)
         softmax = np.exp(row / 2.5 - (row / 2.5).max())
         assert domain == fast.predict(probe)[0] and confidence == pytest.approx(softmax.max() / softmax.sum())
+
+
+def test_packed_row_sums_hold_a_full_window_of_extreme_weights() -> None:
+    # every feature of a window full of distinct words and pairs carries the largest weight, of
+    # one sign per class: the fixed-point fields must add up without overflowing into each other
+    words = [a + b for a in "abcdefghijklmnopqrstuvwxyz" for b in "abcdefgh"][:200]  # digits would all read 0
+    terms = words + [f"{a} {b}" for a, b in pairwise(words)]
+    rng = np.random.default_rng(0)
+    coef = np.where(np.arange(4) % 2 == 0, 1.0, -1.0)[None, :] * rng.uniform(0.999, 1.0, (len(terms), 4))
+    model = DomainModel(("a", "b", "c", "d"), {t: i for i, t in enumerate(terms)}, np.full(len(terms), 9.0),
+                        coef * 50.0, np.array([0.1, -0.2, 0.3, 0.0]), {})
+    text = " ".join(words)
+    ids = sorted(model._feature_set(text))
+    assert len(ids) == len(terms)  # 599 characters: the whole text is the window
+    weighted = model.coef[ids] * model.idf[ids, None]
+    expected = weighted.sum(axis=0) / np.sqrt((model.idf[ids] ** 2).sum()) + model.intercept
+    assert np.allclose(model.scores(text), expected, rtol=0, atol=1e-9)
+    assert MAX_FEATURES_PER_PROMPT >= len(ids)
 
 
 def test_a_model_round_trips_through_its_files(tmp_path: Path) -> None:
