@@ -129,7 +129,10 @@ class PromptSource:
         cache_key = (domain, hash_id)
         block = self._block_cache.get(cache_key)
         if block is None:
-            block = cut_to_tokens(self._running_text(domain, hash_id, HASH_BLOCK_TOKENS), HASH_BLOCK_TOKENS, self._count)
+            # tagged with its id: the corpus repeats, so untagged blocks of different ids could read alike and
+            # a text-hashing prefix cache (a router that drops hash_ids) would hit where the ids say it cannot
+            text = f"[{hash_id}] " + self._running_text(domain, hash_id, HASH_BLOCK_TOKENS)
+            block = cut_to_tokens(text, HASH_BLOCK_TOKENS, self._count)
             if len(self._block_cache) >= _MAX_CACHED_BLOCKS:
                 self._block_cache.clear()
             self._block_cache[cache_key] = block

@@ -6,8 +6,8 @@ import os
 
 import pytest
 
-from classifiers.tokens import count_chat_tokens, estimate_tokens
 from classifiers.shape import DOMAINS
+from classifiers.tokens import count_chat_tokens, estimate_tokens
 from loadtest.prompts import PromptSource, chat_overhead_tokens, corpus, cut_to_tokens
 from loadtest.spec import HASH_BLOCK_TOKENS, RequestSpec
 
@@ -58,6 +58,11 @@ def test_equal_leading_hash_ids_share_a_text_prefix_and_others_do_not() -> None:
     assert estimate_tokens(shared) >= 2 * HASH_BLOCK_TOKENS - 2
     assert estimate_tokens(os.path.commonprefix([a, c])) < 20
     assert _gateway_count(a) == 1500 and _gateway_count(b) == 1400
+    # ids that land on the same corpus prompt still read differently: a prefix cache that hashes the
+    # text (a router that drops hash_ids) must not find a shared prefix the ids deny
+    again = 1 + len(corpus("chat"))
+    d = source.text_for(RequestSpec(0.0, 1400, 8, hash_ids=(again, 2, 3)), key=3)
+    assert estimate_tokens(os.path.commonprefix([a, d])) < 20
 
 
 def test_a_spec_with_text_is_sent_verbatim() -> None:
