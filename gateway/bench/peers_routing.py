@@ -11,7 +11,13 @@ and the tier objectives too, so goodput, TTFT and TPOT are judged per tier in th
 time; reported times are engine seconds. A speed below 1 emulates slower GPUs: the fleet is then busy
 at a wall-clock request rate that two cores can send and proxy, so the figures measure routing, not
 the proxies' CPU (each run reports whether the load generator kept up). Rounds alternate the
-routers' order, and the fleet drains between runs.
+routers' order, and the fleet drains between runs. Replicas keep their prefix caches between runs,
+so each run moves the workload's hash ids (and so its prompt text) by a salt of its own: every run
+starts with its prefixes uncached, and requests that share a prefix within a run still share it
+(replaying the same ids handed a later run the earlier runs' prefill: one router's attainment moved
+0.63 -> 0.94 between rounds on that alone). Each run also reports where the requests went:
+per replica, the requests finished and the prompt tokens prefilled beyond the prefix cache (the
+replicas' own sglang counters), which is what tells one router's placement from another's.
 """
 
 from __future__ import annotations
@@ -22,8 +28,9 @@ import sys
 import time
 import urllib.request
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import orjson
 
@@ -32,6 +39,9 @@ from gateway.bench.measure import median_of, round_order
 from gateway.bench.peers_stack import sglang_router_argv
 from gateway.bench.processes import ProcessRegistry, free_port, wait_for_port
 from gateway.bench.stack import Target
+
+if TYPE_CHECKING:
+    from loadtest.spec import Workload
 
 SCENARIO_PATH = Path(__file__).with_name("data") / "peers-routing.yaml"
 MODEL = "llama-3.1-8b"
@@ -67,6 +77,16 @@ class RoutingFigures:
     tier_to_attainment: dict[str, float]  # share of the tier's requests that met its TTFT and TPOT objectives
     interactive_tpot_p99_s: float | None
     generator_kept_up: bool  # every run's load generator sent at its target rate (else the CPU, not routing, is measured)
+    replica_split: tuple[ReplicaShare, ...] = ()  # medians over rounds, one per replica
+
+
+@dataclass(frozen=True, slots=True)
+class ReplicaShare:
+    """What one replica served in a run: from its counters' change over the run."""
+
+    replica: str
+    num_requests: int
+    uncached_prompt_tokens: int  # prefilled tokens the prefix cache did not cover: its prefill work
 
 
 def run_routing(
@@ -160,10 +180,12 @@ def _measure(
     workload = speed_up(build_workload(scenario, args.routing_duration, args.routing_rate or None, args.seed), speed)
     tier_to_slo = {tier: TierSlo(slo.ttft_s / speed, slo.tpot_s / speed) for tier, slo in DEFAULT_TIER_SLOS.items()}
     replica_urls = [url for urls in pool_to_urls.values() for url in urls]
+    replica_names = [f"{pool}-{index}" for pool, urls in pool_to_urls.items() for index in range(len(urls))]
     targets = [Target(name, url, url, None) for name, url in name_to_url.items()]
     name_to_runs: dict[str, list[dict[str, object]]] = {name: [] for name in name_to_url}
     say(f"routing quality: {len(workload.specs)} requests over {workload.duration_s:.0f} s wall "
         f"({args.routing_duration:.0f} s of engine time at speed {speed:g}), {args.routing_rounds} round(s)")
+    num_runs = 0
     for round_index in range(args.routing_rounds):
         for target in round_order(targets, round_index):
             _wait_for_idle(replica_urls, _DRAIN_TIMEOUT_S)
@@ -171,19 +193,33 @@ def _measure(
                 target_url=target.json_url, model=MODEL, api_key=payloads.DEMO_API_KEY, progress=False,
                 drain_timeout_s=60.0,
             )
-            outcome = run(workload, config, tier_to_slo)
+            before = [_counters(url) for url in replica_urls]
+            num_runs += 1
+            outcome = run(with_fresh_prefixes(workload, num_runs), config, tier_to_slo)
+            split = replica_split(replica_names, before, [_counters(url) for url in replica_urls])
             facts = RunFacts(workload.name, target.json_url, outcome.model, outcome.mode, True, outcome.duration_s)
             summary = summarize(outcome.records, facts, tier_to_slo)
             # Goodput over the offered span, not until the last straggler answers: a router that
             # leaves one long request queued must not look better for it.
             summary["goodput_rps"] = summary["slo_attainment"] * len(outcome.records) / workload.duration_s
             summary["generator_kept_up"] = kept_up(summary, speed)
+            summary["replica_split"] = split
             name_to_runs[target.name].append(summary)
             tiers = ", ".join(f"{tier} {_tier_attainment(summary, tier):.3f}" for tier in TIERS)
             say(f"  {target.name:20s} round {round_index + 1}: goodput {summary['goodput_rps'] / speed:.2f} req/s, "
                 f"attainment {summary['slo_attainment']:.3f} ({tiers}), TTFT p99 {_engine_s(summary['ttft_s'], 'p99', speed)} s, "
-                f"{summary['errors']} errors{'' if summary['generator_kept_up'] else '; the load generator fell behind'}")
+                f"{summary['errors']} errors{'' if summary['generator_kept_up'] else '; the load generator fell behind'}; "
+                f"per replica {format_split(split)}")
     return [_figures(name, runs, speed) for name, runs in name_to_runs.items()]
+
+
+def with_fresh_prefixes(workload: Workload, salt_index: int) -> Workload:
+    """The same requests with every hash id moved by ``salt_index`` x 2^49 (above any scenario's id space,
+    under 2^53 for a dozen runs): no prefix a replica cached in an earlier run matches."""
+    salt = salt_index << 49
+    specs = tuple(replace(spec, hash_ids=tuple(h + salt for h in spec.hash_ids)) if spec.hash_ids else spec
+                  for spec in workload.specs)
+    return replace(workload, specs=specs)
 
 
 def kept_up(summary: dict[str, object], speed: float) -> bool:
@@ -198,6 +234,42 @@ def kept_up(summary: dict[str, object], speed: float) -> bool:
     tightest_ttft_s = min(slo.ttft_s for slo in DEFAULT_TIER_SLOS.values())
     return float(achieved) >= float(target) * (1 - _MAX_RATE_SHORTFALL) and \
         lag_p99_ms / 1000 * speed <= _MAX_LAG_SHARE_OF_TTFT * tightest_ttft_s  # type: ignore[operator]
+
+
+def replica_split(names: Sequence[str], before: Sequence[dict[str, float]], after: Sequence[dict[str, float]]) -> tuple[ReplicaShare, ...]:
+    """Each replica's share of a run from its counters before and after it."""
+    def change(key: str, start: dict[str, float], end: dict[str, float]) -> float:
+        return end.get(key, 0.0) - start.get(key, 0.0)
+
+    return tuple(
+        ReplicaShare(name, round(change("num_requests_total", start, end)),
+                     round(change("prompt_tokens_total", start, end) - change("cached_tokens_total", start, end)))
+        for name, start, end in zip(names, before, after, strict=True)
+    )
+
+
+def format_split(split: Sequence[ReplicaShare]) -> str:
+    """``name requests/uncached prompt ktok`` per replica."""
+    return ", ".join(f"{share.replica} {share.num_requests}/{share.uncached_prompt_tokens / 1000:.0f}k" for share in split)
+
+
+_COUNTERS = ("num_requests_total", "prompt_tokens_total", "cached_tokens_total")
+
+
+def parse_counters(text: str) -> dict[str, float]:
+    """The sglang counters a replica's Prometheus text carries (``sglang:<name>{labels} value``)."""
+    out: dict[str, float] = {}
+    for line in text.splitlines():
+        if line.startswith("sglang:"):
+            name = line[len("sglang:"):].split("{", 1)[0].split(" ", 1)[0]
+            if name in _COUNTERS:
+                out[name] = out.get(name, 0.0) + float(line.rsplit(" ", 1)[1])
+    return out
+
+
+def _counters(base_url: str) -> dict[str, float]:
+    with urllib.request.urlopen(base_url + "/metrics", timeout=5) as response:
+        return parse_counters(response.read().decode())
 
 
 def _engine_s(percentiles: object, key: str, speed: float) -> float | None:
@@ -232,6 +304,16 @@ def _figures(name: str, runs: Sequence[dict[str, object]], speed: float) -> Rout
         tier_to_attainment={tier: median_of([_tier_attainment(run, tier) for run in runs]) for tier in TIERS},
         interactive_tpot_p99_s=_median_or_none(interactive_tpot),
         generator_kept_up=all(bool(run["generator_kept_up"]) for run in runs),
+        replica_split=_median_split([run["replica_split"] for run in runs]),  # type: ignore[misc]
+    )
+
+
+def _median_split(splits: Sequence[Sequence[ReplicaShare]]) -> tuple[ReplicaShare, ...]:
+    by_replica = zip(*splits, strict=True)
+    return tuple(
+        ReplicaShare(shares[0].replica, round(median_of([s.num_requests for s in shares])),
+                     round(median_of([s.uncached_prompt_tokens for s in shares])))
+        for shares in by_replica
     )
 
 
@@ -246,6 +328,8 @@ def routing_summary(figures: Sequence[RoutingFigures], args: argparse.Namespace)
             "errors": item.num_errors,
             "slo_attainment_by_tier": {tier: round(value, 4) for tier, value in item.tier_to_attainment.items()},
             "interactive_tpot_p99_s": item.interactive_tpot_p99_s, "generator_kept_up": item.generator_kept_up,
+            "replicas": {share.replica: {"requests": share.num_requests, "uncached_prompt_tokens": share.uncached_prompt_tokens}
+                         for share in item.replica_split},
         }
         for item in figures
     }
@@ -281,6 +365,9 @@ def format_routing_table(figures: Sequence[RoutingFigures], args: argparse.Names
             f"{_cell(item.ttft_p50_s, 10)} {_cell(item.ttft_p99_s, 10)} {_cell(item.interactive_tpot_p99_s, 15)} "
             f"{item.num_requests:8d} {item.num_errors:6d}{'' if item.generator_kept_up else '  (load generator fell behind)'}"
         )
+    splits = [f"{item.router} {format_split(item.replica_split)}" for item in figures if item.replica_split]
+    if splits:
+        lines.append("requests/uncached prompt tokens per replica (medians): " + "; ".join(splits))
     rate = f"{args.routing_rate:g} req/s" if args.routing_rate else "the scenario's rate"
     lines.append(f"fleet: 2x H100 (short-chat engine) + 2x H200 (long-context engine), speed {args.speed:g}; "
                  f"workload {SCENARIO_PATH.name} at {rate}, seed {args.seed}; times and goodput in engine seconds; "

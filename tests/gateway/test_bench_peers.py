@@ -13,7 +13,17 @@ from gateway.bench import cli, peers_report
 from gateway.bench.load import WrkResult
 from gateway.bench.peers import parse_list
 from gateway.bench.peers_raw import PeerFigures, common_rate
-from gateway.bench.peers_routing import RoutingFigures, format_routing_table, kept_up, routing_summary, write_polymorph_config
+from gateway.bench.peers_routing import (
+    ReplicaShare,
+    RoutingFigures,
+    format_routing_table,
+    kept_up,
+    parse_counters,
+    replica_split,
+    routing_summary,
+    with_fresh_prefixes,
+    write_polymorph_config,
+)
 from gateway.bench.peers_stack import RAW_PEERS, write_litellm_config
 from gateway.config import load_config
 
@@ -109,3 +119,35 @@ def test_the_generator_kept_up_when_its_rate_held_and_its_lag_is_small_next_to_t
     assert kept_up(run(50.0, 80.0), speed=0.5)  # 40 ms of engine time: 4% of interactive's 1 s TTFT
     assert not kept_up(run(50.0, 80.0), speed=1.0)
     assert not kept_up(run(45.0, 1.0), speed=0.5)  # sent 10% short of the offered rate
+
+
+def test_replica_split_is_each_replicas_requests_and_uncached_prefill_over_the_run() -> None:
+    metrics = (
+        "# TYPE sglang:num_requests_total counter\n"
+        'sglang:num_requests_total{model_name="m"} 30.0\n'
+        'sglang:prompt_tokens_total{model_name="m"} 9000.0\n'
+        'sglang:cached_tokens_total{model_name="m"} 6000.0\n'
+        'sglang:num_running_reqs{model_name="m"} 4.0\n'
+    )
+    after = parse_counters(metrics)
+    assert after == {"num_requests_total": 30.0, "prompt_tokens_total": 9000.0, "cached_tokens_total": 6000.0}
+    before = {"num_requests_total": 10.0, "prompt_tokens_total": 1000.0, "cached_tokens_total": 500.0}
+    split = replica_split(["chat-0", "long-0"], [before, {}], [after, after])
+    assert split == (ReplicaShare("chat-0", 20, 2500), ReplicaShare("long-0", 30, 3000))
+    args = _args(["--parts", "routing"])
+    figures = [replace(_routing("polymorph-shapes", 91.0, 0.99), replica_split=split)]
+    assert routing_summary(figures, args)["routers"]["polymorph-shapes"]["replicas"]["long-0"] == {  # type: ignore[index]
+        "requests": 30, "uncached_prompt_tokens": 3000}
+    assert "chat-0 20/2k" in format_routing_table(figures, args)
+
+
+def test_each_run_gets_fresh_prefixes_that_its_requests_still_share() -> None:
+    from loadtest.spec import RequestSpec, Workload
+
+    shared, own = (7, 8), (100, 101)
+    specs = (RequestSpec(0.0, 1500, 8, hash_ids=shared + own), RequestSpec(0.1, 1500, 8, hash_ids=shared + (102,)), RequestSpec(0.2, 50, 8))
+    workload = Workload("w", specs, 1.0)
+    first, second = with_fresh_prefixes(workload, 1), with_fresh_prefixes(workload, 2)
+    assert first.specs[0].hash_ids[:2] == first.specs[1].hash_ids[:2]  # the shared prefix stays shared within a run
+    assert not set(first.specs[0].hash_ids) & (set(second.specs[0].hash_ids) | set(specs[0].hash_ids))  # nothing cached earlier matches
+    assert first.specs[2] == specs[2] and [s.input_tokens for s in first.specs] == [s.input_tokens for s in specs]
