@@ -102,8 +102,11 @@ def route(
     wait_s = settings.wait_share * slo.ttft_p99_s
     has_own = any(shape.name in p.shapes for p in serving)
     works = [work_units(shape, p) for p in serving]  # computed once: ranking, queueing and the route's books
-    scored = sorted((_rank(p, shape, now, slo.priority, wait_s, settings, has_own, works[i]), i, p) for i, p in enumerate(serving))
-    ranked = [(p, works[i]) for _, i, p in scored]
+    if len(serving) == 1:  # nothing to rank (one pool per model is common): spare the hot path the scoring
+        ranked = [(serving[0], works[0])]
+    else:
+        scored = sorted((_rank(p, shape, now, slo.priority, wait_s, settings, has_own, works[i]), i, p) for i, p in enumerate(serving))
+        ranked = [(p, works[i]) for _, i, p in scored]
     if tiers is not None:
         best, work = ranked[0]
         own = shape.name in best.shapes
