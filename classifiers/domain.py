@@ -120,7 +120,7 @@ class DomainModel:
             for term, i in self.vocabulary.items()
         }
         table = np.ascontiguousarray(np.hstack([self.coef * self.idf[:, None], (self.idf**2)[:, None]]))
-        # The largest power-of-two scale that keeps every |value| x scale below the offset.
+        # The largest power-of-two scale that keeps every |value| x scale within half the offset.
         largest = float(np.abs(table).max()) if table.size else 1.0
         scale = 2.0 ** (math.floor(math.log2(_FIELD_OFFSET / largest)) - 1) if largest > 0 else 1.0
         fields = (np.rint(table * scale).astype(np.int64) + _FIELD_OFFSET).astype("<u8")
