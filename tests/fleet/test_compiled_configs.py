@@ -178,6 +178,12 @@ def test_closing_the_live_source_kills_a_compile_in_flight(tmp_path: Path) -> No
     processes = list(source.worker._pool._processes.values())  # type: ignore[attr-defined]
     assert processes and processes[0].is_alive()
     source.close()
+    # The executor's manager thread joins the same processes: when it reaps a child first, our
+    # is_alive() reads True until that thread records the exit code, a moment later. A compile that
+    # was not killed would run for minutes (its budget is 600 s), far past this bound.
+    deadline = time.monotonic() + 10.0
+    while any(p.is_alive() for p in processes) and time.monotonic() < deadline:
+        time.sleep(0.05)
     assert not any(p.is_alive() for p in processes) and source.ready(now=1.0) == []
 
 
