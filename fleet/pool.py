@@ -77,6 +77,11 @@ class PoolState:
     def num_in_flight(self) -> int:
         return sum(r.num_in_flight for r in self.replicas)
 
+    @property
+    def work_in_flight(self) -> float:
+        """The replicas' work in flight, in units of this pool's own requests."""
+        return sum(r.work_in_flight for r in self.replicas)
+
     def num_routable(self, now: float) -> int:
         return sum(1 for r in self.replicas if not r.draining and r.breaker.available(now))
 
@@ -94,7 +99,7 @@ class PoolState:
     def load_fraction(self, now: float) -> float:
         """Work in flight over what the available replicas run at once (inf when none is available)."""
         capacity = self.num_routable(now) * self.max_running_per_replica
-        return sum(r.work_in_flight for r in self.replicas) / capacity if capacity else float("inf")
+        return self.work_in_flight / capacity if capacity else float("inf")
 
     def cost_per_request(self) -> float:
         """GPU cost of one request served at capacity (0 when rate or price is unknown)."""

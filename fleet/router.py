@@ -100,11 +100,11 @@ def route(
         return Reject(404, "model_not_found", f"no pool serves model {model!r}", 0.0)
     slo = (tiers or DEFAULT_TIERS).get(shape.tier) or DEFAULT_TIERS["standard"]
     wait_s = settings.wait_share * slo.ttft_p99_s
-    has_own = any(shape.name in p.shapes for p in serving)
     works = [work_units(shape, p) for p in serving]  # computed once: ranking, queueing and the route's books
     if len(serving) == 1:  # nothing to rank (one pool per model is common): spare the hot path the scoring
         ranked = [(serving[0], works[0])]
     else:
+        has_own = any(shape.name in p.shapes for p in serving)
         scored = sorted((_rank(p, shape, now, slo.priority, wait_s, settings, has_own, works[i]), i, p) for i, p in enumerate(serving))
         ranked = [(p, works[i]) for _, i, p in scored]
     if tiers is not None:
@@ -171,7 +171,7 @@ def work_units(shape: Shape, pool: PoolState) -> float:
         return 1.0
     if pool.mean_prompt_tokens > 0 and pool.mean_output_tokens > 0:
         return max(1.0, shape.prompt_tokens / pool.mean_prompt_tokens, shape.predicted_output_p50 / pool.mean_output_tokens)
-    num_in_flight = sum(r.num_in_flight for r in pool.replicas)
+    num_in_flight = pool.num_in_flight
     tokens = sum(r.outstanding_tokens for r in pool.replicas)
     if num_in_flight <= 0 or tokens <= 0:
         return 1.0
@@ -215,7 +215,7 @@ def _balance_load(pool: PoolState, now: float) -> float:
     if pool.knows_capacity:
         return pool.load_fraction(now)
     n = pool.num_routable(now)
-    return sum(r.work_in_flight for r in pool.replicas) / n if n else math.inf
+    return pool.work_in_flight / n if n else math.inf
 
 
 def _should_shed(shape: Shape, ordered: list[PoolState], now: float, settings: RouterSettings, tiers: Mapping[str, TierSlo]) -> bool:
