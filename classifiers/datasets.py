@@ -13,6 +13,8 @@ import random
 import re
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
+from functools import cache
+from importlib import resources
 from pathlib import Path
 
 from classifiers.shape import DOMAINS
@@ -29,6 +31,12 @@ SHARED_LABEL_TO_DOMAIN: dict[str, str] = {
 # AlpacaEval set) are open conversational requests, so they stand in for `chat` by a source rule,
 # the same way T0's labels come from a (dataset, template) rule. README.md says so next to the score.
 WEAK_CHAT_DATASETS = frozenset({"helpful_base"})
+
+# Sets that ship without task labels and are labelled by this package (classifiers/labels/<set>.json,
+# which says by whom and what was left out): the Self-Instruct user-oriented instructions are what
+# people type into everyday apps (emails, posts, recipes, code), a register no other set has; without
+# them "Write a ..." meant code (MBPP's phrasing), so "Write a haiku" was code at 0.98.
+LABELLED_HERE = ("self_instruct",)
 
 # Cross-dataset split: these T0 datasets are held out whole, so every test prompt comes from a
 # dataset (and templates) training never saw. Chosen so every class keeps training data.
@@ -76,15 +84,26 @@ class _UnionFind:
         self.parent[self.find(a)] = self.find(b)
 
 
+@cache
+def labels_here(set_name: str) -> dict[str, str]:
+    """Row id -> domain for a set in LABELLED_HERE."""
+    document = json.loads((resources.files("classifiers") / "labels" / f"{set_name}.json").read_text(encoding="utf-8"))
+    return document["labels"]
+
+
 def _shared_rows(prompts_dir: Path) -> Iterator[tuple[str, dict, int]]:
     for path in sorted(prompts_dir.glob("*/prompts.jsonl*")):
+        folder = path.parent.name
+        ours = labels_here(folder) if folder in LABELLED_HERE else {}
         for row_num, row in enumerate(_read_jsonl(path)):
             text = row.get("text")
             label = row.get("label")
             if label is None and row.get("dataset") in WEAK_CHAT_DATASETS:
                 label = "general_chat"
+            if label is None:
+                label = ours.get(row.get("id"))
             if isinstance(text, str) and text.strip() and label is not None:
-                yield path.parent.name, {**row, "label": label}, row_num
+                yield folder, {**row, "label": label}, row_num
 
 
 def _t0_groups(rows: list[tuple[str, dict, int]]) -> dict[str, str]:
@@ -119,6 +138,8 @@ def _shared_examples(prompts_dir: Path) -> Iterator[Example]:
             group = t0_groups.get(row["template"], f"{dataset}/{row['template']}/{row['line']}")
         elif folder == "mbpp":
             group = f"mbpp/{row['task_id']}"
+        elif folder == "self_instruct":
+            group = f"self_instruct/{row.get('motivation_app', row_num)}"  # an app's tasks share phrasing
         else:
             group = f"{folder}/{row_num}"
         yield Example(text, domain, group, folder, dataset)

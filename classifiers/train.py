@@ -58,6 +58,12 @@ TRAINING_SETS_ATTRIBUTION = [
         "licence": "Apache-2.0 (repo); HH-RLHF is MIT",
         "used_as": "chat (weak label by source rule)",
     },
+    {
+        "set": "self_instruct user-oriented instructions",
+        "source": "yizhongw/self-instruct human_eval (labels: classifiers/labels/self_instruct.json, by the Polymorph developers)",
+        "licence": "Apache-2.0",
+        "used_as": "all nine domains (hand-labelled)",
+    },
 ]
 
 

@@ -9,12 +9,15 @@ from pathlib import Path
 import pytest
 
 from classifiers.datasets import (
+    LABELLED_HERE,
     T0_TEST_DATASETS,
     Example,
     grouped_folds,
+    labels_here,
     load_shared_examples,
     split_cross_dataset,
 )
+from classifiers.shape import DOMAINS
 
 
 def _t0_row(text: str, label: str, dataset: str, template: str, line: int) -> dict:
@@ -53,6 +56,30 @@ def test_templates_sharing_a_passage_share_a_group_and_duplicates_are_dropped(tm
     ideas = [example for example in examples if example.label == "brainstorming"]
     assert len({example.group for example in ideas}) == 2
     assert len({example.group for example in examples if example.label == "math"}) == 3
+
+
+def test_sets_labelled_here_carry_a_known_domain_for_each_row_id() -> None:
+    for set_name in LABELLED_HERE:
+        labels = labels_here(set_name)
+        assert len(labels) > 200
+        assert set(labels.values()) == set(DOMAINS)  # every domain gets everyday-register rows
+
+
+def test_unlabelled_self_instruct_rows_take_the_labels_shipped_here(tmp_path: Path) -> None:
+    _write_sets(tmp_path)
+    (tmp_path / "self_instruct").mkdir()
+    rows = [
+        {"text": "Write an email inviting my friends to dinner.", "label": None, "id": "user_oriented_task_5", "motivation_app": "Gmail"},
+        {"text": "Convert the given description to a bash command.", "label": None, "id": "user_oriented_task_190", "motivation_app": "GeeksforGeeks"},
+        {"text": "Translate the article.", "label": None, "id": "user_oriented_task_100", "motivation_app": "Wikipedia"},  # left unlabelled
+    ]
+    (tmp_path / "self_instruct" / "prompts.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
+    found = {e.text: e for e in load_shared_examples(tmp_path) if e.source == "self_instruct"}
+    assert {text: e.label for text, e in found.items()} == {
+        "Write an email inviting my friends to dinner.": "creative_writing",
+        "Convert the given description to a bash command.": "code",
+    }
+    assert found["Write an email inviting my friends to dinner."].group == "self_instruct/Gmail"  # an app's tasks stay together
 
 
 def _grid() -> list[Example]:

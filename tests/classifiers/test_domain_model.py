@@ -33,6 +33,10 @@ KNOWN = {
         "A train travels 60 miles per hour for 3 hours, then 40 miles per hour for 2 hours. How far did it go?",
         "Tom has 12 apples and gives a third of them to Ann. She eats 2. How many apples does Ann have left?",
     ],
+    # "Write a ..." is MBPP's phrasing: these were code (0.98 for the haiku) before the hand-labelled
+    # Self-Instruct rows taught the everyday register
+    "creative_writing": ["Write a haiku about GPUs.", "Write an email to my boss asking for a day off."],
+    "brainstorming": ["Suggest some names for my new coffee shop."],
 }
 
 
