@@ -33,10 +33,11 @@ SHARED_LABEL_TO_DOMAIN: dict[str, str] = {
 WEAK_CHAT_DATASETS = frozenset({"helpful_base"})
 
 # Sets that ship without task labels and are labelled by this package (classifiers/labels/<set>.json,
-# which says by whom and what was left out): the Self-Instruct user-oriented instructions are what
-# people type into everyday apps (emails, posts, recipes, code), a register no other set has; without
-# them "Write a ..." meant code (MBPP's phrasing), so "Write a haiku" was code at 0.98.
-LABELLED_HERE = ("self_instruct",)
+# keyed by a row's id or idx, says by whom and what was left out): the Self-Instruct user-oriented
+# instructions and AlpacaEval's Open Assistant, Koala and Vicuna requests are what people actually
+# type (emails, posts, recipes, code, questions), a register no labelled set has. Without them
+# "Write a ..." meant code (MBPP's phrasing), so "Write a haiku" was code at 0.98.
+LABELLED_HERE = ("alpaca_eval", "self_instruct")
 
 # Cross-dataset split: these T0 datasets are held out whole, so every test prompt comes from a
 # dataset (and templates) training never saw. Chosen so every class keeps training data.
@@ -57,6 +58,7 @@ class Example:
     group: str  # rows sharing a group (template, source document, task) land on the same side of a split
     source: str
     dataset: str = ""  # the set a row comes from ("t0/gigaword", "gsm8k"): the cross-dataset split's unit
+    labelled_here: bool = False  # the label is ours (LABELLED_HERE), not the set's or a source rule's
 
 
 def _read_jsonl(path: Path) -> Iterator[dict]:
@@ -86,7 +88,7 @@ class _UnionFind:
 
 @cache
 def labels_here(set_name: str) -> dict[str, str]:
-    """Row id -> domain for a set in LABELLED_HERE."""
+    """Row key (its ``id``, else its ``idx``, as a string) -> domain for a set in LABELLED_HERE."""
     document = json.loads((resources.files("classifiers") / "labels" / f"{set_name}.json").read_text(encoding="utf-8"))
     return document["labels"]
 
@@ -100,10 +102,11 @@ def _shared_rows(prompts_dir: Path) -> Iterator[tuple[str, dict, int]]:
             label = row.get("label")
             if label is None and row.get("dataset") in WEAK_CHAT_DATASETS:
                 label = "general_chat"
-            if label is None:
-                label = ours.get(row.get("id"))
+            labelled_here = label is None and bool(ours)
+            if labelled_here:
+                label = ours.get(str(row.get("id", row.get("idx"))))
             if isinstance(text, str) and text.strip() and label is not None:
-                yield folder, {**row, "label": label}, row_num
+                yield folder, {**row, "label": label, "labelled_here": labelled_here}, row_num
 
 
 def _t0_groups(rows: list[tuple[str, dict, int]]) -> dict[str, str]:
@@ -140,13 +143,17 @@ def _shared_examples(prompts_dir: Path) -> Iterator[Example]:
             group = f"mbpp/{row['task_id']}"
         elif folder == "self_instruct":
             group = f"self_instruct/{row.get('motivation_app', row_num)}"  # an app's tasks share phrasing
+        elif folder == "alpaca_eval":
+            dataset = f"alpaca_eval/{row.get('dataset')}"  # helpful-base, Koala, ...: each weighs as one set
+            # Vicuna's questions come in blocks of ten sharing a template ("How many ...? Try to explain")
+            group = f"{dataset}/{(row.get('idx', 725) - 725) // 10}" if row.get("dataset") == "vicuna" else f"{folder}/{row_num}"
         else:
             group = f"{folder}/{row_num}"
-        yield Example(text, domain, group, folder, dataset)
+        yield Example(text, domain, group, folder, dataset, row["labelled_here"])
         with_tests = row.get("text_with_tests")
         if isinstance(with_tests, str) and with_tests != text:
             # MBPP as its paper prompts it (task + asserts): code-looking text, same group
-            yield Example(with_tests, domain, group, folder, dataset)
+            yield Example(with_tests, domain, group, folder, dataset, row["labelled_here"])
 
 
 def dedupe(examples: Iterable[Example]) -> list[Example]:

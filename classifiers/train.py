@@ -14,7 +14,7 @@ import random
 import sys
 from collections import Counter
 from collections.abc import Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import numpy as np
@@ -57,6 +57,12 @@ TRAINING_SETS_ATTRIBUTION = [
         "source": "tatsu-lab/alpaca_eval (Anthropic HH helpful-base first turns)",
         "licence": "Apache-2.0 (repo); HH-RLHF is MIT",
         "used_as": "chat (weak label by source rule)",
+    },
+    {
+        "set": "alpaca_eval oasst, koala, vicuna",
+        "source": "tatsu-lab/alpaca_eval (labels: classifiers/labels/alpaca_eval.json, by the Polymorph developers)",
+        "licence": "Apache-2.0 (repo); each source under its own terms (OpenAssistant Apache-2.0)",
+        "used_as": "all nine domains (hand-labelled)",
     },
     {
         "set": "self_instruct user-oriented instructions",
@@ -170,10 +176,6 @@ def evaluate(truth: Sequence[str], predicted: Sequence[str], num_train: int) -> 
     )
 
 
-def score(model: DomainModel, test: Sequence[Example], num_train: int) -> Scores:
-    return evaluate([example.label for example in test], [model.predict(example.text)[0] for example in test], num_train)
-
-
 def _probabilities(scores: np.ndarray, temperature: float) -> np.ndarray:
     scaled = scores / temperature
     exp = np.exp(scaled - scaled.max(axis=1, keepdims=True))
@@ -197,6 +199,12 @@ def expected_calibration_error(scores: np.ndarray, truth: np.ndarray, temperatur
                      for b in range(bins) if (which == b).any()) / len(truth))
 
 
+# The two kinds of rows are scored apart as well as together: the sets' template and source-rule
+# labels on one side, and on the other the everyday requests labelled here, which are harder (chat
+# against qa is a judgement) and would otherwise hide whether the sets' own rows got better or worse.
+ORIGINS = {"labels of the sets": False, "labelled here": True}
+
+
 @dataclass(frozen=True, slots=True)
 class Report:
     """What training measured: both held-out splits and the confidence calibration."""
@@ -206,6 +214,8 @@ class Report:
     temperature: float
     ece_before: float  # on the pooled out-of-fold scores, temperature 1
     ece_after: float  # the same rows at the fitted temperature (in-sample for one parameter)
+    # origin (ORIGINS) -> (grouped, cross-dataset) scores of that origin's held-out rows alone
+    by_origin: dict[str, tuple[Scores, Scores]] = field(default_factory=dict)
 
     def as_dict(self) -> dict:
         return {
@@ -224,6 +234,12 @@ class Report:
                 "ece_before": round(self.ece_before, 4),
                 "ece_after": round(self.ece_after, 4),
             },
+            "by_origin": {
+                origin: {split: {"macro_f1": round(scores.macro_f1, 4), "accuracy": round(scores.accuracy, 4),
+                                 "num_test": scores.num_test}
+                         for split, scores in zip(("grouped_cv", "cross_dataset"), pair)}
+                for origin, pair in self.by_origin.items()
+            },
         }
 
 
@@ -238,27 +254,44 @@ def train_and_score(
     rng = random.Random(seed)
     examples = list(examples)
     classes = sorted({example.label for example in examples})
-    truth: list[str] = []
+    tested: list[Example] = []
     fold_scores: list[np.ndarray] = []
     train_sizes = []
     for train, test in grouped_folds(examples, seed):
         model = export_pipeline(fit_pipeline(cap_per_class(train, max_per_class, rng)), {})
-        truth.extend(example.label for example in test)
+        tested.extend(test)
         fold_scores.append(_score_matrix(model, test, classes))
         train_sizes.append(len(train))
     oof = np.vstack(fold_scores)
+    truth = [example.label for example in tested]
     truth_ids = np.array([classes.index(label) for label in truth])
-    grouped = evaluate(truth, [classes[i] for i in oof.argmax(axis=1)], round(float(np.mean(train_sizes))))
+    oof_predicted = [classes[i] for i in oof.argmax(axis=1)]
+    grouped_num_train = round(float(np.mean(train_sizes)))
+    grouped = evaluate(truth, oof_predicted, grouped_num_train)
     temperature = fit_temperature(oof, truth_ids)
 
     train, test = split_cross_dataset(examples, seed)
     if not train or not test:
         raise ValueError("the cross-dataset split left one side empty: add more rows or groups")
-    cross = score(export_pipeline(fit_pipeline(cap_per_class(train, max_per_class, rng)), {}), test, len(train))
+    cross_model = export_pipeline(fit_pipeline(cap_per_class(train, max_per_class, rng)), {})
+    cross_predicted = [cross_model.predict(example.text)[0] for example in test]
+    cross = evaluate([example.label for example in test], cross_predicted, len(train))
+
+    by_origin: dict[str, tuple[Scores, Scores]] = {}
+    if len({example.labelled_here for example in examples}) == len(ORIGINS):  # one origin alone: the totals say it
+        for origin, labelled_here in ORIGINS.items():
+            grouped_rows = [i for i, example in enumerate(tested) if example.labelled_here == labelled_here]
+            cross_rows = [i for i, example in enumerate(test) if example.labelled_here == labelled_here]
+            if not grouped_rows or not cross_rows:
+                continue
+            by_origin[origin] = (
+                evaluate([truth[i] for i in grouped_rows], [oof_predicted[i] for i in grouped_rows], grouped_num_train),
+                evaluate([test[i].label for i in cross_rows], [cross_predicted[i] for i in cross_rows], len(train)),
+            )
 
     final = export_pipeline(fit_pipeline(cap_per_class(examples, max_per_class, rng)), {})
     report = Report(grouped, cross, temperature, expected_calibration_error(oof, truth_ids, 1.0),
-                    expected_calibration_error(oof, truth_ids, temperature))
+                    expected_calibration_error(oof, truth_ids, temperature), by_origin)
     return replace(final, temperature=temperature), report
 
 
@@ -290,6 +323,9 @@ def print_scores(scores: Scores, title: str, out=sys.stdout) -> None:
 def print_report(report: Report, out=sys.stdout) -> None:
     print_scores(report.grouped, "grouped 4-fold CV (same sets, templates/sources never on both sides)", out)
     print_scores(report.cross_dataset, "cross-dataset (T0 datasets held out whole)", out)
+    for origin, (grouped, cross) in report.by_origin.items():
+        print(f"{origin}: grouped macro-F1 {grouped.macro_f1:.3f} acc {grouped.accuracy:.3f} ({grouped.num_test} rows); "
+              f"cross-dataset macro-F1 {cross.macro_f1:.3f} acc {cross.accuracy:.3f} ({cross.num_test} rows)", file=out)
     print(f"confidence temperature {report.temperature:.3f}: ECE {report.ece_before:.3f} -> {report.ece_after:.3f}",
           file=out)
 

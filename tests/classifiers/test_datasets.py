@@ -80,6 +80,26 @@ def test_unlabelled_self_instruct_rows_take_the_labels_shipped_here(tmp_path: Pa
         "Convert the given description to a bash command.": "code",
     }
     assert found["Write an email inviting my friends to dinner."].group == "self_instruct/Gmail"  # an app's tasks stay together
+    assert all(e.labelled_here for e in found.values())
+
+
+def test_alpaca_eval_rows_are_labelled_here_except_helpful_base_which_keeps_its_source_rule(tmp_path: Path) -> None:
+    (tmp_path / "alpaca_eval").mkdir()
+    rows = [
+        {"text": "How did US states get their names?", "label": None, "dataset": "helpful_base", "idx": 1},
+        {"text": "Can you tell my a story about nuclear physics like dr Seuss?", "label": None, "dataset": "koala", "idx": 134},
+        {"text": "Solve for x in the equation 3x + 10 = 5(x - 2).", "label": None, "dataset": "vicuna", "idx": 793},
+        {"text": "Given that f(x) = 5x^3 - 2x + 3, find the value of f(2).", "label": None, "dataset": "vicuna", "idx": 792},
+    ]
+    (tmp_path / "alpaca_eval" / "prompts.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
+    found = {e.text[:12]: e for e in load_shared_examples(tmp_path)}
+    assert [(e.label, e.labelled_here, e.dataset) for e in found.values()] == [
+        ("chat", False, "alpaca_eval/helpful_base"),
+        ("creative_writing", True, "alpaca_eval/koala"),
+        ("math", True, "alpaca_eval/vicuna"),
+        ("math", True, "alpaca_eval/vicuna"),
+    ]
+    assert found["Solve for x "].group == found["Given that f"].group  # one block of Vicuna's templated questions
 
 
 def _grid() -> list[Example]:
