@@ -26,7 +26,7 @@ examples:
 def _add_run_arguments(p: argparse.ArgumentParser) -> None:
     source = p.add_argument_group("workload (one of --scenario or --trace)")
     source.add_argument("--scenario", metavar="NAME|FILE", help="built-in scenario name or a scenario YAML file")
-    source.add_argument("--trace", metavar="FILE", help="trace file to replay")
+    source.add_argument("--trace", metavar="FILE", help="trace file to replay (FILE.gz is read compressed)")
     source.add_argument("--format", choices=("azure", "burstgpt", "mooncake", "native"), help="trace format")
     source.add_argument("--duration", type=float, metavar="S", help="run length in seconds (default: the scenario's, or the whole trace)")
     source.add_argument("--start", type=float, default=0.0, metavar="S", help="skip the first S seconds (after time scaling)")
@@ -166,8 +166,8 @@ def add_fast_backend_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _run_loadtest(args: argparse.Namespace) -> int:
-    if not args.out and not args.dry_run:
-        print("error: --out DIR is required (see polymorph loadtest --help)")
+    if not args.out:  # a dry run writes DIR/workload.jsonl
+        print("error: --out DIR is required (see polymorph loadtest --help)", file=sys.stderr)
         return 2
     from loadtest.main import main_loadtest
 

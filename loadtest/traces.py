@@ -10,10 +10,12 @@ from __future__ import annotations
 
 import csv
 import dataclasses
+import gzip
 import io
 import json
+import re
 from collections.abc import Callable, Iterator
-from datetime import datetime
+from datetime import datetime, timezone
 from pathlib import Path
 
 from loadtest.spec import (
@@ -38,8 +40,23 @@ class TraceFormatError(ValueError):
     """The file is not a trace of the named format."""
 
 
+_LONG_FRACTION = re.compile(r"(\.\d{6})\d+")  # datetime keeps microseconds; finer digits are dropped
+
+
 class _BadRow(ValueError):
     pass
+
+
+def _read_text(path: Path) -> str:
+    """The trace's text; ``.gz`` files are decompressed (public traces ship that way).
+
+    utf-8-sig: a spreadsheet's CSV export starts with a byte-order mark, which must not become part
+    of the first column's name.
+    """
+    if path.suffix == ".gz":
+        with gzip.open(path, "rt", encoding="utf-8-sig") as handle:
+            return handle.read()
+    return path.read_text(encoding="utf-8-sig")
 
 
 def read_trace(path: Path | str, trace_format: str, domain: str = DEFAULT_DOMAIN) -> Workload:
@@ -48,9 +65,9 @@ def read_trace(path: Path | str, trace_format: str, domain: str = DEFAULT_DOMAIN
     if trace_format not in FORMATS:
         raise TraceFormatError(f"unknown trace format {trace_format!r}; choose one of {', '.join(FORMATS)}")
     try:
-        text = path.read_text(encoding="utf-8")
-    except OSError as exc:
-        raise TraceFormatError(f"cannot read trace {path}: {exc.strerror or exc}") from None
+        text = _read_text(path)
+    except (OSError, EOFError) as exc:  # gzip's errors are OSErrors, a truncated one an EOFError
+        raise TraceFormatError(f"cannot read trace {path}: {getattr(exc, 'strerror', None) or exc}") from None
     except UnicodeDecodeError:
         raise TraceFormatError(f"{path} is not a text file (not UTF-8); expected {trace_format}") from None
     parse = _PARSERS[trace_format]
@@ -65,7 +82,7 @@ def read_trace(path: Path | str, trace_format: str, domain: str = DEFAULT_DOMAIN
     if not raw_rows:
         raise TraceFormatError(f"{path}: no usable {trace_format} rows")
     start_s = min(spec.arrival_s for spec in raw_rows)
-    label = path.stem
+    label = Path(path.stem).stem if path.suffix == ".gz" else path.stem  # conv.csv.gz is conv, as conv.csv
     specs = [_shift(spec, start_s, label) for spec in raw_rows]
     return make_workload(label, specs, issues=tuple(issues))
 
@@ -154,14 +171,13 @@ def _parse_csv(
 
 
 def _azure_time(value: str) -> float:
-    stamp = value.strip()
-    head, _, fraction = stamp.partition(".")
+    # Azure's 2023 trace writes 7 fractional digits, its 2024 trace a UTC offset; a stamp without
+    # one is UTC, so the local zone's daylight-saving jumps never enter the gaps between requests.
     try:
-        # datetime parses at most 6 fractional digits; Azure writes 7
-        moment = datetime.fromisoformat(f"{head}.{fraction[:6]}" if fraction else head)
+        moment = datetime.fromisoformat(_LONG_FRACTION.sub(r"\1", value.strip()))
     except ValueError:
         raise _BadRow(f"TIMESTAMP is not a 'YYYY-MM-DD HH:MM:SS.fffffff' time: {value!r}") from None
-    return moment.timestamp()
+    return (moment if moment.tzinfo is not None else moment.replace(tzinfo=timezone.utc)).timestamp()
 
 
 def parse_azure(text: str, source: str, domain: str = DEFAULT_DOMAIN) -> Parsed:

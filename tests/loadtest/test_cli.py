@@ -89,6 +89,11 @@ def test_dry_run_writes_the_workload_without_a_target(tmp_path: Path, capsys: py
     assert 100 < len(rows) < 200 and {"timestamp", "input_length", "output_length", "tenant", "tier"} <= set(rows[0])
 
 
+def test_a_dry_run_without_out_is_a_usage_error(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["loadtest", "--scenario", "flash-crowd", "--duration", "5", "--dry-run"]) == 2
+    assert "--out DIR is required" in capsys.readouterr().err
+
+
 def test_compare_of_a_missing_run_is_a_clear_error(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["loadtest", "compare", str(tmp_path / "x"), str(tmp_path / "y")]) == 2
     assert "not a loadtest output folder" in capsys.readouterr().out

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gzip
 from pathlib import Path
 
 import pytest
@@ -46,6 +47,25 @@ def test_mooncake_keeps_hash_ids_and_converts_milliseconds() -> None:
     assert workload.issues[0].reason == "missing output_length"
     assert "hash_ids" in workload.issues[1].reason
     assert workload.issues[2].reason == "not valid JSON"
+
+
+def test_a_byte_order_mark_crlf_lines_and_gzip_are_read_as_exported(tmp_path: Path) -> None:
+    # Azure's 2024 trace spells TIMESTAMP with a UTC offset; a spreadsheet export adds a BOM and CRLFs
+    exported = tmp_path / "azure2024.csv"
+    exported.write_bytes("\ufeffTIMESTAMP,ContextTokens,GeneratedTokens\r\n"
+                         "2024-05-10 00:00:00.009930+00:00,4808,10\r\n2024-05-10 00:00:01.509930+00:00,110,27\r\n"
+                         "2024-05-10 02:00:02.5+02:00,64,8\r\n".encode())
+    workload = read_trace(exported, "azure")
+    assert [(round(s.arrival_s, 6), s.input_tokens, s.output_tokens) for s in workload.specs] == [
+        (0.0, 4808, 10), (1.5, 110, 27), (2.49007, 64, 8)]  # the offset counts, a short fraction too
+    assert workload.issues == ()
+    packed = tmp_path / "mooncake_small.jsonl.gz"
+    with gzip.open(packed, "wt") as handle:
+        handle.write((FIXTURES / "mooncake_small.jsonl").read_text())
+    assert read_trace(packed, "mooncake").specs == read_trace(FIXTURES / "mooncake_small.jsonl", "mooncake").specs
+    (tmp_path / "broken.jsonl.gz").write_bytes(gzip.compress(b'{"timestamp": 0}\n')[:12])
+    with pytest.raises(TraceFormatError, match="cannot read trace"):
+        read_trace(tmp_path / "broken.jsonl.gz", "mooncake")
 
 
 def test_native_reads_optional_fields_and_round_trips(tmp_path: Path) -> None:
