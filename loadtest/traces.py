@@ -15,7 +15,7 @@ import io
 import json
 import re
 from collections.abc import Callable, Iterator
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from pathlib import Path
 
 from loadtest.spec import (
@@ -177,7 +177,7 @@ def _azure_time(value: str) -> float:
         moment = datetime.fromisoformat(_LONG_FRACTION.sub(r"\1", value.strip()))
     except ValueError:
         raise _BadRow(f"TIMESTAMP is not a 'YYYY-MM-DD HH:MM:SS.fffffff' time: {value!r}") from None
-    return (moment if moment.tzinfo is not None else moment.replace(tzinfo=timezone.utc)).timestamp()
+    return (moment if moment.tzinfo is not None else moment.replace(tzinfo=UTC)).timestamp()
 
 
 def parse_azure(text: str, source: str, domain: str = DEFAULT_DOMAIN) -> Parsed:
