@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from collections.abc import Iterable, Iterator
 from pathlib import Path
-from typing import TextIO
+from typing import BinaryIO
 
 from classifiers.config import ClassifierConfigError, load_classifier_config
 from classifiers.request import ClassifierLoadError, RequestClassifier
@@ -42,10 +43,19 @@ def _body_of(row: object) -> tuple[dict, bool]:
     raise ValueError('expected "messages", "prompt" or "text"')
 
 
-def classify_lines(classifier: RequestClassifier, lines: Iterable[str], tenant: str, tier: str) -> Iterator[dict]:
-    """One output object per non-blank input line: a classification or {"error": ...}."""
-    for line_num, line in enumerate(lines, start=1):
-        if not line.strip():
+def classify_lines(classifier: RequestClassifier, lines: Iterable[bytes], tenant: str, tier: str) -> Iterator[dict]:
+    """One output object per non-blank input line: a classification or {"error": ...}.
+
+    Lines are bytes and decoded one by one, so a line that is not UTF-8 costs only itself.
+    """
+    for line_num, raw in enumerate(lines, start=1):
+        if not raw.strip():
+            continue
+        try:
+            # utf-8-sig on the first line: an editor's byte-order mark is not part of the JSON
+            line = raw.decode("utf-8-sig" if line_num == 1 else "utf-8")
+        except UnicodeDecodeError as exc:
+            yield {"error": f"line {line_num}: not UTF-8 text (byte {exc.start})"}
             continue
         try:
             body, chat = _body_of(json.loads(line))
@@ -72,21 +82,24 @@ def main_classify(args: argparse.Namespace) -> int:
     except (ClassifierConfigError, ClassifierLoadError) as exc:
         print(f"polymorph classify: {exc}", file=sys.stderr)
         return 2
-    source: TextIO
     if args.input in (None, "-"):
-        source = sys.stdin
-        return _write_all(classifier, source, args)
+        return _write_all(classifier, sys.stdin.buffer, args)
     try:
-        with open(args.input, encoding="utf-8") as source:
+        with open(args.input, "rb") as source:
             return _write_all(classifier, source, args)
     except OSError as exc:
         print(f"polymorph classify: cannot read {args.input}: {exc}", file=sys.stderr)
         return 2
 
 
-def _write_all(classifier: RequestClassifier, source: TextIO, args: argparse.Namespace) -> int:
+def _write_all(classifier: RequestClassifier, source: BinaryIO, args: argparse.Namespace) -> int:
     out = sys.stdout
-    for result in classify_lines(classifier, source, args.tenant, args.tier):
-        out.write(json.dumps(result) + "\n")
-    out.flush()
+    try:
+        for result in classify_lines(classifier, source, args.tenant, args.tier):
+            out.write(json.dumps(result) + "\n")
+        out.flush()
+    except BrokenPipeError:
+        # The reader left (`polymorph classify ... | head`): stop quietly, as Unix filters do. stdout
+        # now points at /dev/null, so the interpreter's own flush at exit cannot raise again.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), out.fileno())
     return 0

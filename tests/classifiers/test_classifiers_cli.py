@@ -53,6 +53,29 @@ def test_classify_reads_stdin_and_config_shapes(tmp_path: Path) -> None:
     assert failed.returncode == 2 and "classifier.model" in failed.stderr
 
 
+def test_classify_answers_a_line_that_is_not_utf8_with_an_error_and_skips_a_bom(tmp_path: Path) -> None:
+    source = tmp_path / "in.jsonl"
+    source.write_bytes(b'\xef\xbb\xbf{"text": "Write a poem about rain."}\n\xff\xfe{"text": 1}\n{"text": "caf\xc3\xa9 menu"}\n')
+    result = _polymorph("classify", "--in", str(source))
+    assert result.returncode == 0, result.stderr
+    rows = [json.loads(line) for line in result.stdout.splitlines()]
+    assert [sorted(row)[0] for row in rows] == ["domain", "error", "domain"]
+    assert rows[1]["error"] == "line 2: not UTF-8 text (byte 0)"
+
+
+def test_classify_stops_quietly_when_its_reader_leaves() -> None:
+    lines = "".join(json.dumps({"text": f"question {i}"}) + "\n" for i in range(1500))  # fits a pipe buffer: no writer thread
+    with subprocess.Popen([sys.executable, "-c", _RUN, "classify"], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                          stderr=subprocess.PIPE) as child:
+        assert child.stdin is not None and child.stdout is not None and child.stderr is not None
+        child.stdin.write(lines.encode())
+        child.stdin.close()
+        child.stdout.readline()
+        child.stdout.close()  # as `| head -1` does
+        assert child.wait(timeout=120) == 0
+        assert b"Traceback" not in child.stderr.read()
+
+
 def test_train_writes_a_model_the_classifier_loads(tmp_path: Path) -> None:
     data = tmp_path / "labelled.jsonl"
     texts = {
