@@ -38,6 +38,7 @@ WEAK_CHAT_DATASETS = frozenset({"helpful_base"})
 # type (emails, posts, recipes, code, questions), a register no labelled set has. Without them
 # "Write a ..." meant code (MBPP's phrasing), so "Write a haiku" was code at 0.98.
 LABELLED_HERE = ("alpaca_eval", "self_instruct")
+WRITTEN_HERE = "written_here.jsonl"
 
 # Cross-dataset split: these T0 datasets are held out whole, so every test prompt comes from a
 # dataset (and templates) training never saw. Chosen so every class keeps training data.
@@ -175,6 +176,17 @@ def load_shared_examples(data_dir: Path) -> list[Example]:
     if not examples:
         raise ValueError(f"no labelled prompts under {prompts_dir}")
     return examples
+
+
+def load_written_examples() -> list[Example]:
+    """Prompts written for this package (classifiers/labels/written_here.jsonl) where no public set has
+    the register: symbolic math (equations, calculus, proofs: GSM8K is all word problems, so "Solve
+    3x + 5 = 20" read as code by MBPP's symbols), and code bodies with a question about them (so the
+    math rows' symbols do not pull snippets over to math)."""
+    text = (resources.files("classifiers") / "labels" / WRITTEN_HERE).read_text(encoding="utf-8")
+    rows = [json.loads(line) for line in text.splitlines() if line.strip()]
+    return [Example(row["text"], SHARED_LABEL_TO_DOMAIN[row["label"]], f"written_here/{i}", "written_here", "written_here", True)
+            for i, row in enumerate(rows)]
 
 
 def load_jsonl_examples(path: Path) -> list[Example]:

@@ -15,6 +15,7 @@ import sys
 from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
+from importlib import resources
 from pathlib import Path
 
 import numpy as np
@@ -23,10 +24,12 @@ from classifiers.datasets import (
     T0_TEST_DATASETS,
     Example,
     cap_per_class,
+    dedupe,
     digest_files,
     grouped_folds,
     load_jsonl_examples,
     load_shared_examples,
+    load_written_examples,
     split_cross_dataset,
 )
 from classifiers.domain import DomainModel, analyze
@@ -69,6 +72,12 @@ TRAINING_SETS_ATTRIBUTION = [
         "source": "yizhongw/self-instruct human_eval (labels: classifiers/labels/self_instruct.json, by the Polymorph developers)",
         "licence": "Apache-2.0",
         "used_as": "all nine domains (hand-labelled)",
+    },
+    {
+        "set": "written here",
+        "source": "classifiers/labels/written_here.jsonl, written by the Polymorph developers",
+        "licence": "Apache-2.0 (the project's)",
+        "used_as": "math (symbolic: equations, calculus, proofs) and code (snippets with a question)",
     },
 ]
 
@@ -345,10 +354,11 @@ def main_train(args: argparse.Namespace) -> int:
         digest, desc, attribution = digest_files([data_path]), str(data_path.name), []
     else:
         shared = Path(args.shared)
-        examples = load_shared_examples(shared)
+        examples = dedupe([*load_shared_examples(shared), *load_written_examples()])
         files = sorted((shared / "prompts" if (shared / "prompts").is_dir() else shared).glob("*/prompts.jsonl*"))
-        digest, desc, attribution = digest_files(files), "shared prompt sets: " + ", ".join(
-            f.parent.name for f in files), TRAINING_SETS_ATTRIBUTION
+        labels = sorted(Path(str(resources.files("classifiers") / "labels")).glob("*.json*"))
+        digest, desc, attribution = digest_files([*files, *labels]), "shared prompt sets: " + ", ".join(
+            f.parent.name for f in files) + "; with classifiers/labels", TRAINING_SETS_ATTRIBUTION
     report = train_to_dir(examples, Path(args.out), digest, desc, attribution)
     print_report(report)
     print(f"model written to {args.out}")

@@ -15,6 +15,7 @@ from classifiers.datasets import (
     grouped_folds,
     labels_here,
     load_shared_examples,
+    load_written_examples,
     split_cross_dataset,
 )
 from classifiers.shape import DOMAINS
@@ -63,6 +64,12 @@ def test_sets_labelled_here_carry_a_known_domain_for_each_row_id() -> None:
         labels = labels_here(set_name)
         assert len(labels) > 200
         assert set(labels.values()) == set(DOMAINS)  # every domain gets everyday-register rows
+
+
+def test_prompts_written_here_are_ours_and_each_its_own_group() -> None:
+    written = load_written_examples()
+    assert {e.label for e in written} == {"math", "code"} and all(e.labelled_here for e in written)
+    assert len({e.group for e in written}) == len(written) == len({e.text for e in written})
 
 
 def test_unlabelled_self_instruct_rows_take_the_labels_shipped_here(tmp_path: Path) -> None:

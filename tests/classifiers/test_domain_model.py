@@ -32,6 +32,7 @@ KNOWN = {
     "math": [
         "A train travels 60 miles per hour for 3 hours, then 40 miles per hour for 2 hours. How far did it go?",
         "Tom has 12 apples and gives a third of them to Ann. She eats 2. How many apples does Ann have left?",
+        "Solve 3x + 5 = 20 for x.",  # symbolic: GSM8K has none, and MBPP's symbols made it code
     ],
     # "Write a ..." is MBPP's phrasing: these were code (0.98 for the haiku) before the hand-labelled
     # Self-Instruct rows taught the everyday register
