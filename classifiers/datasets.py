@@ -87,11 +87,15 @@ class _UnionFind:
         self.parent[self.find(a)] = self.find(b)
 
 
+def labels_dir() -> Path:
+    """Where the package keeps the labels and prompts of its own (LABELLED_HERE, WRITTEN_HERE)."""
+    return Path(str(resources.files("classifiers") / "labels"))
+
+
 @cache
 def labels_here(set_name: str) -> dict[str, str]:
     """Row key (its ``id``, else its ``idx``, as a string) -> domain for a set in LABELLED_HERE."""
-    document = json.loads((resources.files("classifiers") / "labels" / f"{set_name}.json").read_text(encoding="utf-8"))
-    return document["labels"]
+    return json.loads((labels_dir() / f"{set_name}.json").read_text(encoding="utf-8"))["labels"]
 
 
 def _shared_rows(prompts_dir: Path) -> Iterator[tuple[str, dict, int]]:
@@ -183,7 +187,7 @@ def load_written_examples() -> list[Example]:
     the register: symbolic math (equations, calculus, proofs: GSM8K is all word problems, so "Solve
     3x + 5 = 20" read as code by MBPP's symbols), and code bodies with a question about them (so the
     math rows' symbols do not pull snippets over to math)."""
-    text = (resources.files("classifiers") / "labels" / WRITTEN_HERE).read_text(encoding="utf-8")
+    text = (labels_dir() / WRITTEN_HERE).read_text(encoding="utf-8")
     rows = [json.loads(line) for line in text.splitlines() if line.strip()]
     return [Example(row["text"], SHARED_LABEL_TO_DOMAIN[row["label"]], f"written_here/{i}", "written_here", "written_here", True)
             for i, row in enumerate(rows)]

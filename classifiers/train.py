@@ -15,7 +15,6 @@ import sys
 from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
-from importlib import resources
 from pathlib import Path
 
 import numpy as np
@@ -27,6 +26,7 @@ from classifiers.datasets import (
     dedupe,
     digest_files,
     grouped_folds,
+    labels_dir,
     load_jsonl_examples,
     load_shared_examples,
     load_written_examples,
@@ -356,7 +356,7 @@ def main_train(args: argparse.Namespace) -> int:
         shared = Path(args.shared)
         examples = dedupe([*load_shared_examples(shared), *load_written_examples()])
         files = sorted((shared / "prompts" if (shared / "prompts").is_dir() else shared).glob("*/prompts.jsonl*"))
-        labels = sorted(Path(str(resources.files("classifiers") / "labels")).glob("*.json*"))
+        labels = sorted(labels_dir().glob("*.json*"))
         digest, desc, attribution = digest_files([*files, *labels]), "shared prompt sets: " + ", ".join(
             f.parent.name for f in files) + "; with classifiers/labels", TRAINING_SETS_ATTRIBUTION
     report = train_to_dir(examples, Path(args.out), digest, desc, attribution)
