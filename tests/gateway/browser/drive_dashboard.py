@@ -16,7 +16,7 @@ from collections.abc import Callable
 from typing import Any
 
 from selenium import webdriver
-from selenium.common.exceptions import StaleElementReferenceException, TimeoutException
+from selenium.common.exceptions import TimeoutException, WebDriverException
 from selenium.webdriver.chrome.service import Service
 from selenium.webdriver.common.by import By
 from selenium.webdriver.support.ui import WebDriverWait
@@ -40,8 +40,11 @@ def _driver(profile_dir: str) -> webdriver.Chrome:
 
 
 def _wait(driver: webdriver.Chrome, what: Callable[[webdriver.Chrome], Any], timeout_s: float) -> bool:
+    # While a page is being replaced, Chrome answers some commands with a generic "unknown error"
+    # (e.g. "Node with given id does not belong to the document") rather than a stale-element one;
+    # either means "not yet", so poll again.
     try:
-        WebDriverWait(driver, timeout_s, poll_frequency=0.2).until(what)
+        WebDriverWait(driver, timeout_s, poll_frequency=0.2, ignored_exceptions=(WebDriverException,)).until(what)
         return True
     except TimeoutException:
         return False
@@ -53,22 +56,15 @@ def _count(driver: webdriver.Chrome, css: str) -> int:
 
 def _sign_in_with_form(driver: webdriver.Chrome, base: str, token: str) -> str:
     driver.get(base + "/dashboard")
+    driver.execute_script("document.documentElement.dataset.formPage = '1'")
     field = driver.find_element(By.ID, "token")
     field.clear()
     field.send_keys(token)
     driver.find_element(By.ID, "sign-in").click()
-    _wait(driver, lambda d: _is_stale(field), 10)  # the form's page has been replaced by the answer
-    _wait(driver, lambda d: d.execute_script("return document.readyState") == "complete", 10)
+    # the form's page has been replaced by the answer once the mark set on it is gone
+    _wait(driver, lambda d: d.execute_script("return document.readyState === 'complete' && !document.documentElement.dataset.formPage"), 10)
     # read in one script call, so a late re-render cannot leave us holding a stale element
     return str(driver.execute_script("var e = document.getElementById('login-error'); return e ? e.textContent.trim() : '';"))
-
-
-def _is_stale(element: object) -> bool:
-    try:
-        element.is_enabled()  # type: ignore[attr-defined]
-    except StaleElementReferenceException:
-        return True
-    return False
 
 
 def _full_page_png(driver: webdriver.Chrome, path: str) -> None:
