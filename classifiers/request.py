@@ -7,41 +7,18 @@ gateway has validated.
 
 from __future__ import annotations
 
-import zlib
 from collections.abc import Callable, Mapping
 from typing import Any
 
 from classifiers.domain import DomainModel, ModelFileError, builtin_model_dir, load_domain_model, window_of_parts
 from classifiers.output_predictor import DEFAULT_MAX_HISTORY_PER_KEY, OutputPredictor
+from classifiers.prefix import prefix_fingerprint
 from classifiers.shape import DOMAINS, Shape, ShapeRules, default_shape_rules
 from classifiers.tokens import ExactTokenCounter, content_parts, count_chat_tokens, estimate_tokens
-
-# The fingerprint reads this many leading characters of system text: requests that agree that far
-# share at least that much cacheable prefix, which is what prefix affinity routes on, and a 32k-token
-# system prompt costs what a short one does.
-PREFIX_FP_CHARS = 4096
 
 
 class ClassifierLoadError(Exception):
     """The classifier cannot start: the message says which file or setting and why."""
-
-
-def prefix_fingerprint(messages: list) -> int:
-    """Stable 32-bit hash of the first PREFIX_FP_CHARS of the system prompt(s) leading a chat (0: none).
-
-    crc32 rather than ``hash()``: it must agree across processes and restarts for prefix affinity.
-    """
-    crc, budget = 0, PREFIX_FP_CHARS
-    for message in messages:
-        if not isinstance(message, Mapping) or message.get("role") not in ("system", "developer"):
-            break
-        for part in content_parts(message.get("content"))[0]:
-            if budget <= 0:
-                return crc
-            piece = part[:budget]
-            budget -= len(piece)
-            crc = zlib.crc32(piece.encode("utf-8", "surrogatepass"), crc)
-    return crc
 
 
 def _model_text(content: Any) -> str:

@@ -7,7 +7,8 @@ from pathlib import Path
 import pytest
 
 from classifiers.config import ClassifierConfigError, rules_from_mapping
-from classifiers.request import PREFIX_FP_CHARS, ClassifierLoadError, RequestClassifier, prefix_fingerprint
+from classifiers.prefix import PREFIX_FP_CHARS, prefix_fingerprint
+from classifiers.request import ClassifierLoadError, RequestClassifier
 from classifiers.shape import Shape
 
 MATH = "Tom has 12 apples and gives a third of them to Ann. She eats 2. How many apples does Ann have left?"

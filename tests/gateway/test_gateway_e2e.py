@@ -140,6 +140,30 @@ def test_async_client_chat_and_completions(deployment: Deployment) -> None:
     assert (chat_tokens, completion_tokens) == (5, 7) and text
 
 
+def test_conversations_without_a_system_prompt_keep_to_their_replica_and_its_prefix_cache(deployment: Deployment) -> None:
+    """From its second turn a conversation's history steers it to one replica (prefix affinity), so
+    each later turn's prompt is found in that replica's prefix cache; different conversations spread
+    over the pool. Before, without a system prompt, every turn went by load."""
+    client = deployment.client()
+    documents = [f"Document {n}: " + " ".join(f"clause {n}.{i} says the parties agree to term {i * n}." for i in range(120)) for n in range(8)]
+    homes, followed, cached = [], [], []
+    for document in documents:
+        messages: list[dict[str, str]] = [{"role": "user", "content": document + "\nSummarise the document."}]
+        turns = []
+        for question in ("Which clause matters most?", "And the least?"):
+            turn = client.chat.completions.with_raw_response.create(model=MODEL, messages=messages, max_tokens=6)  # type: ignore[arg-type]
+            messages += [{"role": "assistant", "content": turn.parse().choices[0].message.content or ""}, {"role": "user", "content": question}]
+            turns.append(turn)
+        third = client.chat.completions.with_raw_response.create(model=MODEL, messages=messages, max_tokens=6)  # type: ignore[arg-type]
+        homes.append(turns[1].headers["x-polymorph-replica"])
+        followed.append(third.headers["x-polymorph-replica"] == homes[-1])
+        usage = third.parse().usage
+        cached.append(usage.prompt_tokens_details.cached_tokens if usage and usage.prompt_tokens_details else 0)
+    assert all(followed), list(zip(homes, followed, strict=True))
+    assert set(homes) == {"main-0", "main-1"}, homes
+    assert min(cached) >= 1024, cached
+
+
 def test_models_lists_what_the_tenant_may_use(deployment: Deployment) -> None:
     assert sorted(m.id for m in deployment.client().models.list()) == ["ghost-model", MODEL]
     assert [m.id for m in deployment.client(LIMITED_KEY).models.list()] == [MODEL]
