@@ -27,15 +27,10 @@ SHARED_LABEL_TO_DOMAIN: dict[str, str] = {
     **{domain: domain for domain in DOMAINS},
 }
 
-# No shared set carries a general_chat label. Anthropic helpful-base first turns (inside the
-# AlpacaEval set) are open conversational requests, so they stand in for `chat` by a source rule,
-# the same way T0's labels come from a (dataset, template) rule. README.md says so next to the score.
-WEAK_CHAT_DATASETS = frozenset({"helpful_base"})
-
 # Sets that ship without task labels and are labelled by this package (classifiers/labels/<set>.json,
 # keyed by a row's id or idx, says by whom and what was left out): the Self-Instruct user-oriented
-# instructions and AlpacaEval's Open Assistant, Koala and Vicuna requests are what people actually
-# type (emails, posts, recipes, code, questions), a register no labelled set has. Without them
+# instructions and AlpacaEval's helpful-base, Open Assistant, Koala and Vicuna requests are what people
+# actually type (emails, posts, recipes, code, questions), a register no labelled set has. Without them
 # "Write a ..." meant code (MBPP's phrasing), so "Write a haiku" was code at 0.98.
 LABELLED_HERE = ("alpaca_eval", "self_instruct")
 WRITTEN_HERE = "written_here.jsonl"
@@ -105,8 +100,6 @@ def _shared_rows(prompts_dir: Path) -> Iterator[tuple[str, dict, int]]:
         for row_num, row in enumerate(_read_jsonl(path)):
             text = row.get("text")
             label = row.get("label")
-            if label is None and row.get("dataset") in WEAK_CHAT_DATASETS:
-                label = "general_chat"
             labelled_here = label is None and bool(ours)
             if labelled_here:
                 label = ours.get(str(row.get("id", row.get("idx"))))
@@ -185,8 +178,10 @@ def load_shared_examples(data_dir: Path) -> list[Example]:
 def load_written_examples() -> list[Example]:
     """Prompts written for this package (classifiers/labels/written_here.jsonl) where no public set has
     the register: symbolic math (equations, calculus, proofs: GSM8K is all word problems, so "Solve
-    3x + 5 = 20" read as code by MBPP's symbols), and code bodies with a question about them (so the
-    math rows' symbols do not pull snippets over to math)."""
+    3x + 5 = 20" read as code by MBPP's symbols), code bodies with a question about them (so the
+    math rows' symbols do not pull snippets over to math), and conversation (small talk, feelings,
+    personal advice, role-play, follow-ups: no set labels chat, and the requests labelled here that
+    are chat are few)."""
     text = (labels_dir() / WRITTEN_HERE).read_text(encoding="utf-8")
     rows = [json.loads(line) for line in text.splitlines() if line.strip()]
     return [Example(row["text"], SHARED_LABEL_TO_DOMAIN[row["label"]], f"written_here/{i}", "written_here", "written_here", True)

@@ -56,15 +56,9 @@ TRAINING_SETS_ATTRIBUTION = [
         "used_as": "classification (is_classification rows)",
     },
     {
-        "set": "alpaca_eval helpful_base",
-        "source": "tatsu-lab/alpaca_eval (Anthropic HH helpful-base first turns)",
-        "licence": "Apache-2.0 (repo); HH-RLHF is MIT",
-        "used_as": "chat (weak label by source rule)",
-    },
-    {
-        "set": "alpaca_eval oasst, koala, vicuna",
+        "set": "alpaca_eval helpful_base, oasst, koala, vicuna",
         "source": "tatsu-lab/alpaca_eval (labels: classifiers/labels/alpaca_eval.json, by the Polymorph developers)",
-        "licence": "Apache-2.0 (repo); each source under its own terms (OpenAssistant Apache-2.0)",
+        "licence": "Apache-2.0 (repo); each source under its own terms (HH-RLHF MIT, OpenAssistant Apache-2.0)",
         "used_as": "all nine domains (hand-labelled)",
     },
     {
@@ -77,7 +71,7 @@ TRAINING_SETS_ATTRIBUTION = [
         "set": "written here",
         "source": "classifiers/labels/written_here.jsonl, written by the Polymorph developers",
         "licence": "Apache-2.0 (the project's)",
-        "used_as": "math (symbolic: equations, calculus, proofs) and code (snippets with a question)",
+        "used_as": "math (symbolic: equations, calculus, proofs), code (snippets with a question) and chat (conversation)",
     },
 ]
 

@@ -68,7 +68,7 @@ def test_sets_labelled_here_carry_a_known_domain_for_each_row_id() -> None:
 
 def test_prompts_written_here_are_ours_and_each_its_own_group() -> None:
     written = load_written_examples()
-    assert {e.label for e in written} == {"math", "code"} and all(e.labelled_here for e in written)
+    assert {e.label for e in written} == {"math", "code", "chat", "brainstorming"} and all(e.labelled_here for e in written)
     assert len({e.group for e in written}) == len(written) == len({e.text for e in written})
 
 
@@ -90,7 +90,7 @@ def test_unlabelled_self_instruct_rows_take_the_labels_shipped_here(tmp_path: Pa
     assert all(e.labelled_here for e in found.values())
 
 
-def test_alpaca_eval_rows_are_labelled_here_except_helpful_base_which_keeps_its_source_rule(tmp_path: Path) -> None:
+def test_alpaca_eval_rows_are_labelled_here_by_idx(tmp_path: Path) -> None:
     (tmp_path / "alpaca_eval").mkdir()
     rows = [
         {"text": "How did US states get their names?", "label": None, "dataset": "helpful_base", "idx": 1},
@@ -101,7 +101,7 @@ def test_alpaca_eval_rows_are_labelled_here_except_helpful_base_which_keeps_its_
     (tmp_path / "alpaca_eval" / "prompts.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
     found = {e.text[:12]: e for e in load_shared_examples(tmp_path)}
     assert [(e.label, e.labelled_here, e.dataset) for e in found.values()] == [
-        ("chat", False, "alpaca_eval/helpful_base"),
+        ("qa", True, "alpaca_eval/helpful_base"),  # a factual question, not chat by its source any more
         ("creative_writing", True, "alpaca_eval/koala"),
         ("math", True, "alpaca_eval/vicuna"),
         ("math", True, "alpaca_eval/vicuna"),
