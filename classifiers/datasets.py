@@ -179,9 +179,10 @@ def load_written_examples() -> list[Example]:
     """Prompts written for this package (classifiers/labels/written_here.jsonl) where no public set has
     the register: symbolic math (equations, calculus, proofs: GSM8K is all word problems, so "Solve
     3x + 5 = 20" read as code by MBPP's symbols), code bodies with a question about them (so the
-    math rows' symbols do not pull snippets over to math), and conversation (small talk, feelings,
+    math rows' symbols do not pull snippets over to math), conversation (small talk, feelings,
     personal advice, role-play, follow-ups: no set labels chat, and the requests labelled here that
-    are chat are few)."""
+    are chat are few), and factual quantity questions ("How many legs does a spider have?": GSM8K
+    made every "How many ..." math)."""
     text = (labels_dir() / WRITTEN_HERE).read_text(encoding="utf-8")
     rows = [json.loads(line) for line in text.splitlines() if line.strip()]
     return [Example(row["text"], SHARED_LABEL_TO_DOMAIN[row["label"]], f"written_here/{i}", "written_here", "written_here", True)

@@ -71,7 +71,7 @@ TRAINING_SETS_ATTRIBUTION = [
         "set": "written here",
         "source": "classifiers/labels/written_here.jsonl, written by the Polymorph developers",
         "licence": "Apache-2.0 (the project's)",
-        "used_as": "math (symbolic: equations, calculus, proofs), code (snippets with a question) and chat (conversation)",
+        "used_as": "math (symbolic: equations, calculus, proofs), code (snippets with a question), chat (conversation), qa (quantity questions)",
     },
 ]
 

@@ -68,7 +68,7 @@ def test_sets_labelled_here_carry_a_known_domain_for_each_row_id() -> None:
 
 def test_prompts_written_here_are_ours_and_each_its_own_group() -> None:
     written = load_written_examples()
-    assert {e.label for e in written} == {"math", "code", "chat", "brainstorming"} and all(e.labelled_here for e in written)
+    assert {e.label for e in written} == {"math", "code", "chat", "brainstorming", "qa"} and all(e.labelled_here for e in written)
     assert len({e.group for e in written}) == len(written) == len({e.text for e in written})
 
 
