@@ -34,6 +34,7 @@ SHARED_LABEL_TO_DOMAIN: dict[str, str] = {
 # "Write a ..." meant code (MBPP's phrasing), so "Write a haiku" was code at 0.98.
 LABELLED_HERE = ("alpaca_eval", "self_instruct")
 WRITTEN_HERE = "written_here.jsonl"
+VICUNA_FIRST_IDX = 725  # AlpacaEval's rows from idx 725 on are Vicuna's, in its blocks of ten
 
 # Cross-dataset split: these T0 datasets are held out whole, so every test prompt comes from a
 # dataset (and templates) training never saw. Chosen so every class keeps training data.
@@ -144,7 +145,8 @@ def _shared_examples(prompts_dir: Path) -> Iterator[Example]:
         elif folder == "alpaca_eval":
             dataset = f"alpaca_eval/{row.get('dataset')}"  # helpful-base, Koala, ...: each weighs as one set
             # Vicuna's questions come in blocks of ten sharing a template ("How many ...? Try to explain")
-            group = f"{dataset}/{(row.get('idx', 725) - 725) // 10}" if row.get("dataset") == "vicuna" else f"{folder}/{row_num}"
+            block = (row.get("idx", VICUNA_FIRST_IDX) - VICUNA_FIRST_IDX) // 10
+            group = f"{dataset}/{block}" if row.get("dataset") == "vicuna" else f"{folder}/{row_num}"
         else:
             group = f"{folder}/{row_num}"
         yield Example(text, domain, group, folder, dataset, row["labelled_here"])
