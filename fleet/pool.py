@@ -9,6 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from fleet.engines.load import EngineLoad
 from fleet.health import CircuitBreaker
 from fleet.queueing import PoolQueue
 
@@ -26,6 +27,7 @@ class ReplicaState:
     extra_work: float = 0.0  # in-flight work beyond one unit per request (fleet.router.work_units)
     draining: bool = False
     offers_health: bool = True  # False once /health answered 404: active probes skip it
+    engine: EngineLoad | None = None  # the engine's own figures from its /metrics (None: not read, or unreadable)
 
     def serves(self, model: str) -> bool:
         return self.models is None or model in self.models
@@ -67,6 +69,8 @@ class PoolState:
     # True when the operator set ``max_running_per_replica`` as the gateway's admission limit (config
     # ``max_in_flight_per_replica``), so requests beyond it wait in the queue as for a modelled pool.
     declared_limit: bool = False
+    engine_kind: str = "emulated"  # fleet.engines.load.ENGINE_KINDS: how the pool's replicas read /metrics and take priorities
+    priority_scheduling: bool = False  # its engines schedule by each request's ``priority`` (set from the tier)
 
     def serves(self, model: str) -> bool:
         if self.models is not None:
