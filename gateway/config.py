@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import hashlib
 import re
+import shlex
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -15,6 +16,8 @@ from typing import Any
 
 from classifiers.config import ClassifierConfigError, rules_from_mapping
 from classifiers.shape import ShapeRules, default_shape_rules
+from fleet.engines.launch import EngineLaunch
+from fleet.engines.load import ENGINE_KINDS
 from gateway.yamlsrc import ConfigError, FieldPath, YamlDoc, load_yaml
 
 DEMO_API_KEY = "sk-polymorph-demo"
@@ -96,14 +99,19 @@ class PoolSpec:
     model: str
     gpu: str | None
     shapes: tuple[str, ...]
-    engine: Mapping[str, Any]
+    engine: Mapping[str, Any]  # the EngineConfig knobs (kernels.config); how to launch it is ``launch``
     urls: tuple[str, ...]
-    num_emulated: int
+    num_launched: int  # replicas the actuator starts (emulated or real engine processes)
     min_replicas: int
     max_replicas: int
     # requests in flight per replica the gateway admits (more wait in the pool's queue); None: the
     # engine's max_running_requests marks saturation but the engine queues beyond it itself
     max_in_flight_per_replica: int | None = None
+    launch: EngineLaunch = EngineLaunch("emulated")
+
+    @property
+    def engine_kind(self) -> str:
+        return self.launch.kind
 
 
 @dataclass(frozen=True, slots=True)
@@ -145,8 +153,11 @@ class GatewayConfig:
     pools: tuple[PoolSpec, ...]
     emulator_speed: float = 1.0
     controller: ControllerSettingsFile = field(default_factory=ControllerSettingsFile)
-    actuator: str = "local"  # how emulated replicas run: "local" processes, or "ray" actors (fleet.ray)
+    actuator: str = "local"  # how launched replicas run: "local" processes, or "ray" actors (fleet.ray)
     ray: RaySettings = field(default_factory=RaySettings)
+    # ``fleet.devices``: what the actuator may hand out, device kind -> ids ("cpu" slots or a GPU kind's
+    # CUDA device ids on this host); empty: launched replicas get logical ids (emulated GPUs need none)
+    devices: Mapping[str, tuple[str, ...]] = field(default_factory=dict)
     watched_files: tuple[Path, ...] = field(default=())
     tenants_dir: Path | None = None
 
@@ -303,19 +314,25 @@ def _pool(doc: YamlDoc, i: int, body: object, shape_names: tuple[str, ...]) -> P
     engine = r.data.get("engine") or {}
     if not isinstance(engine, dict):
         raise r.error("engine", "must be a mapping of engine settings")
-    rr = _Reader(doc, (*path, "replicas"), r.data.get("replicas"), {"urls", "emulated"})
+    launch = _launch(doc, (*path, "engine"), engine, model)
+    engine = {k: v for k, v in engine.items() if k not in _LAUNCH_KEYS}
+    rr = _Reader(doc, (*path, "replicas"), r.data.get("replicas"), {"urls", "emulated", "launch"})
     urls = rr.names("urls", []) or []
     for j, url in enumerate(urls):
         if not re.match(r"^https?://[^\s/]+", url):
             raise doc.error((*path, "replicas", "urls", j), f"{url!r} is not an http(s) URL")
-    num_emulated = rr.number("emulated", 0, lo=0, hi=1024, integer=True)
-    if not urls and not num_emulated:
-        raise doc.error((*path, "replicas"), "give replica `urls: [...]` or `emulated: N`")
+    if "emulated" in rr.data and launch.kind != "emulated":
+        raise rr.error("emulated", f"this pool's engine is {launch.kind!r}: give `launch: N` for replicas the actuator starts")
+    num_launched = rr.number("launch" if "launch" in rr.data else "emulated", 0, lo=0, hi=1024, integer=True)
+    if not urls and not num_launched:
+        raise doc.error((*path, "replicas"), "give replica `urls: [...]`, or `launch: N` (`emulated: N`) replicas to start")
     gpu = r.text("gpu", None)
-    if num_emulated and not gpu:
-        raise r.error("gpu", "emulated replicas need the GPU kind they emulate")
-    _check_engine(doc, path, model if num_emulated else None, gpu, engine)
-    num_replicas = len(urls) + num_emulated
+    if num_launched and not gpu:
+        raise r.error("gpu", "launched replicas need their device kind (a GPU kind, or cpu)")
+    emulated = num_launched > 0 and launch.kind == "emulated"
+    # the catalog knows GPUs and models the performance model times; a real engine's device may be a CPU
+    _check_engine(doc, path, model if emulated else None, gpu if gpu != "cpu" else None, engine)
+    num_replicas = len(urls) + num_launched
     return PoolSpec(
         name=name,
         model=model,
@@ -323,11 +340,42 @@ def _pool(doc: YamlDoc, i: int, body: object, shape_names: tuple[str, ...]) -> P
         shapes=tuple(shapes),
         engine=dict(engine),
         urls=tuple(u.rstrip("/") for u in urls),
-        num_emulated=num_emulated,
+        num_launched=num_launched,
         min_replicas=r.number("min_replicas", 0, lo=0, hi=4096, integer=True),
         max_replicas=r.number("max_replicas", max(num_replicas, 1), lo=1, hi=4096, integer=True),
+        launch=launch,
         max_in_flight_per_replica=(r.number("max_in_flight_per_replica", 1, lo=1, hi=1_000_000, integer=True)
                                    if "max_in_flight_per_replica" in r.data else None),
+    )
+
+
+_LAUNCH_KEYS = frozenset({"kind", "command", "model_path", "served_model_name", "threads", "args", "env"})
+
+
+def _launch(doc: YamlDoc, path: FieldPath, engine: dict[str, Any], model: str) -> EngineLaunch:
+    """The launch keys of a pool's ``engine:`` mapping (the others are EngineConfig knobs); the engine
+    serves the pool's ``model`` id unless ``served_model_name`` says otherwise."""
+    r = _Reader(doc, path, {k: v for k, v in engine.items() if k in _LAUNCH_KEYS}, set(_LAUNCH_KEYS))
+    kind = r.text("kind", "emulated") or "emulated"
+    if kind not in ENGINE_KINDS:
+        raise r.error("kind", f"must be one of {', '.join(ENGINE_KINDS)}, not {kind!r}")
+    command = r.data.get("command")
+    if isinstance(command, str):
+        command = shlex.split(command)
+    if command is not None and (not isinstance(command, list) or not all(isinstance(c, str) for c in command) or not command):
+        raise r.error("command", "must be the engine's interpreter or binary, a string or a list of strings")
+    env = r.data.get("env") or {}
+    if not isinstance(env, dict) or not all(isinstance(k, str) and isinstance(v, (str, int, float)) for k, v in env.items()):
+        raise r.error("env", "must be a mapping of environment variable names to values")
+    threads = r.data.get("threads")
+    return EngineLaunch(
+        kind=kind,
+        command=tuple(command or ()),
+        model_path=r.text("model_path", None),
+        served_model_name=r.text("served_model_name", None) or model,
+        threads=None if threads is None else r.number("threads", 1, lo=1, hi=1024, integer=True),
+        extra_args=tuple(r.names("args", []) or []),
+        env=tuple(sorted((k, str(v)) for k, v in env.items())),
     )
 
 
@@ -390,8 +438,42 @@ def _ray(doc: YamlDoc, raw: object) -> RaySettings:
     return RaySettings(address=address, num_gpus=num_gpus)
 
 
-def _fleet(doc: YamlDoc, shapes: ShapeRules, base: Path) -> tuple[tuple[PoolSpec, ...], float, ControllerSettingsFile, str, RaySettings]:
-    r = _Reader(doc, ("fleet",), doc.data.get("fleet"), {"pools", "emulator_speed", "controller", "actuator", "ray"})
+def _devices(doc: YamlDoc, raw: object, pools: tuple[PoolSpec, ...]) -> dict[str, tuple[str, ...]]:
+    """``fleet.devices``: ``{kind: {ids: [...]}}`` or ``{kind: {count: N}}`` (ids 0..N-1); each launched
+    replica takes its engine's GPU count of ids of its pool's device kind (a CPU engine: one slot)."""
+    r = _Reader(doc, ("fleet", "devices"), raw, set((raw or {}) if isinstance(raw, dict) else ()))
+    out: dict[str, tuple[str, ...]] = {}
+    for kind in r.data:
+        d = _Reader(doc, ("fleet", "devices", kind), r.data[kind], {"ids", "count"})
+        if ("ids" in d.data) == ("count" in d.data):
+            raise r.error(kind, "give the device ids (`ids: [0, 1]`) or their number (`count: N`)")
+        if "ids" in d.data:
+            ids = d.data["ids"]
+            if not isinstance(ids, list) or not ids or not all(isinstance(i, (int, str)) and not isinstance(i, bool) for i in ids):
+                raise d.error("ids", "must be a non-empty list of device ids")
+            out[str(kind)] = tuple(str(i) for i in ids)
+        else:
+            out[str(kind)] = tuple(str(i) for i in range(d.number("count", 1, lo=1, hi=100000, integer=True)))
+    if out:
+        need: dict[str, int] = {}
+        for pool in pools:
+            if pool.num_launched and pool.gpu is not None:
+                need[pool.gpu] = need.get(pool.gpu, 0) + pool.num_launched * _replica_devices(pool)
+        for kind, n in need.items():
+            if n > len(out.get(kind, ())):
+                raise doc.error(("fleet", "devices"), f"the pools launch replicas on {n} {kind} devices; {len(out.get(kind, ()))} declared")
+    return out
+
+
+def _replica_devices(pool: PoolSpec) -> int:
+    """Devices one replica of ``pool`` holds: its engine's GPUs, or one CPU slot."""
+    from kernels.config import EngineConfig
+
+    return 1 if pool.gpu == "cpu" else EngineConfig.from_dict(pool.engine).num_gpus
+
+
+def _fleet(doc: YamlDoc, shapes: ShapeRules, base: Path) -> tuple[tuple[PoolSpec, ...], float, ControllerSettingsFile, str, RaySettings, dict[str, tuple[str, ...]]]:
+    r = _Reader(doc, ("fleet",), doc.data.get("fleet"), {"pools", "emulator_speed", "controller", "actuator", "ray", "devices"})
     raw = r.data.get("pools")
     if not isinstance(raw, list) or not raw:
         raise doc.error(("fleet", "pools"), "must be a non-empty list of pools")
@@ -405,7 +487,8 @@ def _fleet(doc: YamlDoc, shapes: ShapeRules, base: Path) -> tuple[tuple[PoolSpec
     actuator = r.text("actuator", "local")
     if actuator not in ("local", "ray"):
         raise r.error("actuator", f"must be 'local' (replica processes on this host) or 'ray' (Ray actors), not {actuator!r}")
-    return pools, speed, _controller(doc, base, r.data.get("controller")), actuator, _ray(doc, r.data.get("ray"))
+    devices = _devices(doc, r.data.get("devices"), pools)
+    return pools, speed, _controller(doc, base, r.data.get("controller")), actuator, _ray(doc, r.data.get("ray")), devices
 
 
 # --- tenants -------------------------------------------------------------------------------------
@@ -504,7 +587,7 @@ def load_config(path: Path) -> GatewayConfig:
     tiers = _tiers(doc)
     shapes = _shapes(doc)
     tenants, tenant_files, tenants_dir = _tenants(doc, path.parent, tiers)
-    pools, speed, controller, actuator, ray = _fleet(doc, shapes, path.parent)
+    pools, speed, controller, actuator, ray, devices = _fleet(doc, shapes, path.parent)
     return GatewayConfig(
         source=str(path),
         server=_server(doc),
@@ -518,6 +601,7 @@ def load_config(path: Path) -> GatewayConfig:
         controller=controller,
         actuator=actuator,
         ray=ray,
+        devices=devices,
         watched_files=(path, *tenant_files),
         tenants_dir=tenants_dir,
     )

@@ -121,7 +121,7 @@ class ControllerService:
     def __init__(self, config: GatewayConfig, state_file: Path, command: tuple[str, ...], log_dir: Path) -> None:
         settings = config.controller
         assert settings.url is not None
-        emulated = [p for p in config.pools if p.num_emulated]
+        emulated = [p for p in config.pools if p.num_launched]
         if not emulated:
             raise ValueError("the config declares no emulated replicas (fleet.pools[].replicas.emulated) for the controller to run")
         self.config = config
@@ -192,7 +192,7 @@ class ControllerService:
         """The config's emulated replicas, started and waited for: the first leader of a fleet."""
         gpu_to_next: dict[str, int] = {}
         for pool in self.config.pools:
-            for _ in range(pool.num_emulated):
+            for _ in range(pool.num_launched):
                 assert pool.gpu is not None
                 k = gpu_to_next.get(pool.gpu, 0)
                 gpu_to_next[pool.gpu] = k + 1

@@ -47,7 +47,7 @@ class ReplicaControl(Protocol):
 
 def emulated_gpus(config: GatewayConfig) -> int:
     """The GPUs the config's emulated replicas use (the planner keeps each replica's GPU count)."""
-    return sum(p.num_emulated * EngineConfig.from_dict(dict(p.engine)).num_gpus for p in config.pools)
+    return sum(p.num_launched * EngineConfig.from_dict(dict(p.engine)).num_gpus for p in config.pools)
 
 
 def connect_ray(settings: RaySettings, num_gpus: int) -> None:
@@ -74,7 +74,7 @@ def connect_ray(settings: RaySettings, num_gpus: int) -> None:
 
 def replica_control(config: GatewayConfig, command: tuple[str, ...], log_dir: Path) -> ReplicaControl:
     """The actuator ``fleet.actuator`` names, with no routing bound yet (Ray: connected first)."""
-    model = next((p.model for p in config.pools if p.num_emulated), "")
+    model = next((p.model for p in config.pools if p.num_launched), "")
 
     def argv_for(gpu: str, config_json: str) -> tuple[str, ...]:
         return emulated_replica_argv(command, model, gpu, config_json, config.emulator_speed)
@@ -104,7 +104,7 @@ def start_fleet(control: ReplicaControl, config: GatewayConfig, timeout_s: float
     so ``Routing`` calls find it. Raises SystemExit, with the replicas stopped, if any never answers."""
     slots: list[tuple[str, str]] = []  # (slot, pool)
     for pool in config.pools:
-        for i in range(pool.num_emulated):
+        for i in range(pool.num_launched):
             assert pool.gpu is not None
             slot = f"{pool.name}-{len(pool.urls) + i}"
             config_json = orjson.dumps(dict(pool.engine), option=orjson.OPT_SORT_KEYS).decode()

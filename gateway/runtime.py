@@ -29,7 +29,7 @@ class Runtime:
     classifier: RequestClassifier
     pools: tuple[PoolState, ...]
     replica_by_name: Mapping[str, ReplicaState]
-    real_pools: frozenset[str]  # config pools of real replicas (URLs): their latencies are wall time
+    real_pools: frozenset[str]  # config pools of real replicas (URLs, real engines): their latencies are wall time
 
     def served_models(self) -> list[str]:
         models: set[str] = set()
@@ -66,6 +66,8 @@ def _build_pools(
             gpu=spec.gpu,
             max_running_per_replica=spec.max_in_flight_per_replica or _max_running(spec),
             declared_limit=spec.max_in_flight_per_replica is not None,
+            engine_kind=spec.engine_kind,
+            priority_scheduling=spec.engine.get("schedule_policy") == "priority",
         )
         for i, url in enumerate(replica_urls.get(spec.name, spec.urls)):
             old = old_by_url.get((spec.name, url))
@@ -119,5 +121,5 @@ def build_runtime(
         classifier=classifier,
         pools=pools,
         replica_by_name={r.name: r for pool in pools for r in pool.replicas},
-        real_pools=frozenset(spec.name for spec in config.pools if spec.urls),
+        real_pools=frozenset(spec.name for spec in config.pools if spec.urls or spec.engine_kind != "emulated"),
     )

@@ -83,7 +83,7 @@ def _start_fleet(config: GatewayConfig, log_dir: Path | None) -> tuple[ReplicaCo
     from gateway.replicas import replica_control, start_fleet
 
     external = config.controller.enabled and config.controller.mode == "external"
-    if external or not any(p.num_emulated for p in config.pools):  # an external controller runs them
+    if external or not any(p.num_launched for p in config.pools):  # an external controller runs them
         return None, {}
     control = replica_control(config, EMULATE_COMMAND, log_dir or Path(tempfile.mkdtemp(prefix="polymorph-replicas-")))
     return control, start_fleet(control, config)
@@ -169,7 +169,7 @@ def _live_fleet_factory(config: GatewayConfig, control: ReplicaControl | None) -
     """The control loop over the emulated replicas, when the config enables it in the gateway."""
     if not config.controller.enabled or config.controller.mode == "external":
         return None
-    emulated = [p for p in config.pools if p.num_emulated]
+    emulated = [p for p in config.pools if p.num_launched]
     if not emulated or control is None:
         print("polymorph: fleet.controller needs emulated replicas to move; the controller is off", file=sys.stderr)
         return None

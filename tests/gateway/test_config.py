@@ -26,7 +26,7 @@ def test_example_config_loads_with_demo_tenant_and_shapes() -> None:
     assert config.server.admin_token_sha256 == sha256_hex("polymorph-admin-demo")
     assert {"short-chat", "long-context", "reasoning", "batch"} <= set(config.shapes.names)
     assert [p.name for p in config.pools] == ["chat-h100", "long-h200"]
-    assert all(p.num_emulated > 0 for p in config.pools)
+    assert all(p.num_launched > 0 for p in config.pools)
 
 
 def _error_for(tmp_path: Path, old: str, new: str) -> ConfigError:
@@ -101,3 +101,39 @@ def test_duplicate_key_hash_across_tenants(tmp_path: Path) -> None:
     (tmp_path / "tenants" / "other.yaml").write_text(text)
     with pytest.raises(ConfigError, match="also listed by tenant"):
         load_config(path)
+
+
+def test_real_engine_pools_and_devices_load() -> None:
+    config = load_config(REPO / "examples" / "cpu-llamacpp.yaml")
+    assert [(p.name, p.engine_kind, p.num_launched, p.launch.threads, p.launch.served_model_name) for p in config.pools] == [
+        ("chat-cpu", "llamacpp", 1, 1, "tiny-llama"), ("long-cpu", "llamacpp", 1, 1, "tiny-llama")]
+    assert "kind" not in config.pools[0].engine  # launch keys are not engine knobs
+    assert config.devices == {"cpu": ("0", "1", "2", "3")}
+    vllm = load_config(REPO / "examples" / "cpu-vllm.yaml")
+    assert {p.engine_kind for p in vllm.pools} == {"vllm"}
+
+
+def _example_with(tmp_path: Path, old: str, new: str) -> Path:
+    tmp_path.mkdir(parents=True, exist_ok=True)
+    text = (REPO / "examples" / "cpu-llamacpp.yaml").read_text()
+    assert old in text, old
+    path = tmp_path / "cpu.yaml"
+    path.write_text(text.replace(old, new, 1).replace("tenants_dir: ../tenants", f"tenants_dir: {REPO / 'tenants'}"))
+    return path
+
+
+@pytest.mark.parametrize(("old", "new", "field", "reason", "line_with"), [
+    ("kind: llamacpp, threads: 1, max_running_requests: 4", "kind: tgi, max_running_requests: 4",
+     "fleet.pools[0].engine.kind", "must be one of", "kind: tgi"),
+    ("replicas: { launch: 1 }", "replicas: { emulated: 1 }", "fleet.pools[0].replicas.emulated", "launch: N", "emulated: 1"),
+    ("cpu: { count: 4 }", "cpu: { count: 1 }", "fleet.devices", "2 cpu devices; 1 declared", "devices:"),
+    ("cpu: { count: 4 }", "cpu: { ids: [] }", "fleet.devices.cpu.ids", "non-empty", "ids: []"),
+    ("threads: 1, max_running_requests: 4", "threads: 0, max_running_requests: 4", "fleet.pools[0].engine.threads", "between", "threads: 0"),
+])
+def test_bad_engine_launch_settings_name_file_line_and_field(tmp_path: Path, old: str, new: str, field: str, reason: str, line_with: str) -> None:
+    path = _example_with(tmp_path, old, new)
+    with pytest.raises(ConfigError) as info:
+        load_config(path)
+    assert info.value.field == field
+    assert reason in info.value.reason
+    assert info.value.line == _line_of(path, line_with)

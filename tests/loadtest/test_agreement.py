@@ -33,7 +33,7 @@ def test_the_live_config_deploys_the_simulators_starting_partition(tmp_path: Pat
     path = tmp_path / "live.yaml"
     path.write_text(yaml.safe_dump(config))
     loaded = load_config(path)  # the gateway accepts it: pools named as the controller names its own
-    assert [(p.name, p.gpu, p.num_emulated, dict(p.engine)) for p in loaded.pools] == [
+    assert [(p.name, p.gpu, p.num_launched, dict(p.engine)) for p in loaded.pools] == [
         ("long-context@H200", "H200", 1, json.loads(LONG)), ("short-chat@H100-SXM", "H100-SXM", 2, json.loads(CHAT))]
     assert loaded.pools[1].shapes == ("short-chat",)
     assert loaded.emulator_speed == 5.0 and loaded.controller.enabled and loaded.controller.capacity_cache is None
