@@ -28,6 +28,9 @@ class ReplicaState:
     draining: bool = False
     offers_health: bool = True  # False once /health answered 404: active probes skip it
     engine: EngineLoad | None = None  # the engine's own figures from its /metrics (None: not read, or unreadable)
+    # Requests the engine held at that scrape beyond this gateway's own in flight there (another
+    # gateway's or a direct client's): counted as load until the next scrape. 0 without engine figures.
+    foreign_requests: int = 0
 
     def serves(self, model: str) -> bool:
         return self.models is None or model in self.models
@@ -44,8 +47,9 @@ class ReplicaState:
 
     @property
     def work_in_flight(self) -> float:
-        """The requests in flight in units of its pool's own requests (each counts 1 unless weighed)."""
-        return self.num_in_flight + self.extra_work
+        """The requests in flight in units of its pool's own requests (each counts 1 unless weighed),
+        the engine's foreign requests included."""
+        return self.num_in_flight + self.extra_work + self.foreign_requests
 
 
 @dataclass(slots=True, eq=False)

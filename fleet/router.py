@@ -23,7 +23,11 @@ pools. No per-request simulation: O(pools + replicas) arithmetic.
 Replica choice inside a pool is least outstanding work, with prefix affinity: the request's prefix
 fingerprint ranks replicas by rendezvous hashing and the top-ranked one is taken unless it carries
 more than ``affinity_slack`` times the pool's mean load (consistent hashing with bounded load), so
-prefix caches get hits without hot-spotting.
+prefix caches get hits without hot-spotting. A replica's load is the gateway's own work in flight
+plus its ``foreign_requests``: what its engine reported running and waiting at the last scrape of its
+``/metrics`` beyond what this gateway had in flight there (another gateway or a client sharing the
+engine), so requests we sent are never counted twice; without engine figures it is 0 and the
+gateway's own counts decide, as before. Pool scores count it too (``ReplicaState.work_in_flight``).
 
 When capacity is short, higher tiers go first. With ``tiers`` given and the best pool saturated:
 if the pool keeps a queue (``PoolState.queue``), the answer is ``Wait`` (park it there, by priority
@@ -41,6 +45,7 @@ from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
 
 from classifiers.shape import Shape
+from fleet.engines.load import EngineLoad
 from fleet.pool import PoolState, ReplicaState
 from fleet.tiers import DEFAULT_TIERS, TierSlo
 
@@ -239,12 +244,21 @@ def pick_replica(
     if len(live) == 1:
         return live[0]
     if shape.prefix_fp:
-        bound = settings.affinity_slack * (sum(r.num_in_flight for r in live) / len(live) + 1.0)
+        bound = settings.affinity_slack * (sum(r.num_in_flight + r.foreign_requests for r in live) / len(live) + 1.0)
         ranked = sorted(live, key=lambda r: _mix64(shape.prefix_fp ^ r.affinity_salt), reverse=True)
         for replica in ranked:
-            if replica.num_in_flight < bound:
+            if replica.num_in_flight + replica.foreign_requests < bound:
                 return replica
-    return min(live, key=lambda r: (r.outstanding_tokens, r.num_in_flight))
+    # A foreign request's length is unknown: each is taken to be as long as this one.
+    size = shape.prompt_tokens + shape.predicted_output_p50
+    return min(live, key=lambda r: (r.outstanding_tokens + r.foreign_requests * size, r.num_in_flight + r.foreign_requests))
+
+
+def foreign_requests(engine: EngineLoad, own_in_flight: int) -> int:
+    """Requests an engine reports (running and waiting) beyond the ``own_in_flight`` this gateway has
+    there as the report arrives: the load someone else put on it. Stored on the replica at each
+    scrape, so own requests sent after it count once, through the gateway's own books."""
+    return max(0, engine.num_requests - own_in_flight)
 
 
 def _mix64(value: int) -> int:

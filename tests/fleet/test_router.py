@@ -9,10 +9,11 @@ import pytest
 from scipy.stats import poisson
 
 from classifiers.shape import Shape
+from fleet.engines.load import EngineLoad
 from fleet.health import CircuitBreaker, HealthState
 from fleet.pool import PoolState, ReplicaState
 from fleet.queueing import PoolQueue
-from fleet.router import Reject, Route, RouterSettings, Wait, pick_replica, poisson_at_least, route, slo_chance, work_units
+from fleet.router import Reject, Route, RouterSettings, Wait, foreign_requests, pick_replica, poisson_at_least, route, slo_chance, work_units
 from fleet.tiers import DEFAULT_TIERS
 
 SETTINGS = RouterSettings()
@@ -209,3 +210,39 @@ def test_without_a_capacity_model_a_long_prompt_waits_in_its_own_pool_instead_of
         replica.num_in_flight = 6
     decision = route(LONG, "m", [chat, long], 0.0, SETTINGS, tiers=DEFAULT_TIERS)
     assert isinstance(decision, Route) and decision.pool == "chat" and decision.overflow
+
+
+def test_a_replica_another_client_loads_takes_new_requests_last() -> None:
+    chat = _pool("chat", {"short-chat"})
+    busy, idle = chat.replicas
+    idle.num_in_flight, idle.outstanding_tokens = 1, 300  # our own request on the other replica
+    assert pick_replica(SHAPE, "m", chat.replicas, 0.0, SETTINGS) is busy  # the gateway's counts alone: busy looks idle
+    home = next(fp for fp in range(1, 200) if pick_replica(replace(SHAPE, prefix_fp=fp), "m", chat.replicas, 0.0, SETTINGS) is busy)
+    busy.engine = EngineLoad(scraped_at=0.0, num_running=2, num_waiting=10)  # a direct client's twelve generations
+    busy.foreign_requests = foreign_requests(busy.engine, busy.num_in_flight)
+    assert busy.foreign_requests == 12
+    assert pick_replica(SHAPE, "m", chat.replicas, 0.0, SETTINGS) is idle
+    # a prefix whose home is the loaded replica moves on too: its load passes affinity's bound
+    assert pick_replica(replace(SHAPE, prefix_fp=home), "m", chat.replicas, 0.0, SETTINGS) is idle
+
+
+def test_requests_the_gateway_sent_are_not_counted_twice() -> None:
+    chat = _pool("chat", {"short-chat"})
+    ours, other = chat.replicas
+    ours.num_in_flight, ours.outstanding_tokens = 3, 3 * 150
+    other.num_in_flight, other.outstanding_tokens = 4, 4 * 150
+    ours.engine = EngineLoad(scraped_at=0.0, num_running=3, num_waiting=0)  # the engine holds exactly our three
+    ours.foreign_requests = foreign_requests(ours.engine, ours.num_in_flight)
+    assert ours.foreign_requests == 0 and ours.work_in_flight == 3
+    assert pick_replica(SHAPE, "m", chat.replicas, 0.0, SETTINGS) is ours
+    ours.begin(150)  # sent after the scrape: counted once, in our own books
+    assert ours.work_in_flight == 4
+
+
+def test_pool_scores_count_foreign_requests() -> None:
+    chat, long = _pool("chat", {"short-chat"}, num_replicas=1, max_running=2), _pool("long", {"long-context"})
+    assert route(SHAPE, "m", [chat, long], 0.0, SETTINGS).pool == "chat"  # type: ignore[union-attr]
+    chat.replicas[0].foreign_requests = 2  # full with another client's requests
+    assert slo_chance(chat, 0.0, 1, 1.0) < 1.0 and chat.load_fraction(0.0) == 1.0
+    decision = route(SHAPE, "m", [chat, long], 0.0, SETTINGS)
+    assert isinstance(decision, Route) and decision.pool == "long" and decision.overflow
