@@ -1,4 +1,4 @@
-"""EngineConfig: the engine knobs Polymorph compiles per pool, with sglang and vLLM command-line codecs.
+"""EngineConfig: the engine knobs Polymorph compiles per pool, with sglang, vLLM and llama.cpp command-line codecs.
 
 Defaults are sglang's (python/sglang/srt/server_args.py). sglang resolves several knobs at start-up
 from the GPU and model ("auto"); those are `None` here and the performance model resolves them the
@@ -96,12 +96,16 @@ class EngineConfig:
     speculative_algorithm: str | None = None
     speculative_num_steps: int | None = None
     speculative_num_draft_tokens: int | None = None
+    # The KV pool in tokens, shared by every running request (sglang --max-total-tokens, llama.cpp -c);
+    # None: the engine sizes it from memory (mem_fraction_static; llama.cpp: the model's context).
+    max_total_tokens: int | None = None
 
     def __post_init__(self) -> None:
         for name in ("tp", "dp", "ep", "max_prefill_tokens", "page_size"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
-        for name in ("max_running_requests", "cuda_graph_max_bs", "speculative_num_steps", "speculative_num_draft_tokens"):
+        for name in ("max_running_requests", "cuda_graph_max_bs", "speculative_num_steps", "speculative_num_draft_tokens",
+                     "max_total_tokens"):
             value = getattr(self, name)
             if value is not None and value < (0 if name == "cuda_graph_max_bs" else 1):
                 raise ValueError(f"{name} must be positive, got {value}")
@@ -162,6 +166,7 @@ class EngineConfig:
             "--speculative-num-steps": self.speculative_num_steps,
             "--speculative-num-draft-tokens": self.speculative_num_draft_tokens,
             "--speculative-draft-model-path": draft_model_path if self.speculative_algorithm in ("EAGLE", "EAGLE3") else None,
+            "--max-total-tokens": self.max_total_tokens,
         }
         for flag, value in optional.items():
             if value is not None:
@@ -170,6 +175,10 @@ class EngineConfig:
             args.append("--disable-cuda-graph")
         if not self.enable_prefix_caching:
             args.append("--disable-radix-cache")
+        if self.schedule_policy == "priority":
+            # sglang orders by the request's `priority` only with this switch, and by default runs
+            # higher values first; Polymorph's tiers and vLLM run lower values first, so flip it
+            args += ["--enable-priority-scheduling", "--schedule-low-priority-values-first"]
         return args
 
     @classmethod
@@ -182,12 +191,23 @@ class EngineConfig:
                 values[_SGLANG_SWITCHES[flag][0]] = _SGLANG_SWITCHES[flag][1]
             elif flag in _SGLANG_VALUED:
                 values[_SGLANG_VALUED[flag]] = value
+        values.pop("_low_priority_values_first", None)  # the direction: Polymorph always renders lower-first
+        if values.pop("_priority_scheduling", False) and values.get("schedule_policy", "fcfs") == "fcfs":
+            values["schedule_policy"] = "priority"  # sglang's fcfs with priority scheduling orders by priority
         return cls.from_dict(values)
 
     def to_vllm_args(self, model_path: str) -> list[str]:
-        """Arguments for `vllm serve`. sglang-only knobs (max_prefill_tokens, lpm/lof/dfs policies)
-        have no vLLM equivalent and are dropped; vLLM's default fcfs is used instead."""
-        args = ["serve", model_path, "--tensor-parallel-size", str(self.tp), "--data-parallel-size", str(self.dp)]
+        """Arguments for `vllm serve`: `serve MODEL` and `vllm_flags()`."""
+        return ["serve", model_path, *self.vllm_flags()]
+
+    def vllm_flags(self) -> list[str]:
+        """vLLM's engine flags, without the model (`vllm serve` takes it positionally, the api_server
+        module as `--model`). sglang-only knobs (max_prefill_tokens, lpm/lof/dfs policies) have no vLLM
+        equivalent and are dropped; vLLM's default fcfs is used instead. `max_total_tokens` becomes
+        `--num-gpu-blocks-override`, the pool in blocks of `--block-size` tokens (rounded up): vLLM's
+        only bound on its KV pool, which replaces the size it derives from memory (and fails at start
+        when that many blocks do not fit), so every engine kind holds the same pool."""
+        args = ["--tensor-parallel-size", str(self.tp), "--data-parallel-size", str(self.dp)]
         if self.ep > 1:
             args.append("--enable-expert-parallel")
         optional = {
@@ -198,6 +218,7 @@ class EngineConfig:
             "--block-size": self.page_size,
             "--gpu-memory-utilization": self.mem_fraction_static,
             "--scheduling-policy": self.schedule_policy if self.schedule_policy in ("fcfs", "priority") else None,
+            "--num-gpu-blocks-override": None if self.max_total_tokens is None else -(-self.max_total_tokens // self.page_size),
         }
         for flag, value in optional.items():
             if value is not None:
@@ -234,6 +255,46 @@ class EngineConfig:
                 values.update(_spec_from_vllm(json.loads(value)))
         if values.pop("_expert_parallel", False):
             values["ep"] = int(values.get("tp", 1)) * int(values.get("dp", 1))  # type: ignore[call-overload]
+        blocks = values.pop("_num_blocks", None)
+        if blocks is not None:
+            values["max_total_tokens"] = int(blocks) * int(values.get("page_size", 1))  # type: ignore[call-overload]
+        return cls.from_dict(values)
+
+    def to_llamacpp_args(self, model_path: str) -> list[str]:
+        """Arguments for `llama-server`. Its slots share one KV pool (`--kv-unified`) of `-c`
+        tokens, as sglang's and vLLM's running requests do; `-b`/`-ub` bound a prefill chunk;
+        prefix caching keeps its prompt cache and reuses cached chunks by KV shifting
+        (`--cache-reuse`), and off is `--no-cache-prompt`. llama-server batches continuously by
+        default (`--no-cont-batching` is never rendered) and has no tensor/data parallelism,
+        priority scheduling, fp8 KV cache or speculation knob here: those are dropped. Unset
+        knobs keep llama-server's defaults (4 slots, the model's context, 2048/512 batches)."""
+        args = ["-m", model_path, "--kv-unified"]
+        optional = {
+            "--parallel": self.max_running_requests,
+            "-c": self.max_total_tokens,
+            "-b": self.chunked_prefill_size if (self.chunked_prefill_size or 0) > 0 else None,
+            "-ub": self.chunked_prefill_size if (self.chunked_prefill_size or 0) > 0 else None,
+        }
+        for flag, value in optional.items():
+            if value is not None:
+                args += [flag, str(value)]
+        if self.enable_prefix_caching:
+            args += ["--cache-reuse", str(_LLAMACPP_CACHE_REUSE_TOKENS)]
+        else:
+            args.append("--no-cache-prompt")
+        return args
+
+    @classmethod
+    def from_llamacpp_args(cls, args: Sequence[str] | str) -> EngineConfig:
+        """Parse `llama-server` flags (unknown ones ignored); `-c 0` (the model's context) and
+        `--parallel -1` (auto) are llama-server's defaults, None here."""
+        values: dict[str, object] = {}
+        for flag, value in _flag_pairs(args, _LLAMACPP_SWITCHES):
+            if flag in _LLAMACPP_SWITCHES:
+                values[_LLAMACPP_SWITCHES[flag][0]] = _LLAMACPP_SWITCHES[flag][1]
+            elif flag in _LLAMACPP_VALUED and value is not None:
+                values[_LLAMACPP_VALUED[flag]] = value if int(value) > 0 else None
+        values.pop("_kv_unified", None)
         return cls.from_dict(values)
 
 
@@ -253,11 +314,14 @@ _SGLANG_VALUED = {
     "--speculative-algorithm": "speculative_algorithm",
     "--speculative-num-steps": "speculative_num_steps",
     "--speculative-num-draft-tokens": "speculative_num_draft_tokens",
+    "--max-total-tokens": "max_total_tokens",
 }
 _SGLANG_SWITCHES = {
     "--disable-radix-cache": ("enable_prefix_caching", False),
     "--disable-cuda-graph": ("disable_cuda_graph", True),
     "--enable-dp-attention": ("enable_dp_attention", True),
+    "--enable-priority-scheduling": ("_priority_scheduling", True),
+    "--schedule-low-priority-values-first": ("_low_priority_values_first", True),
 }
 _VLLM_VALUED = {
     "--tensor-parallel-size": "tp", "-tp": "tp",
@@ -269,6 +333,7 @@ _VLLM_VALUED = {
     "--block-size": "page_size",
     "--gpu-memory-utilization": "mem_fraction_static",
     "--scheduling-policy": "schedule_policy",
+    "--num-gpu-blocks-override": "_num_blocks",
 }
 _VLLM_SWITCHES = {
     "--enable-prefix-caching": ("enable_prefix_caching", True),
@@ -276,6 +341,18 @@ _VLLM_SWITCHES = {
     "--enforce-eager": ("disable_cuda_graph", True),
     "--enable-expert-parallel": ("_expert_parallel", True),
 }
+_LLAMACPP_VALUED = {
+    "--parallel": "max_running_requests", "-np": "max_running_requests",
+    "-c": "max_total_tokens", "--ctx-size": "max_total_tokens",
+    "-b": "chunked_prefill_size", "--batch-size": "chunked_prefill_size",
+}
+_LLAMACPP_SWITCHES = {
+    "--no-cache-prompt": ("enable_prefix_caching", False),
+    "--kv-unified": ("_kv_unified", True), "-kvu": ("_kv_unified", True),
+}
+# The smallest cached chunk llama-server reuses by KV shifting (shorter matches are recomputed):
+# a few hundred tokens, so that a reuse saves more prefill than the shift costs.
+_LLAMACPP_CACHE_REUSE_TOKENS = 256
 _KV_TO_VLLM = {"bf16": "bfloat16"}
 _KV_FROM_VLLM = {"fp8": "fp8_e4m3", "bfloat16": "bf16"}
 _SPEC_TO_VLLM = {"EAGLE": "eagle", "EAGLE3": "eagle3", "NGRAM": "ngram", "MTP": "mtp"}

@@ -140,9 +140,10 @@ class PerfModel:
 
     @property
     def kv_capacity_tokens(self) -> int:
-        """KV tokens that fit per replica; 0 when the weights alone do not fit."""
+        """KV tokens that fit per replica, capped by `max_total_tokens` as sglang caps its pool; 0 when
+        the weights alone do not fit."""
         free = self.gpu.hbm_bytes * self.config.mem_fraction_static - self.weight_bytes_per_gpu  # type: ignore[operator]
-        return max(0, int(free // self.kv_bytes_per_token_per_gpu))
+        return int(_capped(max(0, free // self.kv_bytes_per_token_per_gpu), self.config.max_total_tokens))
 
     @property
     def fits(self) -> bool:
@@ -313,10 +314,15 @@ class PerfModel:
                            speculative_num_steps=steps, speculative_num_draft_tokens=drafts)
         if resolved.max_running_requests is None:
             pool = self.gpu.hbm_bytes * mem_fraction - self.weight_bytes_per_gpu
-            tokens = max(0.0, pool / self.kv_bytes_per_token_per_gpu)
+            tokens = _capped(max(0.0, pool / self.kv_bytes_per_token_per_gpu), config.max_total_tokens)
             auto = int(min(4096, max(2048, tokens / self.model.max_context * 512)))
             resolved = replace(resolved, max_running_requests=auto)
         return resolved
+
+
+def _capped(tokens: float, max_total_tokens: int | None) -> float:
+    """The pool sglang allocates: what memory holds, or `--max-total-tokens` when that is smaller."""
+    return tokens if max_total_tokens is None else min(tokens, max_total_tokens)
 
 
 def _weight_bytes_per_param(model: ModelSpec, quantization: str | None) -> tuple[float, float]:

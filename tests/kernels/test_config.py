@@ -10,6 +10,7 @@ _RICH = EngineConfig(
     tp=4, dp=2, max_running_requests=256, chunked_prefill_size=4096, max_prefill_tokens=8192, schedule_policy="lpm",
     kv_cache_dtype="fp8_e4m3", quantization="fp8", cuda_graph_max_bs=128, page_size=16, mem_fraction_static=0.85,
     enable_prefix_caching=False, speculative_algorithm="EAGLE3", speculative_num_steps=3, speculative_num_draft_tokens=4,
+    max_total_tokens=65536,
 )
 
 
@@ -73,3 +74,56 @@ def test_vllm_round_trip_of_what_vllm_can_express() -> None:
     assert args[:2] == ["serve", "m"] and "--no-enable-prefix-caching" in args
     back = EngineConfig.from_vllm_args(args)
     assert back == EngineConfig.from_dict({**config.to_dict(), "max_prefill_tokens": 16384})
+
+
+def test_max_total_tokens_renders_as_each_engines_pool_bound() -> None:
+    config = EngineConfig(max_total_tokens=1000, page_size=16)
+    sglang = config.to_sglang_args("m")
+    assert sglang[sglang.index("--max-total-tokens") + 1] == "1000"
+    vllm = config.vllm_flags()
+    assert vllm[vllm.index("--num-gpu-blocks-override") + 1] == "63"  # 1000 tokens in 16-token blocks, rounded up
+    assert EngineConfig.from_vllm_args(config.to_vllm_args("m")).max_total_tokens == 1008
+    assert "--num-gpu-blocks-override" not in EngineConfig().vllm_flags()  # unset: vLLM sizes the pool from memory
+    with pytest.raises(ValueError, match="max_total_tokens"):
+        EngineConfig(max_total_tokens=0)
+
+
+def test_vllm_flags_are_the_serve_arguments_without_the_model() -> None:
+    assert _RICH.to_vllm_args("org/model") == ["serve", "org/model", *_RICH.vllm_flags()]
+    assert "org/model" not in _RICH.vllm_flags()
+
+
+def test_priority_scheduling_runs_lower_values_first_on_every_engine() -> None:
+    config = EngineConfig(schedule_policy="priority")
+    vllm = config.vllm_flags()
+    assert vllm[vllm.index("--scheduling-policy") + 1] == "priority"  # vLLM: lower values first
+    sglang = config.to_sglang_args("m")
+    # sglang orders by priority only with the switch, higher values first unless told otherwise
+    assert sglang[sglang.index("--schedule-policy") + 1] == "priority"
+    assert {"--enable-priority-scheduling", "--schedule-low-priority-values-first"} <= set(sglang)
+    assert EngineConfig.from_sglang_args(sglang) == config
+    assert not {"--enable-priority-scheduling", "--schedule-low-priority-values-first"} & set(EngineConfig().to_sglang_args("m"))
+    # an operator's sglang line: fcfs with the switch is priority scheduling; lpm ignores priorities
+    assert EngineConfig.from_sglang_args("--model-path m --enable-priority-scheduling --port 1").schedule_policy == "priority"
+    assert EngineConfig.from_sglang_args("--enable-priority-scheduling --schedule-policy lpm").schedule_policy == "lpm"
+
+
+def test_llamacpp_round_trip_of_what_llama_server_can_express() -> None:
+    config = EngineConfig(max_running_requests=8, chunked_prefill_size=256, max_total_tokens=4096, enable_prefix_caching=False)
+    args = config.to_llamacpp_args("/models/tiny.gguf")
+    assert args[:2] == ["-m", "/models/tiny.gguf"] and "--kv-unified" in args  # one pool the slots share
+    assert [args[args.index(f) + 1] for f in ("--parallel", "-c", "-b", "-ub")] == ["8", "4096", "256", "256"]
+    assert "--no-cache-prompt" in args and "--cache-reuse" not in args
+    assert "--no-cont-batching" not in args
+    assert EngineConfig.from_llamacpp_args(args) == config
+    # knobs llama-server has no equivalent for are dropped, not mistranslated
+    assert EngineConfig.from_llamacpp_args(_RICH.to_llamacpp_args("m")) == EngineConfig(
+        max_running_requests=256, chunked_prefill_size=4096, max_total_tokens=65536, enable_prefix_caching=False)
+
+
+def test_llamacpp_defaults_are_llama_servers() -> None:
+    args = EngineConfig().to_llamacpp_args("m")
+    assert args == ["-m", "m", "--kv-unified", "--cache-reuse", "256"]
+    assert EngineConfig.from_llamacpp_args(args) == EngineConfig()
+    assert EngineConfig.from_llamacpp_args("-m m -c 0 -np -1 --metrics --port 8080") == EngineConfig()  # 0 and -1: llama's auto
+    assert "-b" not in EngineConfig(chunked_prefill_size=-1).to_llamacpp_args("m")  # no chunking: its default batch

@@ -34,6 +34,18 @@ def test_fp8_kv_doubles_capacity() -> None:
     assert fp8.kv_capacity_tokens == pytest.approx(2 * bf16.kv_capacity_tokens, abs=2)
 
 
+def test_max_total_tokens_caps_the_pool_as_sglang_does() -> None:
+    free = _perf()
+    capped = _perf(max_total_tokens=20_000)
+    assert free.kv_capacity_tokens > 100_000 and capped.kv_capacity_tokens == 20_000
+    # a cap above what memory holds changes nothing
+    assert _perf(max_total_tokens=10 * free.kv_capacity_tokens).kv_capacity_tokens == free.kv_capacity_tokens
+    # sglang derives its auto max_running_requests from the capped pool (clamped to 2048..4096)
+    assert _perf("Llama-3.1-8B", "H200").config.max_running_requests > 2048  # a big pool: more slots
+    assert _perf("Llama-3.1-8B", "H200", max_total_tokens=20_000).config.max_running_requests == 2048
+    assert not _perf(max_total_tokens=100).fits  # a pool too small for a 64th of the context is no serving pool
+
+
 def test_weights_that_do_not_fit_leave_no_kv() -> None:
     perf = _perf("Llama-3.1-70B", "H100")
     assert perf.kv_capacity_tokens == 0 and not perf.fits
