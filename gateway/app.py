@@ -140,7 +140,7 @@ class Handlers:
                 limiter = None
                 raise ApiError(429, refusal.message, refusal.code, retry_after_s=refusal.retry_after_s)
             assert state.proxy is not None
-            response = await state.proxy.forward(request, runtime, shape, model, raw, stream, outcome)
+            response = await state.proxy.forward(request, runtime, shape, model, raw, stream, outcome, body)  # type: ignore[arg-type]
         except ApiError as err:
             outcome.status = err.status
             if err.status < 500:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import re
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 import orjson
@@ -16,7 +17,7 @@ from aiohttp import web
 
 from classifiers.shape import Shape
 from fleet.health import HealthState
-from fleet.pool import ReplicaState
+from fleet.pool import PoolState, ReplicaState
 from fleet.router import Reject, Route, RouterSettings, Wait, route
 from fleet.tiers import TierSlo, from_objectives
 from gateway.admission import RetryBudget
@@ -25,6 +26,7 @@ from gateway.errors import ApiError, sse_error_event
 from gateway.metrics import GatewayMetrics
 from gateway.pool_wait import PoolWaits
 from gateway.runtime import Runtime
+from gateway.stream_usage import UsageChunkFilter, asked_for_usage, upstream_body
 from gateway.upstream import UpstreamError, UpstreamPool, UpstreamResponse
 
 _DONE = b"data: [DONE]"
@@ -54,6 +56,28 @@ def _is_json_object(body: bytes) -> bool:
         return isinstance(orjson.loads(body), dict)
     except orjson.JSONDecodeError:
         return False
+
+
+def engine_priority(pool: PoolState, tier_priority: int) -> int | None:
+    """The ``priority`` to send ``pool``'s engines for a request of a tier with ``tier_priority``
+    (0 is the most urgent), in the engine's own convention; None: send none.
+
+    A client's own ``priority`` is overridden, not merged: the tenant's tier is what it pays for, and
+    a client could otherwise jump the queue of every other tenant on the replica."""
+    if not pool.priority_scheduling:
+        return None
+    if pool.engine_kind == "sglang":
+        # sglang runs higher values first unless launched with --schedule-low-priority-values-first
+        # (which our sglang arguments do not pass): SchedulePolicy sorts its waiting queue by
+        # priority * priority_sign, with priority_sign = 1 if schedule_low_priority_values_first else -1
+        # (python/sglang/srt/managers/schedule_policy.py; server_args.py --enable-priority-scheduling:
+        # "Requests with higher priority integer values will be scheduled first by default").
+        return -tier_priority
+    if pool.engine_kind in ("vllm", "emulated"):
+        # vLLM's priority scheduler runs lower values first, as the tiers count; the emulator takes
+        # the gateway's own convention.
+        return tier_priority
+    return None  # llama.cpp's server has no request priority
 
 
 def _usage_int(data: bytes, key: bytes) -> int | None:
@@ -91,12 +115,17 @@ class Proxy:
         raw_body: bytes,
         stream: bool,
         outcome: Outcome,
+        body: Mapping[str, object],
     ) -> web.StreamResponse:
+        """Route and send one request; ``body`` is ``raw_body`` as the request path parsed it."""
         settings = runtime.config.upstream
         loop = asyncio.get_running_loop()
         tried: list[str] = []
         budget_tokens = shape.prompt_tokens + shape.predicted_output_p50
         self.retry_budget.on_request()
+        # A stream whose client did not ask for usage asks the engine anyway (and hides it again)
+        strip_usage = stream and not asked_for_usage(body)
+        tier = self._tiers(runtime.config).get(shape.tier)
         last_error: ApiError | None = None
         while True:
             now = loop.time()
@@ -114,6 +143,9 @@ class Proxy:
                 decision, replica = placed
             else:
                 replica = runtime.replica_by_name[decision.replica]
+            pool = next((p for p in runtime.pools if p.name == decision.pool), None)
+            priority = engine_priority(pool, tier.priority) if pool is not None and tier is not None else None
+            sent_body = upstream_body(raw_body, body, strip_usage, priority)
             outcome.pool, outcome.replica = decision.pool, decision.replica
             outcome.attempts += 1
             tried.append(replica.name)
@@ -122,7 +154,7 @@ class Proxy:
             gauge = self.metrics.child(self.metrics.in_flight, decision.pool)
             gauge.inc()
             try:
-                result = await self._attempt(request, decision, replica, raw_body, stream, shape, settings, outcome)
+                result = await self._attempt(request, decision, replica, sent_body, stream, strip_usage, shape, settings, outcome)
             except ApiError as err:
                 last_error = err
                 if outcome.attempts >= settings.max_attempts or not self.retry_budget.try_spend(loop.time()):
@@ -153,6 +185,7 @@ class Proxy:
         replica: ReplicaState,
         raw_body: bytes,
         stream: bool,
+        strip_usage: bool,
         shape: Shape,
         settings: UpstreamSettings,
         outcome: Outcome,
@@ -183,7 +216,8 @@ class Proxy:
                 err = ApiError(upstream.status, f"Replica {replica.name} answered {upstream.status}: {body[:300].decode('utf-8', 'replace')}", "upstream_error", retry_after_s=1.0)
                 raise err
             if stream and upstream.status == 200:
-                return await self._stream(request, upstream, replica, headers, settings, started_at, outcome)
+                usage_filter = UsageChunkFilter() if strip_usage else None
+                return await self._stream(request, upstream, replica, headers, settings, started_at, outcome, usage_filter)
             body = await upstream.read()
         except TimeoutError:
             self.mark_failure(replica)
@@ -221,6 +255,7 @@ class Proxy:
         settings: UpstreamSettings,
         started_at: float,
         outcome: Outcome,
+        usage_filter: UsageChunkFilter | None,
     ) -> web.StreamResponse:
         loop = asyncio.get_running_loop()
         # The first chunk decides whether this attempt can still be retried: read it (within the
@@ -235,7 +270,7 @@ class Proxy:
         response = web.StreamResponse(status=200, headers=headers)
         try:
             await response.prepare(request)
-            await self._relay(response, upstream, first, first_at, replica, outcome)
+            await self._relay(response, upstream, first, first_at, replica, outcome, usage_filter)
             await response.write_eof()
         except ConnectionError:
             # The client went away: not the replica's fault. Stop its generation and say nothing.
@@ -251,8 +286,12 @@ class Proxy:
         first_at: float,
         replica: ReplicaState,
         outcome: Outcome,
+        usage_filter: UsageChunkFilter | None,
     ) -> None:
-        """Copy the replica's events to the client; a broken upstream ends with an SSE error event."""
+        """Copy the replica's events to the client; a broken upstream ends with an SSE error event.
+
+        With ``usage_filter``, the usage-only chunk the gateway asked for is left out of what the client
+        gets; the tail (whence the usage is read) is taken from the replica's bytes either way."""
         loop = asyncio.get_running_loop()
         num_events = 0
         last_event_at = first_at
@@ -262,7 +301,9 @@ class Proxy:
             num_events += chunk.count(b"data:")
             last_event_at = loop.time()
             tail = (tail + chunk[-512:])[-512:]
-            await response.write(chunk)
+            passed = chunk if usage_filter is None else usage_filter.feed(chunk)
+            if passed:
+                await response.write(passed)
             try:
                 chunk = await upstream.read_chunk()  # TimeoutError after between_chunks_timeout_s
             except TimeoutError:
@@ -274,6 +315,8 @@ class Proxy:
                 break
         if outcome.stream_error is None and _DONE not in tail:
             outcome.stream_error = "upstream_truncated"
+        if usage_filter is not None and (rest := usage_filter.flush()):
+            await response.write(rest)
         if outcome.stream_error is not None:
             self.mark_failure(replica)
             message = f"The stream from replica {replica.name} broke off ({outcome.stream_error}); the response is incomplete."
