@@ -8,7 +8,9 @@ import time
 import orjson
 from aiohttp import web
 
+from fleet.pool import ReplicaState
 from gateway.dashboard import is_admin_request
+from gateway.engine_scrape import EngineScraper
 from gateway.errors import ApiError, error_response
 from gateway.state import GatewayState
 
@@ -28,9 +30,32 @@ def _summary(entry: dict[str, object]) -> str:
     return text
 
 
+def _engine(replica: ReplicaState, engines: EngineScraper | None, now: float) -> dict[str, object]:
+    """The replica's engine figures as the router reads them, or why there are none (it is then
+    routed by the gateway's own counts)."""
+    load = replica.engine
+    error = engines.error_of(replica) if engines is not None else "engine metrics are not read by this gateway"
+    if load is None:
+        return {"engine": None, "engine_error": error}
+    record = {
+        "age_s": round(now - load.scraped_at, 3),
+        "num_running": load.num_running,
+        "num_waiting": load.num_waiting,
+        "foreign_requests": replica.foreign_requests,
+        "kv_usage_fraction": load.kv_usage_fraction,
+        "prefix_cache_hit_fraction": engines.hit_fraction_of(replica) if engines is not None else None,
+        "prefix_cache_queries_tokens": load.prefix_cache_queries_tokens,
+        "prefix_cache_hits_tokens": load.prefix_cache_hits_tokens,
+        "prompt_tokens_total": load.prompt_tokens_total,
+        "generation_tokens_total": load.generation_tokens_total,
+    }
+    return {"engine": record, "engine_error": error}  # an error here: the last read failed, the figures before it still stand
+
+
 class AdminHandlers:
-    def __init__(self, state: GatewayState) -> None:
+    def __init__(self, state: GatewayState, engines: EngineScraper | None = None) -> None:
         self.state = state
+        self.engines = engines
 
     def _check_admin(self, request: web.Request) -> None:
         expected = self.state.runtime.config.server.admin_token_sha256
@@ -73,6 +98,8 @@ class AdminHandlers:
                         "outstanding_tokens": r.outstanding_tokens,
                         "ejections": r.breaker.num_ejections,
                         "models": sorted(r.models) if r.models is not None else None,
+                        "engine_kind": pool.engine_kind,
+                        **_engine(r, self.engines, now),
                     }
                     for r in pool.replicas
                 ],

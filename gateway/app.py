@@ -22,6 +22,7 @@ from classifiers.shape import Shape
 from gateway.admin import AdminHandlers
 from gateway.config import GatewayConfig, Tenant
 from gateway.dashboard import add_dashboard_routes, is_admin_request
+from gateway.engine_scrape import EngineScraper
 from gateway.errors import ApiError, error_response
 from gateway.live_fleet import LiveFleet
 from gateway.openapi import DOCUMENT_BYTES
@@ -35,6 +36,7 @@ from gateway.validate import validate_body
 _JSON = "application/json"
 _UNAUTHENTICATED = "_unauthenticated"
 STATE_KEY: web.AppKey["GatewayState"] = web.AppKey("polymorph_state")
+ENGINE_SCRAPER_KEY: web.AppKey[EngineScraper] = web.AppKey("polymorph_engine_scraper")
 
 
 def _authenticate(request: web.Request, runtime: Runtime) -> Tenant:
@@ -245,6 +247,7 @@ async def _on_startup(app: web.Application) -> None:
     state.prober = HealthProber(state)
     await state.prober.discover_models()
     state.prober.start()
+    app[ENGINE_SCRAPER_KEY].start()
     if state.access_log is not None:
         state.access_log.start()
     if state.live is not None:
@@ -257,6 +260,7 @@ async def _on_cleanup(app: web.Application) -> None:
         await state.live.stop_loop()
     if state.prober is not None:
         await state.prober.stop()
+    await app[ENGINE_SCRAPER_KEY].stop()
     if state.access_log is not None:
         await state.access_log.stop()
     if state.session is not None:
@@ -279,7 +283,8 @@ def build_app(
     app = web.Application(client_max_size=config.server.max_body_bytes)
     app[STATE_KEY] = state
     h = Handlers(state)
-    admin = AdminHandlers(state)
+    app[ENGINE_SCRAPER_KEY] = EngineScraper(state, config.upstream.engine_metrics_interval_s)
+    admin = AdminHandlers(state, app[ENGINE_SCRAPER_KEY])
     router = app.router
     router.add_route("*", "/v1/chat/completions", h.chat_completions)
     router.add_route("*", "/v1/completions", h.completions)

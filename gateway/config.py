@@ -53,6 +53,7 @@ class UpstreamSettings:
     health_interval_s: float = 2.0
     # per pool: requests waiting for a replica's room when the pool is saturated (0: no queues)
     queue_max_len: int = 1024
+    engine_metrics_interval_s: float = 1.0  # how often each replica engine's /metrics is read (gateway.engine_scrape)
 
 
 @dataclass(frozen=True, slots=True)
@@ -251,6 +252,7 @@ def _upstream(doc: YamlDoc) -> UpstreamSettings:
         eject_cooldown_s=r.number("eject_cooldown_s", d.eject_cooldown_s, lo=0.01, hi=3600),
         health_interval_s=r.number("health_interval_s", d.health_interval_s, lo=0.05, hi=3600),
         queue_max_len=r.number("queue_max_len", d.queue_max_len, lo=0, hi=1_000_000, integer=True),
+        engine_metrics_interval_s=r.number("engine_metrics_interval_s", d.engine_metrics_interval_s, lo=0.05, hi=3600),
     )
 
 

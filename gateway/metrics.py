@@ -42,6 +42,14 @@ class GatewayMetrics:
         self.queue_waits = Counter("polymorph_pool_queue_waits", "Requests parked in a pool's queue because its replicas were full.", ["pool", "tier"], registry=r)
         self.queue_sheds = Counter("polymorph_pool_queue_sheds", "Waiting requests shed with 429, by reason (deadline: it passed; full: the queue was).", ["pool", "tier", "reason"], registry=r)
         self.queue_wait = Histogram("polymorph_pool_queue_wait_seconds", "Time a request waited in its pool's queue before a replica took it.", ["pool", "tier"], buckets=_LATENCY_BUCKETS_S, registry=r)
+        # Each replica engine's own figures, as the gateway last read them from its /metrics (gateway.engine_scrape).
+        replica = ["pool", "replica"]
+        self.engine_running = Gauge("polymorph_engine_requests_running", "Requests the replica's engine is computing, at its last /metrics scrape.", replica, registry=r, multiprocess_mode="livemax")
+        self.engine_waiting = Gauge("polymorph_engine_requests_waiting", "Requests queued inside the replica's engine, at its last /metrics scrape.", replica, registry=r, multiprocess_mode="livemax")
+        self.engine_kv_usage = Gauge("polymorph_engine_kv_cache_usage_ratio", "Share of the replica engine's KV cache in use (engines that export it).", replica, registry=r, multiprocess_mode="livemax")
+        self.engine_prefix_hits = Gauge("polymorph_engine_prefix_cache_hit_ratio", "Share of the prompt tokens looked up in the engine's prefix cache between two scrapes that it held.", replica, registry=r, multiprocess_mode="livemax")
+        self.engine_up = Gauge("polymorph_engine_metrics_up", "1 when the replica engine's /metrics was read at the last scrape, 0 when not (it is then routed by the gateway's own counts).", replica, registry=r, multiprocess_mode="livemax")
+        self.engine_scrape_failures = Counter("polymorph_engine_scrape_failures", "Scrapes of a replica engine's /metrics that failed (unreachable, timed out, not 200, or no load metrics).", replica, registry=r)
         self._children: dict[tuple[Any, ...], Any] = {}
         self._latency_children: dict[tuple[str, str], tuple[Any, Any, Any]] = {}
 
@@ -52,6 +60,11 @@ class GatewayMetrics:
             found = family.labels(*labels)
             self._children[key] = found
         return found
+
+    def drop(self, family: Any, *labels: str) -> None:
+        """Stop exporting ``family``'s child of ``labels`` (a figure no longer known), if it was exported."""
+        if self._children.pop((id(family), *labels), None) is not None:
+            family.remove(*labels)
 
     def latencies(self, tier: str, pool: str) -> tuple[Any, Any, Any]:
         """The e2e, TTFT and TPOT histograms of ``tier`` on ``pool``, found with one lookup."""
