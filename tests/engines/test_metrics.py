@@ -30,6 +30,7 @@ def vllm_text(engines: dict[str, tuple[int, int, float]], old_names: bool = Fals
     labels = ["model_name", "engine"]
     running = Gauge("vllm:num_requests_running", "Number of requests in model execution batches.", labels, registry=r)
     waiting = Gauge("vllm:num_requests_waiting", "Number of requests waiting to be processed.", labels, registry=r)
+    by_reason = Gauge("vllm:num_requests_waiting_by_reason", "Number of waiting requests by reason.", [*labels, "reason"], registry=r)
     kv = Gauge("vllm:gpu_cache_usage_perc" if old_names else "vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.", labels, registry=r)
     prefix = "vllm:gpu_prefix_cache" if old_names else "vllm:prefix_cache"
     queries = Counter(f"{prefix}_queries", "Prefix cache queries, in terms of number of queried tokens.", labels, registry=r)
@@ -50,6 +51,7 @@ def vllm_text(engines: dict[str, tuple[int, int, float]], old_names: bool = Fals
         values = ("tiny-llama", engine)
         running.labels(*values).set(num_running)
         waiting.labels(*values).set(num_waiting)
+        by_reason.labels(*values, "capacity").set(num_waiting)  # a name that extends waiting's: not counted again
         kv.labels(*values).set(kv_fraction)
         queries.labels(*values).inc(1000)
         hits.labels(*values).inc(400)
