@@ -209,13 +209,21 @@ function metricRow(label, fraction, text, barClass) {
   return el("div", { class: "metric-row" }, el("span", { text: label }), el("div", { class: `bar ${barClass || ""}` }, fill), el("span", { class: "value", text }));
 }
 
+// what the replica's engine reports at its /metrics, or why it is routed by the gateway's own counts
+function engineText(replica) {
+  const e = replica.engine;
+  if (!e) return replica.engine_error ? `; engine figures unknown (${replica.engine_error})` : "";
+  const kv = e.kv_usage_fraction == null ? "" : `, KV ${Math.round(e.kv_usage_fraction * 100)}%`;
+  return `; engine: ${e.num_running} running, ${e.num_waiting} waiting (${e.foreign_requests} not ours)${kv}`;
+}
+
 function poolCard(pool) {
   const counts = { healthy: 0, draining: 0, starting: 0, ejected: 0 };
   const dots = el("div", { class: "replica-dots" });
   for (const replica of pool.replicas || []) {
     const kind = replicaState(replica);
     counts[kind] += 1;
-    dots.append(el("span", { class: `replica-dot ${kind}`, title: `${replica.name}: ${kind}, ${replica.in_flight} in flight` }));
+    dots.append(el("span", { class: `replica-dot ${kind}`, title: `${replica.name}: ${kind}, ${replica.in_flight} in flight${engineText(replica)}` }));
   }
   const shapes = el("div", { class: "chips" });
   for (const shape of pool.shapes || []) {
