@@ -27,3 +27,7 @@ def shared_dir() -> Path:
     if not SHARED.is_dir():
         pytest.skip("../shared is not present beside this checkout")
     return SHARED
+
+
+# Real CPU engines and the tiny model, installed on first use (last: the module imports free_port from here).
+from tests.support.engines import llama_server_bin, tiny_gguf, tiny_hf, vllm_python  # noqa: E402,F401

@@ -11,7 +11,7 @@ import sys
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -59,17 +59,19 @@ def wait_http(url: str, timeout_s: float = 30.0, process: subprocess.Popen[bytes
     raise TimeoutError(f"{url} did not answer within {timeout_s} s")
 
 
-def start(argv: Sequence[str], port: int, log_path: Path, health: str) -> Proc:
+def start(argv: Sequence[str], port: int, log_path: Path, health: str, *, command: Sequence[str] = POLYMORPH,
+          timeout_s: float = 30.0, env: Mapping[str, str] | None = None) -> Proc:
+    """Run ``command + argv`` (a polymorph subcommand unless ``command`` names another program) until ``health`` answers."""
     log = open(log_path, "wb")
-    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    process = subprocess.Popen([*POLYMORPH, *argv], cwd=REPO, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env)
+    full_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
+    process = subprocess.Popen([*command, *argv], cwd=REPO, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=full_env)
     log.close()
     proc = Proc(process, f"http://127.0.0.1:{port}", log_path)
     try:
-        wait_http(proc.url + health, process=process)
+        wait_http(proc.url + health, timeout_s, process=process)
     except Exception:
         proc.stop()
-        raise RuntimeError(f"{argv[0]} failed to start:\n{proc.log()}") from None
+        raise RuntimeError(f"{argv[0] if command is POLYMORPH else command[0]} failed to start:\n{proc.log()}") from None
     return proc
 
 

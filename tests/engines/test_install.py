@@ -1,0 +1,105 @@
+"""The cached CPU engines and the tiny model: installed once, and really served by llama.cpp and vLLM."""
+
+from __future__ import annotations
+
+import json
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+
+import openai
+import pytest
+from openai.types.chat import ChatCompletionMessageParam
+
+from fleet.engines import install
+from fleet.engines.tiny_model import TinyLlamaShape, read_tokenizer, write_tiny_llama
+from tests.support.engines import llama_server, vllm_server
+from tests.support.procs import Proc
+
+MESSAGES: list[ChatCompletionMessageParam] = [{"role": "user", "content": "Name three colours."}]
+
+
+def test_installers_return_the_cached_path_and_do_nothing_the_second_time(llama_server_bin: Path, tiny_gguf: Path) -> None:
+    lines: list[str] = []
+    assert install.llamacpp_server(lines.append) == llama_server_bin
+    assert install.tiny_model_gguf(lines.append) == tiny_gguf
+    assert lines == []  # no phase ran: nothing was built, downloaded or waited for
+    assert llama_server_bin.is_file() and tiny_gguf.is_file()
+    assert not list(tiny_gguf.parent.parent.glob(".*.tmp-*"))  # no staging folder left beside the model
+
+
+def test_vllm_installers_return_the_cached_path_and_do_nothing_the_second_time(vllm_python: Path, tiny_hf: Path) -> None:
+    lines: list[str] = []
+    assert install.vllm_python(lines.append) == vllm_python
+    assert install.tiny_model_hf(lines.append) == tiny_hf
+    assert lines == []
+    config = json.loads((tiny_hf / "config.json").read_text())
+    assert config["architectures"] == ["LlamaForCausalLM"]
+    assert (config["num_hidden_layers"], config["hidden_size"], config["num_key_value_heads"]) == (6, 384, 2)
+    assert (tiny_hf / "tokenizer.json").is_file() and list(tiny_hf.glob("*.safetensors"))
+
+
+def test_cache_status_reports_what_the_fixtures_installed(llama_server_bin: Path, tiny_gguf: Path) -> None:
+    by_name = {entry.name: entry for entry in install.cache_status()}
+    assert by_name["llama-server"].installed and by_name["llama-server"].path == llama_server_bin
+    assert by_name["tiny-model-gguf"].installed and by_name["tiny-model-gguf"].size_bytes > tiny_gguf.stat().st_size - 1
+
+
+def test_the_tiny_model_is_the_same_for_a_seed_and_carries_the_llama_tokenizer(tiny_gguf: Path, tmp_path: Path) -> None:
+    tokenizer = read_tokenizer(tiny_gguf)  # the tiny model carries the tokenizer fields it was written with
+    tokens = next(field.value for field in tokenizer if field.key == "tokenizer.ggml.tokens")
+    assert len(tokens) == 32000 and tokens[:3] == ["<unk>", "<s>", "</s>"]
+    small = TinyLlamaShape(num_layers=1, width=64, num_heads=2, num_kv_heads=1, ffn_width=128)
+    paths = [tmp_path / "a.gguf", tmp_path / "b.gguf", tmp_path / "other-seed.gguf"]
+    for path, seed in zip(paths, (0, 0, 1)):
+        write_tiny_llama(path, tokenizer, "t", seed=seed, shape=small)
+    assert paths[0].read_bytes() == paths[1].read_bytes()
+    assert paths[0].read_bytes() != paths[2].read_bytes()
+
+
+def _chat_both_ways(url: str) -> None:
+    """A plain and a streamed chat completion through the real OpenAI SDK: both produce tokens and usage."""
+    client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=120)
+    try:
+        reply = client.chat.completions.create(model=install.TINY_MODEL, messages=MESSAGES, max_tokens=8, temperature=0)
+        assert reply.choices[0].message.content
+        assert reply.usage is not None and reply.usage.prompt_tokens > 0 and reply.usage.completion_tokens > 0
+
+        stream = client.chat.completions.create(model=install.TINY_MODEL, messages=MESSAGES, max_tokens=8, temperature=0,
+                                                stream=True, stream_options={"include_usage": True})
+        text = ""
+        usage = None
+        for chunk in stream:
+            if chunk.choices:
+                text += chunk.choices[0].delta.content or ""
+            if chunk.usage is not None:
+                usage = chunk.usage
+        assert text
+        assert usage is not None and usage.completion_tokens > 0 and usage.prompt_tokens == reply.usage.prompt_tokens
+    finally:
+        client.close()
+
+
+def _metrics(url: str) -> str:
+    with urllib.request.urlopen(url + "/metrics", timeout=10) as resp:
+        return str(resp.read().decode())
+
+
+def test_llama_server_serves_the_tiny_model_through_the_openai_sdk(llama_server_bin: Path, tiny_gguf: Path, tmp_path: Path) -> None:
+    with llama_server(llama_server_bin, tiny_gguf, "--metrics", log_path=tmp_path / "llama-server.log") as server:
+        _chat_both_ways(server.url)
+        metrics = _metrics(server.url)
+    assert "llamacpp:requests_processing" in metrics
+    assert "llamacpp:tokens_predicted_total" in metrics
+
+
+@pytest.fixture(scope="module")
+def vllm_replica(vllm_python: Path, tiny_hf: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Proc]:
+    with vllm_server(vllm_python, tiny_hf, log_path=tmp_path_factory.mktemp("vllm") / "vllm.log") as server:
+        yield server
+
+
+@pytest.mark.slow
+def test_vllm_serves_the_tiny_model_through_the_openai_sdk(vllm_replica: Proc) -> None:
+    _chat_both_ways(vllm_replica.url)
+    assert "vllm:num_requests_running" in _metrics(vllm_replica.url)

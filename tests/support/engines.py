@@ -1,0 +1,103 @@
+"""Real CPU engines for tests: llama.cpp's llama-server and vLLM's CPU build, serving the tiny Llama.
+
+The session fixtures install what they return through ``fleet.engines.install`` (on a fresh machine the
+first test that needs one builds or downloads it, printing progress past pytest's capture; afterwards
+they return at once from the cache). The ``*_server`` context managers start an engine on a free loopback
+port, wait for its ``/health`` and always stop it.
+"""
+
+from __future__ import annotations
+
+import tempfile
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import pytest
+
+from fleet.engines import install
+from tests.conftest import free_port
+from tests.support.procs import Proc, start
+
+__all__ = [
+    "llama_server",
+    "llama_server_bin",
+    "start_llama_server",
+    "start_vllm",
+    "tiny_gguf",
+    "tiny_hf",
+    "vllm_python",
+    "vllm_server",
+]
+
+LLAMA_START_TIMEOUT_S = 60.0
+VLLM_START_TIMEOUT_S = 300.0  # about 40 s alone on two cores; more beside other tests
+VLLM_ENV = {**install.QUIET_ENV, "VLLM_CPU_KVCACHE_SPACE": "1"}  # GiB of KV cache: the tiny model needs little
+
+
+def _installing(config: pytest.Config, step: Callable[[], Path]) -> Path:
+    """Run an install step with its progress lines (stderr) shown even though pytest captures output."""
+    capture = config.pluginmanager.getplugin("capturemanager")
+    with capture.global_and_fixture_disabled():
+        return step()
+
+
+@pytest.fixture(scope="session")
+def llama_server_bin(pytestconfig: pytest.Config) -> Path:
+    return _installing(pytestconfig, install.llamacpp_server)
+
+
+@pytest.fixture(scope="session")
+def tiny_gguf(pytestconfig: pytest.Config) -> Path:
+    return _installing(pytestconfig, install.tiny_model_gguf)
+
+
+@pytest.fixture(scope="session")
+def vllm_python(pytestconfig: pytest.Config) -> Path:
+    return _installing(pytestconfig, install.vllm_python)
+
+
+@pytest.fixture(scope="session")
+def tiny_hf(pytestconfig: pytest.Config) -> Path:
+    return _installing(pytestconfig, install.tiny_model_hf)
+
+
+def _log_file(engine: str, log_path: Path | None) -> Path:
+    if log_path is not None:
+        return log_path
+    handle = tempfile.NamedTemporaryFile(prefix=f"polymorph-{engine}-", suffix=".log", delete=False)
+    handle.close()
+    return Path(handle.name)
+
+
+def start_llama_server(binary: Path, gguf: Path, port: int, *extra_args: str, log_path: Path | None = None) -> Proc:
+    """llama-server on 127.0.0.1:``port`` serving ``gguf`` as ``tiny-llama``, healthy. One thread by
+    default: two threads beside other work on a two-core machine collapse its speed; a later ``-t`` wins."""
+    argv = ["-m", str(gguf), "--host", "127.0.0.1", "--port", str(port), "--alias", install.TINY_MODEL, "-t", "1", *extra_args]
+    return start(argv, port, _log_file("llama-server", log_path), "/health", command=[str(binary)], timeout_s=LLAMA_START_TIMEOUT_S)
+
+
+def start_vllm(python: Path, hf_dir: Path, port: int, *extra_args: str, log_path: Path | None = None) -> Proc:
+    """vLLM's OpenAI server on 127.0.0.1:``port`` serving ``hf_dir`` as ``tiny-llama``, healthy (about 40 s)."""
+    argv = ["--model", str(hf_dir), "--served-model-name", install.TINY_MODEL, "--host", "127.0.0.1", "--port", str(port),
+            "--enforce-eager", "--dtype", "bfloat16", "--max-model-len", "2048", *extra_args]
+    command = [str(python), "-m", "vllm.entrypoints.openai.api_server"]
+    return start(argv, port, _log_file("vllm", log_path), "/health", command=command, timeout_s=VLLM_START_TIMEOUT_S, env=VLLM_ENV)
+
+
+@contextmanager
+def llama_server(binary: Path, gguf: Path, *extra_args: str, log_path: Path | None = None) -> Iterator[Proc]:
+    proc = start_llama_server(binary, gguf, free_port(), *extra_args, log_path=log_path)
+    try:
+        yield proc
+    finally:
+        proc.stop()
+
+
+@contextmanager
+def vllm_server(python: Path, hf_dir: Path, *extra_args: str, log_path: Path | None = None) -> Iterator[Proc]:
+    proc = start_vllm(python, hf_dir, free_port(), *extra_args, log_path=log_path)
+    try:
+        yield proc
+    finally:
+        proc.stop()
