@@ -1,9 +1,12 @@
 """The control loop: sense -> decide -> act -> verify, one ``tick(now, slots)`` at a time.
 
-Each tick reads the telemetry window. With no rollout in progress it asks the drift detector whether
+The controller decides and never acts: ``tick`` takes the edge's snapshot (``slots``: where each
+replica serves, whether it is alive, healthy, and how many requests it holds) and returns a
+``TickOutput``, the decisions to log and the commands (fleet.commands) for the edge to apply before
+it takes the next snapshot. Each tick reads the telemetry window. With no rollout in progress it asks the drift detector whether
 the live mix has left the mix the current plan was made for; on drift it re-plans (pool options from
 the capacity model for the live mix, the planner with the move cost) and turns the diff into steps.
-A step is carried out by a ``Mover`` through the ``Actuator``; ``verify_after_s`` after its last move
+A step is planned by a ``Mover``, whose commands the edge applies; ``verify_after_s`` after its last move
 is routable, the observed goodput is compared with the plan's prediction and with the goodput before
 the step, and a step that is worse than both beyond ``verify_margin`` is rolled back (moves reversed)
 with an exponential back-off before the next plan. A step whose replica is not healthy within the
@@ -20,12 +23,13 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from fleet.capacity import CapacityModel
+from fleet.commands import Command
 from fleet.compiled import ConfigSource, compile_ready, compile_submitted
 from fleet.decisions import Decision, Move, decision
 from fleet.drift import DriftDetector, DriftSettings
 from fleet.options import MoveCost, Options, pool_options, problem_for
 from fleet.planner import Plan, evaluate, fill_budget, plan
-from fleet.rollout import Actuator, Mover, SlotState, batch_moves, diff_moves
+from fleet.rollout import Mover, SlotState, batch_moves, diff_moves
 from fleet.telemetry import Telemetry, TrafficMix
 from fleet.tiers import DEFAULT_TIERS, TierSlo
 from kernels.config import EngineConfig
@@ -58,6 +62,14 @@ class ControllerSettings:
             raise ValueError("drain_timeout_s, start_timeout_s and start_timeout_margin must be > 0")
 
 
+@dataclass(frozen=True, slots=True)
+class TickOutput:
+    """One tick's result: decisions to log, commands for the edge to apply (in order)."""
+
+    decisions: list[Decision]
+    commands: list[Command]
+
+
 @dataclass(slots=True)
 class _Rollout:
     plan: Plan
@@ -78,7 +90,6 @@ class Controller:
         settings: ControllerSettings,
         telemetry: Telemetry,
         capacity: CapacityModel,
-        actuator: Actuator,
         reference_mix: TrafficMix,
         configs: ConfigSource | None = None,
     ) -> None:
@@ -86,7 +97,6 @@ class Controller:
         self.configs = configs  # compiled configurations (fleet.compiled); None: the fixed candidates only
         self.telemetry = telemetry
         self.capacity = capacity
-        self.actuator = actuator
         self.reference_mix = reference_mix
         self.detector = DriftDetector(settings.drift)
         self._rollout: _Rollout | None = None
@@ -97,6 +107,8 @@ class Controller:
         self.options: Options | None = None  # the latest pool options (for the router's saturation limits)
         self._dead: dict[str, str] = {}  # slot -> GPU kind, of the slots whose replica is gone
         self._capacity_changed = False  # the dead set changed since the last plan
+        self._commands: list[Command] = []  # this tick's, in the order the edge applies them
+        self._slots: dict[str, SlotState] = {}  # this tick's snapshot, by slot name
         s = settings
         self.start_timeout_s = s.start_timeout_s or s.start_timeout_margin * max(
             (s.move_cost.restart_s(s.model, gpu, EngineConfig()) for gpu in s.gpu_to_budget), default=60.0)
@@ -112,7 +124,13 @@ class Controller:
     def busy(self) -> bool:
         return self._rollout is not None
 
-    def tick(self, now: float, slots: list[SlotState]) -> list[Decision]:
+    def tick(self, now: float, slots: list[SlotState]) -> TickOutput:
+        self._commands = []
+        self._slots = {s.slot: s for s in slots}
+        decisions = self._decide(now, slots)
+        return TickOutput(decisions, self._commands)
+
+    def _decide(self, now: float, slots: list[SlotState]) -> list[Decision]:
         out = self._note_dead(now, slots)
         if self._rollout is not None:
             return out + self._advance(now, slots)
@@ -223,17 +241,18 @@ class Controller:
         rollout.healthy_before = rollout.goodput_before_rps >= (1 - self.settings.verify_margin) * before.total_rate_rps
         rollout.mover = self._mover(rollout.current, now)
         rollout.step_done_at = None
+        self._commands += rollout.mover.advance(now, self._slots)  # the drains
         return [decision(now, "step", moves=rollout.current, num_steps_left=len(rollout.steps),
                          goodput_before_rps=round(rollout.goodput_before_rps, 3))]
 
     def _mover(self, moves: tuple[Move, ...], now: float) -> Mover:
-        return Mover(self.actuator, moves, now, self.settings.drain_timeout_s, self.start_timeout_s)
+        return Mover(moves, now, self.settings.drain_timeout_s, self.start_timeout_s)
 
     def _advance(self, now: float, slots: list[SlotState]) -> list[Decision]:
         rollout = self._rollout
         assert rollout is not None and rollout.mover is not None
         mover = rollout.mover
-        mover.advance(now)
+        self._commands += mover.advance(now, self._slots)
         if not mover.done:
             return []
         if mover.failed and not rollout.rolling_back:
@@ -286,6 +305,7 @@ class Controller:
         rollout.rolling_back = True
         rollout.mover = self._mover(undo, now)
         rollout.step_done_at = None
+        self._commands += rollout.mover.advance(now, self._slots)  # the drains
         return [decision(now, "rollback", moves=undo, reason=reason, backoff_s=backoff, plan_failed=True, **evidence)]
 
 

@@ -2,14 +2,16 @@
 
 ``diff_moves`` decides which replica slots (a slot is one replica's GPUs, of one kind) change pool
 or configuration; ``batch_moves`` cuts them into steps of at most ``max_fraction`` of the fleet; a
-``Mover`` carries a step out through an ``Actuator``: drain (the router sends the slot nothing new),
-wait until its in-flight requests have finished, stop, start with the new configuration, wait for
-health, and only then make it routable in its new pool. Nothing is aborted, so no request is dropped
-by a move. The same Mover drives the simulator's virtual actuator and the gateway's local one.
+``Mover`` plans a step's commands (fleet.commands) from the facts each tick brings: drain (the router
+sends the slot nothing new), wait until its in-flight requests have finished, stop, start with the
+new configuration, wait for health, and only then activate it in its new pool. Nothing is aborted,
+so no request is dropped by a move. The Mover never acts: the simulator's virtual fleet, the
+gateway's event loop and the external controller apply the same commands.
 
 Both waits have deadlines. A drain that outlasts ``drain_timeout_s`` stops the slot anyway (the
 requests still on it end with a clear error instead of holding the rollout forever); a start that
-is not healthy within ``start_timeout_s`` fails the move, and the controller rolls the step back.
+is not healthy within ``start_timeout_s``, or whose process exits first, fails the move, and the
+controller rolls the step back.
 """
 
 from __future__ import annotations
@@ -17,29 +19,22 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Protocol
 
+from fleet.commands import Activate, Command, Drain, Start, Stop
 from fleet.decisions import Move
-
-
-class Actuator(Protocol):
-    """What a controller needs from whoever owns the replicas; every call returns at once."""
-
-    def drain(self, slot: str, now: float) -> None: ...  # routable no more; in-flight work goes on
-    def num_in_flight(self, slot: str) -> int: ...
-    def stop(self, slot: str, now: float) -> None: ...
-    def start(self, slot: str, pool: str, config_json: str, now: float) -> None: ...  # begins start-up
-    def is_healthy(self, slot: str, now: float) -> bool: ...  # started and answering /health
-    def activate(self, slot: str, now: float) -> None: ...  # routable in its (new) pool
 
 
 @dataclass(frozen=True, slots=True)
 class SlotState:
+    """One replica slot as the edge saw it when the tick's snapshot was taken."""
+
     slot: str
     pool: str
     gpu: str
     config_json: str
     alive: bool = True  # False: its replica process is gone (or ejected for long); its GPUs serve nothing
+    num_in_flight: int = 0  # requests on it (what a drain waits for)
+    healthy: bool = True  # the engine its latest Start began answers /health
 
 
 def diff_moves(
@@ -83,22 +78,23 @@ def batch_moves(moves: list[Move], fleet_size: int, max_fraction: float) -> list
 @dataclass(slots=True)
 class _Progress:
     move: Move
-    phase: str  # "draining", "starting", then "done" or "failed" (never became healthy)
+    phase: str  # "new", "draining", "starting", then "done" or "failed" (never became healthy)
     since: float
 
 
 class Mover:
-    """Carries out one step's moves; call ``advance(now)`` whenever time passes."""
+    """Plans one step's moves; call ``advance(now, slots)`` whenever time passes and apply what it returns.
 
-    def __init__(self, actuator: Actuator, moves: tuple[Move, ...], now: float,
+    A fact read in the tick that issued a command is stale for it: the slot drained in this tick is
+    checked for in-flight requests from the next one on, the slot started in this tick for health
+    from the next one on (the edge applies the commands before it takes the next snapshot)."""
+
+    def __init__(self, moves: tuple[Move, ...], now: float,
                  drain_timeout_s: float = math.inf, start_timeout_s: float = math.inf) -> None:
-        self.actuator = actuator
         self.drain_timeout_s = drain_timeout_s
         self.start_timeout_s = start_timeout_s
         self.forced_stops: list[tuple[str, int]] = []  # (slot, requests still in flight) of drains past their deadline
-        self._progress = [_Progress(m, "draining", now) for m in moves]
-        for item in self._progress:
-            actuator.drain(item.move.slot, now)
+        self._progress = [_Progress(m, "new", now) for m in moves]
 
     @property
     def done(self) -> bool:
@@ -107,24 +103,29 @@ class Mover:
 
     @property
     def failed(self) -> tuple[Move, ...]:
-        """Moves whose slot did not become healthy within ``start_timeout_s``."""
+        """Moves whose slot did not become healthy within ``start_timeout_s`` (or whose process exited first)."""
         return tuple(p.move for p in self._progress if p.phase == "failed")
 
-    def advance(self, now: float) -> None:
-        act = self.actuator
+    def advance(self, now: float, slots: Mapping[str, SlotState]) -> list[Command]:
+        out: list[Command] = []
         for item in self._progress:
-            slot = item.move.slot
-            if item.phase == "draining":
-                in_flight = act.num_in_flight(slot)
-                if in_flight and now - item.since >= self.drain_timeout_s:
-                    self.forced_stops.append((slot, in_flight))
-                if in_flight == 0 or now - item.since >= self.drain_timeout_s:
-                    act.stop(slot, now)
-                    act.start(slot, item.move.to_pool, item.move.config_json, now)
+            move = item.move
+            fact = slots.get(move.slot)
+            if item.phase == "new":
+                out.append(Drain(move.slot))
+                item.phase, item.since = "draining", now
+            elif item.phase == "draining":
+                in_flight = fact.num_in_flight if fact is not None else 0
+                overdue = now - item.since >= self.drain_timeout_s
+                if in_flight and overdue:
+                    self.forced_stops.append((move.slot, in_flight))
+                if in_flight == 0 or overdue:
+                    out += [Stop(move.slot), Start(move.slot, move.to_pool, move.config_json)]
                     item.phase, item.since = "starting", now
-            if item.phase == "starting":
-                if act.is_healthy(slot, now):
-                    act.activate(slot, now)
+            elif item.phase == "starting":
+                if fact is not None and fact.alive and fact.healthy:
+                    out.append(Activate(move.slot))
                     item.phase, item.since = "done", now
-                elif now - item.since >= self.start_timeout_s:
-                    item.phase, item.since = "failed", now
+                elif (fact is not None and not fact.alive) or now - item.since >= self.start_timeout_s:
+                    item.phase, item.since = "failed", now  # its process exited, or it outran its deadline
+        return out

@@ -8,6 +8,7 @@ import time
 import orjson
 from aiohttp import web
 
+from fleet.operator import MoveRefused
 from fleet.pool import ReplicaState
 from gateway.dashboard import is_admin_request
 from gateway.engine_scrape import EngineScraper
@@ -100,6 +101,7 @@ class AdminHandlers:
                         "models": sorted(r.models) if r.models is not None else None,
                         "engine_kind": pool.engine_kind,
                         **_engine(r, self.engines, now),
+                        "process": self.state.live.replica_process(r.name) if self.state.live is not None else None,
                     }
                     for r in pool.replicas
                 ],
@@ -118,6 +120,36 @@ class AdminHandlers:
             "pools": pools,
         }
         return web.Response(body=orjson.dumps(body), content_type=_JSON)
+
+    async def admin_move(self, request: web.Request) -> web.Response:
+        """``POST /admin/move`` ``{"replica": NAME, "to_pool": POOL}``: drain, restart with the pool's
+        configuration on the same devices, verify, roll back if it never becomes healthy (202: begun;
+        follow it in ``/admin/decisions`` and ``/admin/state``)."""
+        try:
+            self._check_admin(request)
+            if request.method != "POST":
+                raise ApiError(405, "Use POST with {\"replica\": NAME, \"to_pool\": POOL}.", "method_not_allowed")
+            try:
+                body = orjson.loads(await request.read())
+            except orjson.JSONDecodeError:
+                raise ApiError(400, "The body must be a JSON object.", "invalid_json") from None
+            if not isinstance(body, dict):
+                raise ApiError(400, "The body must be a JSON object.", "invalid_json")
+            for key in ("replica", "to_pool"):
+                if not isinstance(body.get(key), str) or not body[key]:
+                    raise ApiError(400, f"{key!r} must be a non-empty string.", "invalid_value", key)
+            mover = getattr(self.state.live, "request_move", None)
+            if mover is None:
+                raise ApiError(409, "This gateway launches no replicas (replicas: {launch: N}), so it has none to move.", "no_launched_replicas")
+            try:
+                decisions = mover(body["replica"], body["to_pool"])
+            except MoveRefused as exc:
+                raise ApiError(exc.status, str(exc), "move_refused") from None
+        except ApiError as err:
+            return error_response(err)
+        offset = self.state.decisions.clock_offset_s
+        return web.Response(status=202, body=orjson.dumps({"move": {"replica": body["replica"], "to_pool": body["to_pool"]},
+                                                           "decisions": [d.to_json(offset) for d in decisions]}), content_type=_JSON)
 
     async def admin_decisions(self, request: web.Request) -> web.Response:
         try:

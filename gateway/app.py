@@ -294,6 +294,7 @@ def build_app(
     router.add_get("/metrics", h.metrics_endpoint, allow_head=False)
     router.add_get("/admin/state", admin.admin_state, allow_head=False)
     router.add_get("/admin/decisions", admin.admin_decisions, allow_head=False)
+    router.add_route("*", "/admin/move", admin.admin_move)
     router.add_get("/openapi.json", h.openapi, allow_head=False)
     add_dashboard_routes(
         app,

@@ -326,10 +326,10 @@ def _pool(doc: YamlDoc, i: int, body: object, shape_names: tuple[str, ...]) -> P
     if "emulated" in rr.data and launch.kind != "emulated":
         raise rr.error("emulated", f"this pool's engine is {launch.kind!r}: give `launch: N` for replicas the actuator starts")
     num_launched = rr.number("launch" if "launch" in rr.data else "emulated", 0, lo=0, hi=1024, integer=True)
-    if not urls and not num_launched:
+    if not urls and not num_launched and "launch" not in rr.data:  # `launch: 0`: a pool moves fill
         raise doc.error((*path, "replicas"), "give replica `urls: [...]`, or `launch: N` (`emulated: N`) replicas to start")
     gpu = r.text("gpu", None)
-    if num_launched and not gpu:
+    if (num_launched or "launch" in rr.data) and not gpu:
         raise r.error("gpu", "launched replicas need their device kind (a GPU kind, or cpu)")
     emulated = num_launched > 0 and launch.kind == "emulated"
     # the catalog knows GPUs and models the performance model times; a real engine's device may be a CPU
@@ -460,14 +460,14 @@ def _devices(doc: YamlDoc, raw: object, pools: tuple[PoolSpec, ...]) -> dict[str
         need: dict[str, int] = {}
         for pool in pools:
             if pool.num_launched and pool.gpu is not None:
-                need[pool.gpu] = need.get(pool.gpu, 0) + pool.num_launched * _replica_devices(pool)
+                need[pool.gpu] = need.get(pool.gpu, 0) + pool.num_launched * replica_devices(pool)
         for kind, n in need.items():
             if n > len(out.get(kind, ())):
                 raise doc.error(("fleet", "devices"), f"the pools launch replicas on {n} {kind} devices; {len(out.get(kind, ()))} declared")
     return out
 
 
-def _replica_devices(pool: PoolSpec) -> int:
+def replica_devices(pool: PoolSpec) -> int:
     """Devices one replica of ``pool`` holds: its engine's GPUs, or one CPU slot."""
     from kernels.config import EngineConfig
 

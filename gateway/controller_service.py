@@ -47,6 +47,7 @@ from aiohttp import web
 
 from fleet.actuators.local import LaunchSpec, LocalActuator, answers_health, emulated_replica_argv
 from fleet.capacity import PerfCapacity
+from fleet.commands import apply
 from fleet.controller import Controller
 from fleet.controller_state import ControllerState, SlotRecord, capture, restore
 from fleet.decisions import DecisionLog
@@ -236,13 +237,13 @@ class ControllerService:
         settings = controller_settings(self.config, self.model, gpu_to_budget)
         capacity = PerfCapacity(self.model, self.settings.capacity_cache)
         now = self.now()
-        self.controller = Controller(settings, self.telemetry, capacity, self, self.telemetry.window(now))
+        self.controller = Controller(settings, self.telemetry, capacity, self.telemetry.window(now))
         if state is not None:
             restore(self.controller, state, now)
         self._publish()
         self._persist()
 
-    # -- the Actuator protocol -------------------------------------------------------------------
+    # -- the Actuator protocol (fleet.commands; applied on the tick thread) ----------------------
 
     def drain(self, slot: str, now: float) -> None:
         record = self.slots[slot]
@@ -267,9 +268,6 @@ class ControllerService:
     def start(self, slot: str, pool: str, config_json: str, now: float) -> None:
         self.slots[slot] = self._launch(self.slots[slot], pool, config_json)
         self._persist()  # the new process must be known even if this controller dies before the tick ends
-
-    def is_healthy(self, slot: str, now: float) -> bool:
-        return slot in self.healthy
 
     def activate(self, slot: str, now: float) -> None:
         self._set(dataclasses.replace(self.slots[slot], phase="active"))
@@ -332,9 +330,11 @@ class ControllerService:
         for process in [p for p in self.stopping if p.poll() is not None]:
             self.stopping.remove(process)
         self._probe_starting()
-        slots = [SlotState(r.slot, r.pool, r.gpu, r.config_json) for r in self.slots.values()]
-        decisions = self.controller.tick(now, slots)
-        self.decisions.extend([dataclasses.replace(d, at=d.at / self.speed) for d in decisions])
+        slots = [SlotState(r.slot, r.pool, r.gpu, r.config_json, num_in_flight=self.num_in_flight(r.slot), healthy=r.slot in self.healthy)
+                 for r in self.slots.values()]
+        out = self.controller.tick(now, slots)
+        apply(out.commands, self, now)
+        self.decisions.extend([dataclasses.replace(d, at=d.at / self.speed) for d in out.decisions])
         self._persist()
 
     async def run_ticks(self) -> None:

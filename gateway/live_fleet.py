@@ -1,13 +1,19 @@
-"""The control loop, live: the fleet controller ticking inside the gateway over emulated replicas.
+"""The control loop, live: the fleet controller and operator moves inside the gateway, over its launched replicas.
 
 The controller and its policy objects are the ones the simulator runs (fleet/controller.py); this
-module is only their I/O edge. Process control is the ``ReplicaControl``'s that ``fleet.actuator``
-chose (gateway.replicas: local processes or Ray actors), which is the controller's ``Actuator``;
-``LiveFleet`` is its ``Routing``, the owner of the gateway's pools: drain marks a replica unroutable,
-remove takes it out of its pool, add puts a started replica into its (possibly new) pool. Those
-calls come from the controller's or the actuator's threads; their effects are handed to the event
-loop, the pools' only writer. A tick runs in a worker thread, because a re-plan consults the
-performance model for seconds.
+module is only their I/O edge, and everything it does to the pools happens on the event loop, their
+only writer:
+
+    snapshot (on the loop) -> controller.tick(now, snapshot) in a worker thread (a re-plan consults
+    the performance model for seconds) -> the commands applied back on the loop
+
+``LiveFleet`` is the commands' ``Actuator`` (fleet.commands): drain marks a replica unroutable, stop
+takes it out of its pool and ends its process, start launches the slot's new configuration, activate
+puts the started replica into its (possibly new) pool. Processes are the ``ReplicaControl``'s that
+``fleet.actuator`` chose (gateway.replicas: local processes or Ray actors). What came of a command
+(a start answered /health, a drained replica's requests finished) is the next snapshot's facts.
+Operator moves (``POST /admin/move``, fleet.operator) go through the same commands; while one runs
+the controller waits, and the controller's rollouts refuse them.
 """
 
 from __future__ import annotations
@@ -24,8 +30,11 @@ from typing import TYPE_CHECKING
 import orjson
 
 from fleet.capacity import PerfCapacity
-from fleet.controller import Controller, ControllerSettings
+from fleet.commands import Command, apply
+from fleet.controller import Controller, ControllerSettings, TickOutput
+from fleet.decisions import Decision
 from fleet.health import CircuitBreaker, HealthState
+from fleet.operator import MoveRefused, OperatorMoves
 from fleet.options import Options, PoolModel, pool_models
 from fleet.pool import PoolState, ReplicaState
 from fleet.rollout import SlotState
@@ -100,8 +109,12 @@ class EjectionWatch:
         return out
 
 
+OPERATOR_TICK_S = 0.25  # wall seconds between an operator move's ticks: a drain or a start is noticed this soon
+
+
 class LiveFleet:
-    """The ``Routing`` of the controller's actuator over this gateway's pools, and the loop that ticks it."""
+    """The control loop over this gateway's pools, and the ``Actuator`` that applies its commands.
+    ``controller`` is None when ``fleet.controller`` is off: operator moves still run."""
 
     def __init__(self, state: GatewayState, control: ReplicaControl, model: str, speed: float, settings: ControllerSettingsFile) -> None:
         self.state = state
@@ -119,58 +132,86 @@ class LiveFleet:
         self._modelled: Options | None = None  # the options the pools were last modelled from
         self.pool_to_model: dict[str, PoolModel] = {}
         self.ejections = EjectionWatch()
+        self.operator = OperatorMoves()
 
     def adopt(self) -> None:
-        """Route the actuator's moves through this gateway's pools; its slots are the controller's budget."""
-        self.control.routing = self
+        """The actuator's slots are the controller's budget (when ``fleet.controller`` is on)."""
+        if not self.settings.enabled:
+            return
         gpu_to_budget: dict[str, int] = {}
         for slot in self.control.slot_states():
             gpu_to_budget[slot.gpu] = gpu_to_budget.get(slot.gpu, 0) + 1
         settings = controller_settings(self.state.runtime.config, self.model, gpu_to_budget)
         self.capacity_pool = background_process_pool(min(4, os.cpu_count() or 1))
         capacity = PerfCapacity(self.model, self.settings.capacity_cache, executor=self.capacity_pool)
-        self.controller = Controller(settings, self.telemetry, capacity, self.control, self.telemetry.window(0.0), self.configs)
+        self.controller = Controller(settings, self.telemetry, capacity, self.telemetry.window(0.0), self.configs)
 
-    # -- Routing (called from the controller's and the actuator's threads; effects go to the loop) --
+    # -- operator moves (on the event loop) ----------------------------------------------------
 
-    def _on_loop(self, fn: Callable[[], None]) -> None:
-        assert self.loop is not None
-        self.loop.call_soon_threadsafe(fn)
+    def request_move(self, replica: str, to_pool: str) -> list[Decision]:
+        """Start moving ``replica`` into ``to_pool`` (with that pool's configuration); its first commands
+        are applied at once. Raises ``MoveRefused`` (with the HTTP status) when it cannot start."""
+        if self.controller is not None and self.controller.busy:
+            raise MoveRefused(409, "the fleet controller is carrying out a repartition; try again when it is done")
+        config_json = self._pool_config_json(to_pool)
+        if config_json is None:
+            raise MoveRefused(404, f"no pool named {to_pool!r}")
+        now = self.now()
+        out = self.operator.request(now, self.snapshot(now), replica, to_pool, config_json)
+        self._apply(out, now)
+        return out.decisions
 
-    def _replica(self, slot: str) -> ReplicaState | None:
-        return self.state.runtime.replica_by_name.get(slot)
+    def replica_process(self, name: str) -> dict[str, object] | None:
+        """What ``/admin/state`` shows of a replica this gateway launched: its engine's command line,
+        devices and the pool its slot serves (None: not one of its slots)."""
+        slots = {s.slot: s for s in self.control.slot_states()}
+        found = slots.get(name)
+        if found is None:
+            return None
+        return {"slot_pool": found.pool, "alive": found.alive, "healthy": found.healthy, "devices": list(self.control.devices(name)),
+                "argv": list(self.control.argv(name) or ()), "error": self.control.error(name),
+                "moving": self.operator.busy and self.operator.moving == name}
 
-    def drain(self, slot: str) -> None:
-        replica = self._replica(slot)
+    def _pool_config_json(self, pool: str) -> str | None:
+        for spec in self.state.runtime.config.pools:
+            if spec.name == pool:
+                return orjson.dumps(dict(spec.engine), option=orjson.OPT_SORT_KEYS).decode()
+        options = self.controller.options if self.controller is not None else None
+        return options.configs_json().get(pool) if options is not None else None
+
+    def _apply(self, out: TickOutput, now: float) -> None:
+        apply(out.commands, self, now)
+        if out.decisions:
+            self.state.decisions.extend([dataclasses.replace(d, at=d.at / self.speed) for d in out.decisions])
+
+    # -- the Actuator (fleet.commands), on the event loop -------------------------------------
+
+    def drain(self, slot: str, now: float) -> None:
+        replica = self.state.runtime.replica_by_name.get(slot)
         if replica is not None:
-            self._on_loop(lambda: setattr(replica, "draining", True))
+            replica.draining = True
 
-    def num_in_flight(self, slot: str) -> int:
-        replica = self._replica(slot)
-        return replica.num_in_flight if replica is not None else 0
-
-    def remove(self, slot: str) -> None:
-        self._on_loop(lambda: self._remove_replica(slot))
-
-    def add(self, slot: str, url: str, pool: str, gpu: str, config_json: str) -> None:
-        self._on_loop(lambda: self._add_replica(slot, url, pool, gpu, config_json))
-
-    # -- changes to the gateway's pools (on the event loop) ------------------------------------
-
-    def _remove_replica(self, slot: str) -> None:
+    def stop(self, slot: str, now: float) -> None:
+        self.control.stop(slot, now)
         for pool in self.state.runtime.pools:
             pool.replicas[:] = [r for r in pool.replicas if r.name != slot]
         swap_pools(self.state, self.state.runtime.pools)
 
-    def _add_replica(self, slot: str, url: str, pool_name: str, gpu: str, config_json: str) -> None:
+    def start(self, slot: str, pool: str, config_json: str, now: float) -> None:
+        self.control.start(slot, pool, config_json, now)
+
+    def activate(self, slot: str, now: float) -> None:
+        url = self.control.url(slot)
+        found = next((s for s in self.control.slot_states() if s.slot == slot), None)
+        assert url is not None and found is not None, f"{slot} activated before it was started"
         pools = list(self.state.runtime.pools)
-        pool = next((p for p in pools if p.name == pool_name), None)
+        pool = next((p for p in pools if p.name == found.pool), None)
         if pool is None:
-            pool = new_pool(pool_name, self.model, gpu, config_json)
-            if pool_name in self.pool_to_model:
-                self.pool_to_model[pool_name].apply(pool)
+            pool = new_pool(found.pool, self.model, found.gpu, found.config_json)
+            if found.pool in self.pool_to_model:
+                self.pool_to_model[found.pool].apply(pool)
             pools.append(pool)
-        pool.replicas.append(new_replica(self.state, slot, url, pool_name))
+        pool.replicas.append(new_replica(self.state, slot, url, found.pool))
         swap_pools(self.state, tuple(pools))
 
     def _model_pools(self, models: dict[str, PoolModel]) -> None:
@@ -192,26 +233,46 @@ class LiveFleet:
         assert self.loop is not None
         return self.loop.time() * self.speed
 
-    def _tick(self, now: float) -> None:
+    def snapshot(self, now: float) -> list[SlotState]:
+        """The slots as the tick sees them (on the loop): the actuator's processes, the router's
+        in-flight counts, and slots the gateway has kept out of service for long counted as dead."""
+        replicas = self.state.runtime.replica_by_name
+        slots = [dataclasses.replace(s, num_in_flight=replicas[s.slot].num_in_flight) if s.slot in replicas else s
+                 for s in self.control.slot_states()]
+        breakers = {name: r.breaker for name, r in replicas.items()}
+        return self.ejections.apply(slots, breakers, now / self.speed)  # breakers run on the loop's clock
+
+    def _tick(self, now: float, slots: list[SlotState]) -> list[Command]:
+        """Off the loop: the controller's decisions; the commands go back to the loop."""
         assert self.controller is not None
-        breakers = {name: r.breaker for name, r in self.state.runtime.replica_by_name.items()}
-        slots = self.ejections.apply(self.control.slot_states(), breakers, now / self.speed)  # breakers run on the loop's clock
-        decisions = self.controller.tick(now, slots)
+        out = self.controller.tick(now, slots)
         options = self.controller.options
         if options is not None and options is not self._modelled:
             self._modelled = options
             models = pool_models(options, self.controller.reference_mix)
-            self._on_loop(lambda: self._model_pools(models))
-        if decisions:
-            wall = [dataclasses.replace(d, at=d.at / self.speed) for d in decisions]
-            self._on_loop(lambda: self.state.decisions.extend(wall))
+            assert self.loop is not None
+            self.loop.call_soon_threadsafe(lambda: self._model_pools(models))
+        if out.decisions:
+            wall = [dataclasses.replace(d, at=d.at / self.speed) for d in out.decisions]
+            assert self.loop is not None
+            self.loop.call_soon_threadsafe(lambda: self.state.decisions.extend(wall))
+        return out.commands
 
     async def _run(self) -> None:
         loop = asyncio.get_running_loop()
+        tick_s = self.settings.tick_s / self.speed
+        controller_at = loop.time() + tick_s
         while True:
-            await asyncio.sleep(self.settings.tick_s / self.speed)
+            # short naps: an operator move asked for between controller ticks starts its next phase soon
+            await asyncio.sleep(min(tick_s, OPERATOR_TICK_S))
             try:
-                await loop.run_in_executor(self.executor, self._tick, self.now())
+                now = self.now()
+                if self.operator.busy:  # the controller waits for it: both would move the same slots
+                    self._apply(self.operator.tick(now, self.snapshot(now)), now)
+                elif self.controller is not None and loop.time() >= controller_at - 1e-3:
+                    controller_at = loop.time() + tick_s
+                    commands = await loop.run_in_executor(self.executor, self._tick, now, self.snapshot(now))
+                    apply(commands, self, self.now())
             except Exception as exc:  # noqa: BLE001 (the gateway keeps routing on the last plan)
                 print(f"polymorph: controller tick failed, keeping the current plan: {exc!r}", flush=True)
 
@@ -226,6 +287,5 @@ class LiveFleet:
         if self.capacity_pool is not None:
             terminate_process_pool(self.capacity_pool)  # a tick waiting on a capacity evaluation fails at once
         self.executor.shutdown(wait=False, cancel_futures=True)
-        self.control.routing = None  # the pools die with the event loop: shutdown's stops route nowhere
         if self.configs is not None:
             self.configs.close()

@@ -78,6 +78,9 @@ class PlanClient:
         """Fleet time, shared with the controller's process: Unix time x the emulator speed."""
         return time.time() * self.speed
 
+    def replica_process(self, name: str) -> dict[str, object] | None:
+        return None  # the external controller runs the processes (its state file lists them)
+
     def start_loop(self) -> None:
         self.task.start()
 

@@ -1,8 +1,9 @@
 """How the fleet's emulated replicas run (``fleet.actuator``): processes on this host, or Ray actors.
 
-Either way the gateway gets a ``ReplicaControl``, the controller's ``Actuator`` over replica slots
-that routes through the ``Routing`` bound to it (``LiveFleet``, once the gateway's pools exist):
-``fleet.actuators.local_slots.LocalSlots`` or ``fleet.actuators.ray.RayActuator``. Ray is imported
+Either way the gateway gets a ``ReplicaControl``, the process half of the controller's commands over
+replica slots (the edge that applies them, ``LiveFleet``, keeps routing to itself):
+``fleet.actuators.local_slots.LocalSlots`` or ``fleet.actuators.ray.RayActuator``. Each slot runs the
+engine its pool declares (``launcher``), on the device ids it holds from ``fleet.devices``. Ray is imported
 only when chosen. With ``fleet.ray.address: null`` this process starts a local Ray cluster on loopback
 with as many logical GPUs as the fleet's emulated replicas use (or ``fleet.ray.num_gpus``) and stops
 it on close; otherwise it joins the cluster at that address.
@@ -18,28 +19,29 @@ from typing import Protocol
 
 import orjson
 
-from fleet.actuators.local import LocalActuator, emulated_replica_argv
-from fleet.actuators.local_slots import LocalSlots, Routing
+from fleet.actuators.local import LaunchSpec, LocalActuator, emulated_replica_argv
+from fleet.actuators.local_slots import LaunchFor, LocalSlots
+from fleet.engines.launch import EngineLaunch, launch_argv, launch_env
 from fleet.rollout import SlotState
-from gateway.config import GatewayConfig, RaySettings
+from gateway.config import GatewayConfig, RaySettings, replica_devices
 from kernels.config import EngineConfig
 
+# A real engine loads its weights, and vLLM compiles, before /health answers: ~40 s for vLLM's CPU
+# build here, minutes for a large model on GPUs.
+REAL_START_TIMEOUT_S = 900.0
 RAY_MISSING = "fleet.actuator: ray needs the ray extra: pip install 'polymorph[ray]'"
 
 
 class ReplicaControl(Protocol):
-    """What ``LocalSlots`` and ``RayActuator`` share: the ``Actuator`` protocol and their slots' life."""
+    """What ``LocalSlots`` and ``RayActuator`` share: their slots' processes and what came of them."""
 
-    routing: Routing | None
-
-    def add_slot(self, slot: str, gpu: str, pool: str, config_json: str) -> None: ...
-    def slot_states(self) -> list[SlotState]: ...
-    def drain(self, slot: str, now: float) -> None: ...
-    def num_in_flight(self, slot: str) -> int: ...
+    def add_slot(self, slot: str, gpu: str, pool: str, config_json: str, devices: tuple[str, ...] = ()) -> None: ...
+    def slot_states(self) -> list[SlotState]: ...  # alive and healthy filled in; in-flight counts are the router's
     def stop(self, slot: str, now: float) -> None: ...
     def start(self, slot: str, pool: str, config_json: str, now: float) -> None: ...
     def is_healthy(self, slot: str, now: float) -> bool: ...
-    def activate(self, slot: str, now: float) -> None: ...
+    def devices(self, slot: str) -> tuple[str, ...]: ...
+    def argv(self, slot: str) -> tuple[str, ...] | None: ...
     def url(self, slot: str) -> str | None: ...
     def error(self, slot: str) -> str | None: ...
     def close(self) -> None: ...
@@ -72,19 +74,42 @@ def connect_ray(settings: RaySettings, num_gpus: int) -> None:
     )
 
 
+def launcher(config: GatewayConfig, command: tuple[str, ...]) -> LaunchFor:
+    """What a slot starts for a pool: its declared engine rendered with the configuration it moves
+    with, on the slot's devices. A pool the controller made (``<shape>@<gpu>``) runs the engine of the
+    first declared pool on the same device kind; emulated replicas run ``command`` (``polymorph emulate``)."""
+    declared = {p.name: p for p in config.pools}
+    by_device = {p.gpu: p for p in reversed(config.pools) if p.num_launched}
+
+    def launch_for(gpu: str, pool: str, config_json: str, devices: tuple[str, ...]) -> LaunchSpec:
+        spec = declared.get(pool) or by_device.get(gpu)
+        model = spec.model if spec is not None else ""
+        launch = spec.launch if spec is not None else EngineLaunch("emulated")
+        if launch.kind == "emulated":
+            return LaunchSpec("", emulated_replica_argv(command, model, gpu, config_json, config.emulator_speed))
+        engine = EngineConfig.from_dict(orjson.loads(config_json))
+        env = launch_env(launch, gpu, devices)
+        changed = {k: v for k, v in env.items() if os.environ.get(k) != v}  # the process inherits the rest
+        return LaunchSpec("", launch_argv(launch, engine, gpu), changed, warmup_model=launch.served_model_name)
+
+    return launch_for
+
+
 def replica_control(config: GatewayConfig, command: tuple[str, ...], log_dir: Path) -> ReplicaControl:
-    """The actuator ``fleet.actuator`` names, with no routing bound yet (Ray: connected first)."""
-    model = next((p.model for p in config.pools if p.num_launched), "")
-
-    def argv_for(gpu: str, config_json: str) -> tuple[str, ...]:
-        return emulated_replica_argv(command, model, gpu, config_json, config.emulator_speed)
-
+    """The actuator ``fleet.actuator`` names (Ray: connected first)."""
+    launch_for = launcher(config, command)
+    timeout_s = _start_timeout_s(config)
     if config.actuator == "local":
-        return LocalSlots(LocalActuator(log_dir), argv_for)
+        return LocalSlots(LocalActuator(log_dir), launch_for, timeout_s)
     connect_ray(config.ray, emulated_gpus(config))
     from fleet.actuators.ray import RayActuator
 
-    return RayActuator(None, argv_for, log_dir, start_timeout_s=120.0)
+    return RayActuator(launch_for, log_dir, start_timeout_s=timeout_s)
+
+
+def _start_timeout_s(config: GatewayConfig) -> float:
+    real = any(p.num_launched and p.engine_kind != "emulated" for p in config.pools)
+    return REAL_START_TIMEOUT_S if real else 120.0
 
 
 def close(control: ReplicaControl) -> None:
@@ -97,23 +122,29 @@ def close(control: ReplicaControl) -> None:
         ray.shutdown()
 
 
-def start_fleet(control: ReplicaControl, config: GatewayConfig, timeout_s: float = 120.0) -> dict[str, list[str]]:
-    """Start the config's emulated replicas and wait until they answer; returns pool -> URLs.
+def start_fleet(control: ReplicaControl, config: GatewayConfig) -> dict[str, list[str]]:
+    """Start the config's launched replicas, each on its share of ``fleet.devices``, and wait until
+    they answer; returns pool -> URLs.
 
     Each slot is named as the gateway names its replica (``<pool>-<i>``, after the pool's static URLs),
-    so ``Routing`` calls find it. Raises SystemExit, with the replicas stopped, if any never answers."""
+    so the commands find it. Raises SystemExit, with the replicas stopped, if any never answers."""
     slots: list[tuple[str, str]] = []  # (slot, pool)
+    free = {kind: list(ids) for kind, ids in config.devices.items()}
     for pool in config.pools:
         for i in range(pool.num_launched):
             assert pool.gpu is not None
             slot = f"{pool.name}-{len(pool.urls) + i}"
             config_json = orjson.dumps(dict(pool.engine), option=orjson.OPT_SORT_KEYS).decode()
-            control.add_slot(slot, pool.gpu, pool.name, config_json)
+            held = free.get(pool.gpu, [])[:replica_devices(pool)]  # none declared: emulated, or every device visible
+            del free.get(pool.gpu, [])[:len(held)]
+            control.add_slot(slot, pool.gpu, pool.name, config_json, tuple(held))
             control.start(slot, pool.name, config_json, 0.0)
             slots.append((slot, pool.name))
     if not slots:
         return {}
-    print(f"polymorph: starting {len(slots)} emulated replicas ({config.actuator} actuator)", file=sys.stderr, flush=True)
+    timeout_s = _start_timeout_s(config)
+    kinds = ", ".join(sorted({p.engine_kind for p in config.pools if p.num_launched}))
+    print(f"polymorph: starting {len(slots)} replicas ({kinds}; {config.actuator} actuator)", file=sys.stderr, flush=True)
     deadline = time.monotonic() + timeout_s
     pending = [s for s, _ in slots]
     while pending and time.monotonic() < deadline and not any(control.error(s) for s in pending):
@@ -122,7 +153,7 @@ def start_fleet(control: ReplicaControl, config: GatewayConfig, timeout_s: float
     if pending:
         why = ", ".join(f"{s} ({control.error(s) or 'no answer'})" for s in pending)
         close(control)
-        raise SystemExit(f"polymorph: emulated replicas did not become healthy: {why}")
+        raise SystemExit(f"polymorph: replicas did not become healthy within {timeout_s:g} s: {why}")
     urls: dict[str, list[str]] = {}
     for slot, pool_name in slots:
         url = control.url(slot)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import logging
 import multiprocessing
 import os
@@ -17,7 +18,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from gateway import controller_cli
-from gateway.config import DEMO_ADMIN_TOKEN, DEMO_API_KEY, GatewayConfig
+from gateway.config import DEMO_ADMIN_TOKEN, DEMO_API_KEY, GatewayConfig, PoolSpec
 
 if TYPE_CHECKING:
     from gateway.live_fleet import LiveFleet
@@ -166,22 +167,39 @@ def _plan_client_factory(config: GatewayConfig) -> Callable[[GatewayState], Plan
 
 
 def _live_fleet_factory(config: GatewayConfig, control: ReplicaControl | None) -> Callable[[GatewayState], LiveFleet] | None:
-    """The control loop over the emulated replicas, when the config enables it in the gateway."""
-    if not config.controller.enabled or config.controller.mode == "external":
+    """The loop over the replicas this gateway launched: operator moves always, the fleet controller
+    when the config enables it in the gateway and the performance model knows its models and GPUs."""
+    if control is None or (config.controller.enabled and config.controller.mode == "external"):
         return None
-    emulated = [p for p in config.pools if p.num_launched]
-    if not emulated or control is None:
-        print("polymorph: fleet.controller needs emulated replicas to move; the controller is off", file=sys.stderr)
-        return None
+    launched = [p for p in config.pools if p.num_launched]
+    settings = config.controller
+    unknown = _uncatalogued(launched)
+    if settings.enabled and unknown:
+        print(f"polymorph: fleet.controller plans with the performance model, which does not know {unknown}; "
+              "the controller is off (POST /admin/move still moves replicas)", file=sys.stderr)
+        settings = dataclasses.replace(settings, enabled=False)
 
     def build(state: GatewayState) -> LiveFleet:
         from gateway.live_fleet import LiveFleet
 
-        live = LiveFleet(state, control, emulated[0].model, config.emulator_speed, config.controller)
+        live = LiveFleet(state, control, launched[0].model, config.emulator_speed, settings)
         live.adopt()
         return live
 
     return build
+
+
+def _uncatalogued(pools: list[PoolSpec]) -> str:
+    """The first model or GPU kind of ``pools`` the catalog lacks, as words ("" when it knows them all)."""
+    from kernels.catalog import get_gpu, get_model
+
+    for pool in pools:
+        for what, name, lookup in (("model", pool.model, get_model), ("GPU", pool.gpu or "", get_gpu)):
+            try:
+                lookup(name)
+            except ValueError:
+                return f"the {what} {name!r} of pool {pool.name!r}"
+    return ""
 
 
 def _run_serve(args: argparse.Namespace) -> int:

@@ -186,7 +186,7 @@ def _simulate(workload: Any, budget: Mapping[str, int], capacity: Any, model: st
     side = Side(goodput_rps=r.goodput_rps, slo_attainment=r.slo_attainment, requests=r.num_requests, shed=r.shed_requests,
                 failed=r.dropped_requests + r.unfinished_requests, ttft_p99_s=r.ttft_p99_s, repartitions=repartitions,
                 recompiles=recompiles, wall_s=r.wall_s)
-    return side, start.slot_states()
+    return side, start.slot_states(0.0)
 
 
 def _live(args: argparse.Namespace, workload: Any, slots: list[SlotState], out_dir: Path, cache: str | None) -> Side:

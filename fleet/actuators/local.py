@@ -9,6 +9,8 @@ waits for ``/health``, and stops it by PID. Children are tied to this process's 
 from __future__ import annotations
 
 import ctypes
+import json
+import os
 import signal
 import socket
 import subprocess
@@ -16,8 +18,8 @@ import sys
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Sequence
-from dataclasses import dataclass
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 
 _PR_SET_PDEATHSIG = 1
@@ -38,10 +40,14 @@ def free_port(host: str = "127.0.0.1") -> int:
 
 @dataclass(frozen=True, slots=True)
 class LaunchSpec:
-    """One replica to start: its name and the command line (the port is appended as ``--port N``)."""
+    """One replica to start: its name, the command line (``--host H --port P`` are appended), the
+    variables its engine needs on top of this process's environment, and the model a warm-up request
+    names (None: no warm-up; a real engine's first request compiles and allocates, a user's should not)."""
 
     name: str
     argv: tuple[str, ...]
+    env: Mapping[str, str] = field(default_factory=dict)
+    warmup_model: str | None = None
 
 
 @dataclass(slots=True)
@@ -50,6 +56,17 @@ class LocalReplica:
     url: str
     process: subprocess.Popen[bytes]
     log_path: Path
+
+
+def warm_up(url: str, model: str, timeout_s: float = 120.0) -> bool:
+    """One one-token completion: did the engine answer it with 200?"""
+    body = json.dumps({"model": model, "prompt": "Hello", "max_tokens": 1}).encode()
+    request = urllib.request.Request(url + "/v1/completions", data=body, headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(request, timeout=timeout_s) as resp:
+            return resp.status == 200
+    except (urllib.error.URLError, OSError):
+        return False
 
 
 def answers_health(url: str, timeout_s: float = 1.0) -> bool:
@@ -78,6 +95,7 @@ class LocalActuator:
             process = subprocess.Popen(
                 [*spec.argv, "--host", self.host, "--port", str(port)],
                 stdin=subprocess.DEVNULL,
+                env={**os.environ, **spec.env} if spec.env else None,
                 stdout=log,
                 stderr=subprocess.STDOUT,
                 preexec_fn=_die_with_parent if sys.platform.startswith("linux") and not self.detach else None,

@@ -1,33 +1,25 @@
-"""The controller's ``Actuator`` over replica processes on this host, the local twin of the Ray actuator.
+"""Replica slots as processes on this host, the local twin of the Ray actuator.
 
-Both hold the controller's replica slots and their processes; neither routes. Routing stays with
-whoever owns the router's pools (the gateway's ``LiveFleet``), which they tell through ``Routing``:
-drain marks a replica unroutable, stop ends its process and removes it, start launches the slot's
-new configuration on a free port and probes its ``/health`` from a thread of its own, activate makes
-it routable in its (possibly new) pool. Every call returns at once, as the protocol asks.
+Both hold the controller's replica slots and their processes; neither routes. The edge that applies
+the controller's commands (the gateway's ``LiveFleet``) keeps routing to itself and hands them the
+process half: stop ends a slot's process, start launches the slot's new configuration on a free
+port and probes its ``/health`` from a thread of its own; ``slot_states`` reports what came of it
+(alive, healthy) for the next tick's snapshot. Every call returns at once.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Protocol
 
-from fleet.actuators.local import LaunchSpec, LocalActuator, LocalReplica, answers_health
+from fleet.actuators.local import LaunchSpec, LocalActuator, LocalReplica, answers_health, warm_up
 from fleet.rollout import SlotState
 
-ArgvFor = Callable[[str, str], tuple[str, ...]]  # (gpu kind, engine config JSON) -> replica command line
-
-
-class Routing(Protocol):
-    """Whoever owns the router's pools; an actuator calls it from its caller's or worker threads."""
-
-    def drain(self, slot: str) -> None: ...  # route nothing new to the slot
-    def remove(self, slot: str) -> None: ...  # the slot's replica is going away
-    def add(self, slot: str, url: str, pool: str, gpu: str, config_json: str) -> None: ...  # routable in ``pool``
-    def num_in_flight(self, slot: str) -> int: ...
+# (device kind, pool, engine config JSON, the slot's device ids) -> what to start (its name is the caller's)
+LaunchFor = Callable[[str, str, str, tuple[str, ...]], LaunchSpec]
 
 
 @dataclass(slots=True)
@@ -36,79 +28,69 @@ class _Slot:
     gpu: str
     pool: str
     config_json: str
+    devices: tuple[str, ...] = ()  # the device ids it holds, whatever pool it serves
     process: LocalReplica | None = None
     healthy: bool = False
 
 
-class RoutedActuator:
-    """The half of the Actuator protocol that is the router's (drain, in-flight count): an actuator
-    that owns only processes hands it to its bound ``Routing``."""
+class LocalSlots:
+    """Replica slots as child processes of the local actuator; ``add_slot`` + ``start`` place the initial fleet."""
 
-    routing: Routing | None
-
-    def _routes(self) -> Routing:
-        assert self.routing is not None, "no Routing bound to the actuator"
-        return self.routing
-
-    def drain(self, slot: str, now: float) -> None:
-        self._routes().drain(slot)
-
-    def num_in_flight(self, slot: str) -> int:
-        return self._routes().num_in_flight(slot)
-
-
-class LocalSlots(RoutedActuator):
-    """Replica slots as child processes of the local actuator; ``add_slot`` + ``start`` place the initial fleet.
-
-    ``routing`` may be bound after the initial fleet is up (the gateway's pools exist only then); it is
-    needed from the first ``drain`` or ``activate`` on."""
-
-    def __init__(self, local: LocalActuator, argv_for: ArgvFor, routing: Routing | None = None, start_timeout_s: float = 120.0) -> None:
+    def __init__(self, local: LocalActuator, launch_for: LaunchFor, start_timeout_s: float = 120.0, stop_grace_s: float = 10.0) -> None:
         self.local = local
-        self.argv_for = argv_for
-        self.routing = routing
+        self.launch_for = launch_for
         self.start_timeout_s = start_timeout_s
+        self.stop_grace_s = stop_grace_s  # SIGTERM, then SIGKILL this long after
         self.slots: dict[str, _Slot] = {}
-        self.stopping: list[LocalReplica] = []
+        self.stopping: list[tuple[LocalReplica, float]] = []  # (process, when it gets SIGKILL)
 
-    def add_slot(self, slot: str, gpu: str, pool: str, config_json: str) -> None:
-        self.slots[slot] = _Slot(slot, gpu, pool, config_json)
+    def add_slot(self, slot: str, gpu: str, pool: str, config_json: str, devices: tuple[str, ...] = ()) -> None:
+        self.slots[slot] = _Slot(slot, gpu, pool, config_json, devices)
+
+    def devices(self, slot: str) -> tuple[str, ...]:
+        return self.slots[slot].devices
+
+    def argv(self, slot: str) -> tuple[str, ...] | None:
+        """The command line the slot's process runs (None: none runs)."""
+        process = self.slots[slot].process
+        return (*process.spec.argv, "--host", self.local.host, "--port", process.url.rsplit(":", 1)[1]) if process is not None else None
 
     def slot_states(self) -> list[SlotState]:
-        """Called once a tick: also reaps the processes stopped since the last one."""
-        for process in [p for p in self.stopping if p.process.poll() is not None]:
-            self.stopping.remove(process)
+        """Called once a tick: also reaps the processes stopped since the last one (and kills those past their grace)."""
+        wall = time.monotonic()
+        for item in list(self.stopping):
+            process, kill_at = item
+            if process.process.poll() is None:
+                if wall >= kill_at:
+                    process.process.kill()
+                continue
+            self.stopping.remove(item)
             if process in self.local.replicas:
                 self.local.replicas.remove(process)
         # a slot whose process has exited serves nothing: the controller takes its GPUs out of the budget
-        return [SlotState(s.name, s.pool, s.gpu, s.config_json, alive=s.process is not None and s.process.process.poll() is None)
-                for s in self.slots.values()]
+        return [SlotState(s.name, s.pool, s.gpu, s.config_json, alive=s.process is not None and s.process.process.poll() is None,
+                          healthy=s.healthy) for s in self.slots.values()]
 
-    # -- the Actuator protocol (drain and num_in_flight: RoutedActuator) ----------------------
+    # -- the process half of the commands ------------------------------------------------------
 
     def stop(self, slot: str, now: float) -> None:
         found = self.slots[slot]
         process, found.process, found.healthy = found.process, None, False
         if process is not None:
-            process.process.terminate()  # reaped by a later tick; never waits here
-            self.stopping.append(process)
-        if self.routing is not None:
-            self.routing.remove(slot)
+            process.process.terminate()  # reaped (or killed) by a later tick; never waits here
+            self.stopping.append((process, time.monotonic() + self.stop_grace_s))
 
     def start(self, slot: str, pool: str, config_json: str, now: float) -> None:
         found = self.slots[slot]
-        found.process = self.local.start(LaunchSpec(f"{slot}-{time.time_ns()}", self.argv_for(found.gpu, config_json)))
+        spec = self.launch_for(found.gpu, pool, config_json, found.devices)
+        # the name is also the log file's: no '/' (controller slots are named like H100-SXM/0)
+        found.process = self.local.start(dataclasses.replace(spec, name=f"{slot.replace('/', '-')}-{time.time_ns()}"))
         found.pool, found.config_json, found.healthy = pool, config_json, False
         # its own thread: a replica that hangs at start-up must not hold up the controller's ticks (and its start deadline)
         threading.Thread(target=self._wait_healthy, args=(found,), name=f"polymorph-start-{slot}", daemon=True).start()
 
     def is_healthy(self, slot: str, now: float) -> bool:
         return self.slots[slot].healthy
-
-    def activate(self, slot: str, now: float) -> None:
-        found = self.slots[slot]
-        assert found.process is not None, f"{slot} activated before it was started"
-        self._routes().add(slot, found.process.url, found.pool, found.gpu, found.config_json)
 
     # -- what callers may want to see ----------------------------------------------------------
 
@@ -131,6 +113,7 @@ class LocalSlots(RoutedActuator):
         deadline = time.monotonic() + self.start_timeout_s
         while process is not None and process is found.process and process.process.poll() is None and time.monotonic() < deadline:
             if answers_health(process.url):
-                found.healthy = True
+                model = process.spec.warmup_model
+                found.healthy = model is None or warm_up(process.url, model, max(1.0, deadline - time.monotonic()))
                 return
             time.sleep(0.2)

@@ -3,7 +3,7 @@
 A start reserves the configuration's GPUs (``tp x dp``) as a STRICT_PACK placement group of one
 bundle, places a ``_ReplicaHost`` actor in it with ``num_gpus`` = all of them, and the actor runs the
 replica server as its child process on its node's IP and a free port (the command comes from
-``argv_for``: ``polymorph emulate`` for emulated replicas, a rendered ``sglang.launch_server`` for
+``launch_for``: ``polymorph emulate`` for emulated replicas, a rendered ``sglang.launch_server`` for
 real ones). One bundle, not one per GPU: a bundle is the most one actor can use, and sglang's server
 is one process that must see all its GPUs; Ray sets the actor's ``CUDA_VISIBLE_DEVICES`` to them and
 the child inherits it. The group makes the reservation atomic and lets a move start the new replica
@@ -11,9 +11,9 @@ before the old one has let go: Ray places the new group once the old one is remo
 
 Stopping is graceful: the actor terminates its child and waits for it (a real engine frees its GPU
 memory only when its process exits), and only then are the actor killed and its group removed. Every
-``Actuator`` call returns at once; the waits run in worker threads. Routing stays with whoever owns
-the router's pools (the gateway): the actuator tells it through ``Routing``, the protocol it shares
-with its local twin (``fleet.actuators.local_slots.LocalSlots``), so the gateway drives either.
+call returns at once; the waits run in worker threads. Routing stays with the edge that applies the
+controller's commands (the gateway's ``LiveFleet``); this actuator is only their process half, like
+its local twin (``fleet.actuators.local_slots.LocalSlots``), so the gateway drives either.
 
 Ray is an optional dependency (``pip install -e '.[ray]'``); this module is imported only when a Ray
 fleet is used. The caller connects to the cluster (``ray.init(...)``) before making the actuator.
@@ -33,7 +33,7 @@ from ray.util.placement_group import PlacementGroup, placement_group, remove_pla
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from fleet.actuators.local import LaunchSpec, LocalActuator, answers_health
-from fleet.actuators.local_slots import ArgvFor, RoutedActuator, Routing
+from fleet.actuators.local_slots import LaunchFor
 from fleet.rollout import SlotState
 from kernels.config import EngineConfig
 
@@ -41,11 +41,11 @@ from kernels.config import EngineConfig
 class _ReplicaHost:
     """A Ray actor that holds one replica's GPUs and runs its server as a child process."""
 
-    def __init__(self, name: str, argv: tuple[str, ...], log_dir: str) -> None:
+    def __init__(self, name: str, argv: tuple[str, ...], env: dict[str, str], log_dir: str) -> None:
         # Constructed on the actor's main thread, so the child's parent-death signal fires only when
         # the actor's process dies (ray.kill included): no replica outlives its reservation.
         self._local = LocalActuator(Path(log_dir), host=ray.util.get_node_ip_address())
-        self._replica = self._local.start(LaunchSpec(name, argv))
+        self._replica = self._local.start(LaunchSpec(name, argv, env))
 
     def url(self) -> str:
         return self._replica.url
@@ -81,36 +81,31 @@ class _Slot:
     replica: _Replica | None = None
 
 
-class RayActuator(RoutedActuator):
-    """The controller's ``Actuator`` over Ray actors; ``add_slot`` + ``start`` place the initial fleet.
+class RayActuator:
+    """Replica slots as Ray actors (the process half of the controller's commands, as ``LocalSlots``);
+    ``add_slot`` + ``start`` place the initial fleet."""
 
-    ``routing`` may be bound after the initial fleet is up, and stays None where the caller routes by
-    itself (``polymorph controller`` publishes its slots' phases in its plan and drives only start,
-    stop and health); it is needed from the first ``drain``, ``num_in_flight`` or ``activate`` on."""
-
-    def __init__(self, routing: Routing | None, argv_for: ArgvFor, log_dir: Path, start_timeout_s: float = 600.0, stop_grace_s: float = 30.0) -> None:
-        self.routing = routing
-        self.argv_for = argv_for
+    def __init__(self, launch_for: LaunchFor, log_dir: Path, start_timeout_s: float = 600.0, stop_grace_s: float = 30.0) -> None:
+        self.launch_for = launch_for
         self.log_dir = log_dir
         self.start_timeout_s = start_timeout_s
         self.stop_grace_s = stop_grace_s
         self.slots: dict[str, _Slot] = {}
         self._workers = ThreadPoolExecutor(max_workers=64, thread_name_prefix="polymorph-ray")
 
-    def add_slot(self, slot: str, gpu: str, pool: str, config_json: str) -> None:
+    def add_slot(self, slot: str, gpu: str, pool: str, config_json: str, devices: tuple[str, ...] = ()) -> None:
         """A slot on GPUs of kind ``gpu``, not started yet (``start`` it, then ``activate`` once healthy)."""
         self.slots[slot] = _Slot(slot, gpu, pool, config_json)
 
     def slot_states(self) -> list[SlotState]:
-        return [SlotState(s.name, s.pool, s.gpu, s.config_json) for s in self.slots.values()]
+        return [SlotState(s.name, s.pool, s.gpu, s.config_json, alive=s.replica is not None and s.replica.error is None,
+                          healthy=s.replica is not None and s.replica.healthy) for s in self.slots.values()]
 
-    # -- the Actuator protocol (drain and num_in_flight: RoutedActuator) ----------------------
+    # -- the process half of the commands ------------------------------------------------------
 
     def stop(self, slot: str, now: float) -> None:
         found = self.slots[slot]
         replica, found.replica = found.replica, None
-        if self.routing is not None:
-            self.routing.remove(slot)
         if replica is not None:
             self._workers.submit(self._retire, replica)
 
@@ -125,21 +120,28 @@ class RayActuator(RoutedActuator):
             num_gpus=num_gpus,
             scheduling_strategy=PlacementGroupSchedulingStrategy(group, placement_group_bundle_index=0),
             max_restarts=0,
-        ).remote(name, self.argv_for(found.gpu, config_json), str(self.log_dir))
+        ).remote(name, *self._argv_env(found, pool, config_json), str(self.log_dir))
         replica = _Replica(group, actor, actor.url.remote())
         found.replica, found.pool, found.config_json = replica, pool, config_json
         self._workers.submit(self._wait_healthy, found, replica)
+
+    def _argv_env(self, found: _Slot, pool: str, config_json: str) -> tuple[tuple[str, ...], dict[str, str]]:
+        # Ray sets the actor's CUDA_VISIBLE_DEVICES to its GPUs: the slot holds no device ids of its own
+        spec = self.launch_for(found.gpu, pool, config_json, ())
+        return spec.argv, dict(spec.env)
 
     def is_healthy(self, slot: str, now: float) -> bool:
         replica = self.slots[slot].replica
         return replica is not None and replica.healthy
 
-    def activate(self, slot: str, now: float) -> None:
-        found = self.slots[slot]
-        assert found.replica is not None and found.replica.url is not None, f"{slot} activated before it was healthy"
-        self._routes().add(slot, found.replica.url, found.pool, found.gpu, found.config_json)
-
     # -- what callers may want to see ----------------------------------------------------------
+
+    def devices(self, slot: str) -> tuple[str, ...]:
+        return ()  # Ray picks the GPUs (``gpu_ids``)
+
+    def argv(self, slot: str) -> tuple[str, ...] | None:
+        found = self.slots[slot]
+        return self._argv_env(found, found.pool, found.config_json)[0] if found.replica is not None else None
 
     def url(self, slot: str) -> str | None:
         replica = self.slots[slot].replica

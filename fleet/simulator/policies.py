@@ -20,6 +20,7 @@ import numpy as np
 
 from fleet.capacity import CapacityModel
 from fleet.compile_sources import VirtualTimeConfigSource
+from fleet.commands import apply
 from fleet.compiled import ConfigSource
 from fleet.controller import Controller, ControllerSettings, initial_slots
 from fleet.decisions import DecisionLog, decision
@@ -112,13 +113,15 @@ def setup(
         raise ValueError(f"unknown policy {policy!r} (choose from {', '.join(POLICIES)})")
     model = sim.settings.model
     settings = ControllerSettings(model, dict(budget), dict(tiers), move_cost=move_cost)
-    controller = Controller(settings, sim.telemetry, capacity, sim, first, configs)
+    controller = Controller(settings, sim.telemetry, capacity, first, configs)
     if configs is not None:
         controller.options = options  # the start's envelopes: a wobble around them does not recompile
     sim.settings.restart_s = lambda gpu, config: move_cost.restart_s(model, gpu, config)
 
     def tick(now: float) -> None:
-        log.extend(controller.tick(now, sim.slot_states()))
+        out = controller.tick(now, sim.slot_states(now))
+        log.extend(out.decisions)
+        apply(out.commands, sim, now)
         if controller.options is not None:
             sim.set_pool_model(controller.options, controller.reference_mix)
 
@@ -152,7 +155,7 @@ def _hook_oracle(sim: FleetSim, budget: Mapping[str, int], capacity: CapacityMod
         options, counts = _plan_for((window,), profile, budget, capacity, tiers, configs)
         sim.set_pool_model(options, profile)
         pool_to_gpu = {p.name: p.gpu for p in options.pools}
-        moves = diff_moves(sim.slot_states(), counts, pool_to_gpu, options.configs_json())
+        moves = diff_moves(sim.slot_states(now), counts, pool_to_gpu, options.configs_json())
         if moves:
             state.num_repartitions += 1
             log.append(decision(now, "plan", moves=tuple(moves), outcome="oracle", diff=counts))

@@ -1,8 +1,9 @@
 """The simulated fleet: pools of virtual replicas behind the real router, fed by a workload.
 
-``FleetSim`` is also the simulator's ``Actuator`` (fleet.rollout): drain marks a replica as draining
-for the router, stop removes it, start builds a new engine with the new configuration that becomes
-healthy ``restart_s`` later, activate makes it routable in its pool.
+``FleetSim`` is also the simulator's ``Actuator`` (fleet.commands), applying the controller's
+commands in virtual time: drain marks a replica as draining for the router, stop removes it, start
+builds a new engine with the new configuration that becomes healthy ``restart_s`` later, activate
+makes it routable in its pool; ``slot_states(now)`` is the next tick's snapshot.
 
 Every pool keeps a ``PoolQueue``, and the router is given the tiers, as a gateway would run it: a
 request the best pool has no room for waits in that pool's queue (priority, then deadline) and is
@@ -111,10 +112,11 @@ class FleetSim:
             self.start(slot.slot, slot.pool, slot.config_json, now, ready_at=now)
             self.activate(slot.slot, now)
 
-    def slot_states(self) -> list[SlotState]:
+    def slot_states(self, now: float) -> list[SlotState]:
         out = []
         for name, rep in sorted(self.slots.items()):
-            out.append(SlotState(name, rep.pool, self.slot_to_gpu[name], self.slot_to_config_json[name]))
+            out.append(SlotState(name, rep.pool, self.slot_to_gpu[name], self.slot_to_config_json[name],
+                                 num_in_flight=rep.num_in_flight, healthy=now >= rep.ready_at))
         return out
 
     def _pool(self, name: str) -> PoolState:
@@ -142,10 +144,6 @@ class FleetSim:
             del rep.req_to_domain[req_id]
             rep.state.end(spec.input_tokens + spec.output_tokens, self.work[index])
             self._dispatch(index, now)
-
-    def num_in_flight(self, slot: str) -> int:
-        rep = self.slots.get(slot)
-        return rep.num_in_flight if rep is not None else 0
 
     def stop(self, slot: str, now: float) -> None:
         """Remove the replica; requests still on it (a drain stopped at its deadline) are dropped."""
@@ -176,10 +174,6 @@ class FleetSim:
             members.remove(old.state)
         self.start(slot, pool, config_json, now, ready_at=now)
         self.activate(slot, now)
-
-    def is_healthy(self, slot: str, now: float) -> bool:
-        rep = self.slots.get(slot)
-        return rep is not None and now >= rep.ready_at
 
     def activate(self, slot: str, now: float) -> None:
         rep = self.slots[slot]

@@ -23,7 +23,7 @@ from kernels.compiler import Budget, CompileWorker, TrialStore
 from kernels.config import EngineConfig
 from loadtest.scenario import build_workload, load_scenario
 from tests.fleet.test_controller_sim import TableCapacity
-from tests.fleet.test_planner_rollout import FakeActuator
+from tests.fleet.test_planner_rollout import FakeActuator, tick
 
 MODEL, GPU = "llama-3.1-8b", "H100-SXM"
 
@@ -120,21 +120,22 @@ def test_a_drifted_shape_is_compiled_and_the_next_plan_adopts_it(tmp_path: Path)
         at_once = source.at_once()
         start = pool_options(reference.shapes, (GPU,), EnvelopeCompiledFaster({"long-context": 2.0}, at_once), settings.tiers, at_once)
         capacity = EnvelopeCompiledFaster({"long-context": 2.0}, source)
-        controller = Controller(settings, tel, capacity, FakeActuator({}, restart_s=0.0), reference, source)
+        actuator = FakeActuator({}, restart_s=0.0)
+        controller = Controller(settings, tel, capacity, reference, source)
         controller.options = start
         slots = [SlotState(f"{GPU}/{k}", f"long-context@{GPU}", GPU, start.configs_json()[f"long-context@{GPU}"]) for k in range(4)]
         searches = source.num_searches
 
         # the rate doubles, the lengths stay: drift and a new plan, but the envelope holds: no compile
         _feed(tel, 200.0, 400.0, 8.0, 1100)
-        wobble = [d for now in range(205, 400, 5) for d in controller.tick(float(now), slots)]
+        wobble = [d for now in range(205, 400, 5) for d in tick(controller, actuator, float(now), slots)]
         assert "plan" in [d.kind for d in wobble]
         assert not {"compile", "compiled", "recompile"} & {d.kind for d in wobble} and source.num_searches == searches
 
         # prompts 8x longer: the shape leaves its envelope, a compile is asked for, the plan meanwhile
         # keeps what it has; when the compile is released the controller plans again with it
         _feed(tel, 400.0, 800.0, 8.0, 8000)
-        made = [d for now in range(405, 800, 5) for d in controller.tick(float(now), slots)]
+        made = [d for now in range(405, 800, 5) for d in tick(controller, actuator, float(now), slots)]
     kinds = [d.kind for d in made]
     assert kinds.index("drift") < kinds.index("compile") < kinds.index("compiled") < kinds.index("recompile")
     asked, done = (dict(next(d for d in made if d.kind == k).evidence) for k in ("compile", "compiled"))

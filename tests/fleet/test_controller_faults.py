@@ -9,7 +9,7 @@ from fleet.drift import DriftSettings
 from fleet.rollout import SlotState
 from fleet.telemetry import Telemetry
 from tests.fleet.test_controller_sim import TableCapacity, _feed
-from tests.fleet.test_planner_rollout import FakeActuator
+from tests.fleet.test_planner_rollout import FakeActuator, tick
 
 GPU = "H100-SXM"
 OLD, NEW = f"a@{GPU}", f"b@{GPU}"
@@ -20,7 +20,7 @@ def _controller(actuator: FakeActuator, **overrides: object) -> tuple[Controller
     _feed(tel, 0.0, 200.0, "a", 10.0, True)
     settings = ControllerSettings("llama-3.1-8b", {GPU: 4}, drift=DriftSettings(min_interval_s=0.0), verify_after_s=30.0,
                                   max_step_fraction=0.5, start_timeout_s=60.0, **overrides)  # type: ignore[arg-type]
-    controller = Controller(settings, tel, TableCapacity({"a": 5.0, "b": 5.0}), actuator, tel.window(200.0))
+    controller = Controller(settings, tel, TableCapacity({"a": 5.0, "b": 5.0}), tel.window(200.0))
     _feed(tel, 200.0, 900.0, "b", 10.0, True)  # the mix flips to shape b: the controller wants pools for b
     return controller, tel
 
@@ -34,7 +34,7 @@ def _slots(actuator: FakeActuator, dead: frozenset[str] = frozenset()) -> list[S
 def _run(controller: Controller, actuator: FakeActuator, start: int, end: int, dead: frozenset[str] = frozenset()) -> list[Decision]:
     made: list[Decision] = []
     for now in range(start, end, 5):
-        made += controller.tick(float(now), _slots(actuator, dead))
+        made += tick(controller, actuator, float(now), _slots(actuator, dead))
     return made
 
 
@@ -76,7 +76,7 @@ def test_a_pool_that_disappears_during_a_repartition_is_rolled_back_and_planned_
     controller, _ = _controller(actuator, backoff_s=50.0)
     now, made = 205, []
     while "step" not in [d.kind for d in made]:
-        made += controller.tick(float(now), _slots(actuator))
+        made += tick(controller, actuator, float(now), _slots(actuator))
         now += 5
     gone = frozenset(m.slot for m in made[-1].moves)
     actuator.broken |= gone  # the hosts of the moving slots vanish mid-step: they never come back up

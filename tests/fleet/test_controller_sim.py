@@ -15,7 +15,7 @@ from fleet.simulator.run import simulate
 from fleet.telemetry import Telemetry
 from kernels.config import EngineConfig
 from loadtest.scenario import build_workload, load_scenario
-from tests.fleet.test_planner_rollout import FakeActuator
+from tests.fleet.test_planner_rollout import FakeActuator, tick
 
 
 class TableCapacity:
@@ -61,12 +61,12 @@ def test_a_step_that_makes_things_worse_is_rolled_back_with_backoff() -> None:
     settings = ControllerSettings("llama-3.1-8b", {"H100-SXM": 4}, drift=DriftSettings(min_interval_s=0.0), verify_after_s=30.0,
                                   max_step_fraction=0.5)
     actuator = FakeActuator({}, restart_s=0.0)
-    controller = Controller(settings, tel, TableCapacity({"a": 5.0, "b": 5.0}), actuator, reference)
+    controller = Controller(settings, tel, TableCapacity({"a": 5.0, "b": 5.0}), reference)
     slots = [SlotState(f"G/{k}", "a@H100-SXM", "H100-SXM", "{}") for k in range(4)]
     _feed(tel, 200.0, 250.0, "b", 10.0, True)  # the mix flips to shape b
     kinds: list[str] = []
     for now in range(205, 250, 5):
-        made = controller.tick(float(now), slots)
+        made = tick(controller, actuator, float(now), slots)
         kinds += [d.kind for d in made]
         if "step" in kinds:
             moved = {m.slot: m.to_pool for d in made for m in d.moves if d.kind == "step"}
@@ -77,7 +77,7 @@ def test_a_step_that_makes_things_worse_is_rolled_back_with_backoff() -> None:
     _feed(tel, 250.0, 400.0, "b", 10.0, False)  # after the step nothing meets its SLO
     decisions = []
     for later in range(int(step_at) + 5, int(step_at) + 90, 5):
-        decisions += controller.tick(float(later), slots)
+        decisions += tick(controller, actuator, float(later), slots)
     assert [d.kind for d in decisions] == ["verify", "rollback"]
     verify, rollback = decisions
     assert dict(verify.evidence)["ok"] is False

@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import random
 from pathlib import Path
 
-from fleet.decisions import DecisionLog, Move, decision
+from fleet.commands import Activate, Drain, Start, Stop, apply
+from fleet.controller import Controller
+from fleet.decisions import Decision, DecisionLog, Move, decision
 from fleet.planner import PlanProblem, PoolOption, brute_force, plan
 from fleet.rollout import Mover, SlotState, batch_moves, diff_moves
 
@@ -52,8 +55,9 @@ def test_diff_moves_within_gpu_kind_and_recompiles_in_place() -> None:
 
 
 class FakeActuator:
-    """Records calls; a slot drains when told, is healthy ``restart_s`` after start unless the slot or
-    the pool it starts in is in ``broken`` (then never); ``slot_to_pool`` is where activated slots serve."""
+    """An edge that records the commands it applies; a slot is healthy ``restart_s`` after its start
+    unless the slot or the pool it starts in is in ``broken`` (then never), and serves (healthy) before
+    any start; ``slot_to_pool`` is where activated slots serve."""
 
     def __init__(self, in_flight: dict[str, int], restart_s: float, broken: frozenset[str] = frozenset()) -> None:
         self.in_flight = in_flight
@@ -67,9 +71,6 @@ class FakeActuator:
     def drain(self, slot: str, now: float) -> None:
         self.calls.append(("drain", slot, now))
 
-    def num_in_flight(self, slot: str) -> int:
-        return self.in_flight.get(slot, 0)
-
     def stop(self, slot: str, now: float) -> None:
         self.calls.append(("stop", slot, now))
         self.slot_to_pool.pop(slot, None)
@@ -79,41 +80,70 @@ class FakeActuator:
         self.started_at[slot] = now
         self.starting[slot] = (pool, config_json)
 
-    def is_healthy(self, slot: str, now: float) -> bool:
-        if slot in self.broken or self.starting.get(slot, ("", ""))[0] in self.broken:
-            return False
-        return slot in self.started_at and now >= self.started_at[slot] + self.restart_s
-
     def activate(self, slot: str, now: float) -> None:
         self.calls.append(("activate", slot, now))
         self.slot_to_pool[slot] = self.starting[slot]
 
+    def is_healthy(self, slot: str, now: float) -> bool:
+        if slot in self.broken or self.starting.get(slot, ("", ""))[0] in self.broken:
+            return False
+        return slot not in self.started_at or now >= self.started_at[slot] + self.restart_s
+
+    def facts(self, slots: list[SlotState], now: float) -> list[SlotState]:
+        """``slots`` with what this edge knows: requests in flight, health."""
+        return [dataclasses.replace(s, num_in_flight=self.in_flight.get(s.slot, 0), healthy=self.is_healthy(s.slot, now)) for s in slots]
+
+
+def tick(controller: Controller, actuator: FakeActuator, now: float, slots: list[SlotState]) -> list[Decision]:
+    """One tick as an edge runs it: snapshot, decide, apply the commands."""
+    out = controller.tick(now, actuator.facts(slots, now))
+    apply(out.commands, actuator, now)
+    return out.decisions
+
+
+def _advance(mover: Mover, act: FakeActuator, now: float) -> None:
+    slots = act.facts([SlotState("G/0", "a@G", "G", "{}")], now)
+    apply(mover.advance(now, {s.slot: s for s in slots}), act, now)
+
 
 def test_mover_drains_before_it_stops_and_activates_only_when_healthy() -> None:
     act = FakeActuator({"G/0": 2}, restart_s=30.0)
-    mover = Mover(act, (Move("G/0", "a@G", "b@G", "{}"),), 0.0)
-    mover.advance(5.0)
+    mover = Mover((Move("G/0", "a@G", "b@G", "{}"),), 0.0)
+    _advance(mover, act, 0.0)
+    _advance(mover, act, 5.0)
     assert act.calls == [("drain", "G/0", 0.0)]  # requests still in flight: nothing stopped
     act.in_flight["G/0"] = 0
-    mover.advance(10.0)
-    mover.advance(20.0)
+    _advance(mover, act, 10.0)
+    _advance(mover, act, 20.0)
     assert act.calls[1:] == [("stop", "G/0", 10.0), ("start", "G/0", 10.0)] and not mover.done
-    mover.advance(40.0)
+    _advance(mover, act, 40.0)
     assert act.calls[-1] == ("activate", "G/0", 40.0) and mover.done
 
 
 def test_mover_forces_a_drain_past_its_deadline_and_fails_a_start_past_its_own() -> None:
     act = FakeActuator({"G/0": 3}, restart_s=30.0, broken=frozenset({"b@G"}))
     move = Move("G/0", "a@G", "b@G", "{}")
-    mover = Mover(act, (move,), 0.0, drain_timeout_s=60.0, start_timeout_s=100.0)
-    mover.advance(59.0)
+    mover = Mover((move,), 0.0, drain_timeout_s=60.0, start_timeout_s=100.0)
+    _advance(mover, act, 0.0)
+    _advance(mover, act, 59.0)
     assert act.calls == [("drain", "G/0", 0.0)] and not mover.forced_stops
-    mover.advance(60.0)  # three requests still in flight: stopped anyway, and said so
+    _advance(mover, act, 60.0)  # three requests still in flight: stopped anyway, and said so
     assert act.calls[1:] == [("stop", "G/0", 60.0), ("start", "G/0", 60.0)] and mover.forced_stops == [("G/0", 3)]
-    mover.advance(159.0)
+    _advance(mover, act, 159.0)
     assert not mover.done and not mover.failed
-    mover.advance(160.0)  # never healthy: the move failed, nothing was made routable
+    _advance(mover, act, 160.0)  # never healthy: the move failed, nothing was made routable
     assert mover.done and mover.failed == (move,) and "activate" not in [c[0] for c in act.calls]
+
+
+def test_a_fact_read_in_the_tick_that_issued_a_command_is_not_trusted_for_it() -> None:
+    """The slot drained in this tick holds no request in this tick's snapshot (it was taken before the
+    drain), and the slot started in this tick answers /health there (its old engine did): neither may
+    move the step on before the next snapshot."""
+    mover = Mover((Move("G/0", "a@G", "b@G", "{}"),), 0.0)
+    idle_and_healthy = {"G/0": SlotState("G/0", "a@G", "G", "{}")}
+    assert mover.advance(0.0, idle_and_healthy) == [Drain("G/0")]
+    assert mover.advance(5.0, idle_and_healthy) == [Stop("G/0"), Start("G/0", "b@G", "{}")]
+    assert mover.advance(10.0, idle_and_healthy) == [Activate("G/0")] and mover.done
 
 
 def test_decision_log_writes_json_lines_with_a_bounded_tail(tmp_path: Path) -> None:

@@ -3,7 +3,7 @@
 Ray runs in a child process: its ``ray.init`` starts a cluster (GCS, raylet, workers) that must not
 share pytest's process or warnings filter, and inside a network namespace holding only loopback when
 this machine allows one (else Ray is told to stay on 127.0.0.1 and not to report usage). The child
-(this module run as ``python -m``) drives the actuator with the real ``Mover`` against real emulated
+(this module run as ``python -m``) applies the real ``Mover``'s commands through the actuator to real emulated
 replicas and the real ``openai`` SDK, and prints what it saw as one JSON line; the test judges it.
 """
 
@@ -62,21 +62,33 @@ def test_ray_actuator_starts_moves_and_stops_replicas_on_a_local_ray_cluster(tmp
 
 
 class _Routes:
-    """A minimal owner of router pools: which slot is routable where, and its requests in flight."""
+    """A minimal edge, as the gateway's LiveFleet: owns which slot is routable where and its requests in
+    flight, applies the Mover's commands (the process half through the Ray actuator), takes snapshots."""
 
     def __init__(self) -> None:
         self.routable: dict[str, tuple[str, str]] = {}  # slot -> (url, pool)
         self.in_flight: dict[str, int] = {}
         self.lock = threading.Lock()
+        self.actuator: Any = None
 
-    def drain(self, slot: str) -> None:
+    def drain(self, slot: str, now: float) -> None:
         self.routable.pop(slot, None)
 
-    def remove(self, slot: str) -> None:
+    def stop(self, slot: str, now: float) -> None:
+        self.actuator.stop(slot, now)
         self.routable.pop(slot, None)
 
-    def add(self, slot: str, url: str, pool: str, gpu: str, config_json: str) -> None:
-        self.routable[slot] = (url, pool)
+    def start(self, slot: str, pool: str, config_json: str, now: float) -> None:
+        self.actuator.start(slot, pool, config_json, now)
+
+    def activate(self, slot: str, now: float) -> None:
+        found = next(s for s in self.actuator.slot_states() if s.slot == slot)
+        self.routable[slot] = (self.actuator.url(slot), found.pool)
+
+    def snapshot(self) -> dict[str, Any]:
+        import dataclasses
+
+        return {s.slot: dataclasses.replace(s, num_in_flight=self.num_in_flight(s.slot)) for s in self.actuator.slot_states()}
 
     def num_in_flight(self, slot: str) -> int:
         with self.lock:
@@ -139,8 +151,9 @@ def _scenario(log_dir: Path) -> dict[str, Any]:
     import ray
     from ray.util import placement_group_table
 
-    from fleet.actuators.local import emulated_replica_argv
+    from fleet.actuators.local import LaunchSpec, emulated_replica_argv
     from fleet.actuators.ray import RayActuator
+    from fleet.commands import apply
     from fleet.decisions import Move
     from fleet.rollout import Mover
 
@@ -148,7 +161,8 @@ def _scenario(log_dir: Path) -> dict[str, Any]:
              log_to_driver=False, configure_logging=False)
     command = (sys.executable, "-m", "gateway.cli", "emulate")
     routes = _Routes()
-    actuator = RayActuator(routes, lambda gpu, config: emulated_replica_argv(command, MODEL, gpu, config, 1.0), log_dir)
+    actuator = RayActuator(lambda gpu, pool, config, devices: LaunchSpec("", emulated_replica_argv(command, MODEL, gpu, config, 1.0)), log_dir)
+    routes.actuator = actuator
     seen: dict[str, Any] = {}
     try:
         for slot, gpu, pool, config in [("s0", "H100-SXM", "chat@H100-SXM", CHAT), ("s1", "H100-SXM", "chat@H100-SXM", CHAT),
@@ -157,7 +171,7 @@ def _scenario(log_dir: Path) -> dict[str, Any]:
             actuator.start(slot, pool, config, 0.0)
         _until(lambda: all(actuator.is_healthy(s, 0.0) for s in actuator.slots), 90, "replicas healthy")
         for slot in actuator.slots:
-            actuator.activate(slot, 0.0)
+            routes.activate(slot, 0.0)
         seen["gpus_free_after_start"] = ray.available_resources().get("GPU", 0)
         seen["health"] = {slot: _status(url) for slot, (url, _) in routes.routable.items()}
         seen["chat"] = {slot: routes.chat(slot, 5) for slot in routes.routable}
@@ -169,10 +183,12 @@ def _scenario(log_dir: Path) -> dict[str, Any]:
         request = threading.Thread(target=lambda: drain_result.update(routes.chat("s1", DRAIN_TOKENS)))
         request.start()
         _until(lambda: routes.num_in_flight("s1") == 1, 10, "request in flight")
-        mover = Mover(actuator, (Move("s1", "chat@H100-SXM", "long@H100-SXM", LONG_TP2),), 0.0)
+        mover = Mover((Move("s1", "chat@H100-SXM", "long@H100-SXM", LONG_TP2),), 0.0)
+        apply(mover.advance(0.0, routes.snapshot()), routes, 0.0)  # the drain
         move: dict[str, Any] = {"routable_while_draining": "s1" in routes.routable, "kept_running_while_in_flight": True}
         while request.is_alive():
-            mover.advance(time.monotonic())
+            now = time.monotonic()
+            apply(mover.advance(now, routes.snapshot()), routes, now)
             if routes.num_in_flight("s1") and actuator.url("s1") != old_url:
                 move["kept_running_while_in_flight"] = False
             time.sleep(0.05)
@@ -180,7 +196,8 @@ def _scenario(log_dir: Path) -> dict[str, Any]:
         move["drain_request"] = {k: drain_result.get(k) for k in ("finish_reason", "tokens")}
         deadline = time.monotonic() + 90
         while not mover.done and time.monotonic() < deadline:
-            mover.advance(time.monotonic())
+            now = time.monotonic()
+            apply(mover.advance(now, routes.snapshot()), routes, now)
             time.sleep(0.1)
         assert mover.done, f"move not done: {actuator.error('s1')}"
         move["old_url"], move["new_url"] = old_url, routes.routable["s1"][0]

@@ -81,9 +81,9 @@ def start_emulator(tmp: Path, name: str, gpu: str = "H100-SXM", speed: float = 2
     return start(argv, port, tmp / f"{name}.log", "/health")
 
 
-def start_gateway(tmp: Path, argv: Sequence[str], name: str = "gateway") -> Proc:
+def start_gateway(tmp: Path, argv: Sequence[str], name: str = "gateway", timeout_s: float = 30.0) -> Proc:
     port = free_port()
-    return start(["serve", *argv, "--port", str(port)], port, tmp / f"{name}.log", "/healthz")
+    return start(["serve", *argv, "--port", str(port)], port, tmp / f"{name}.log", "/healthz", timeout_s=timeout_s)
 
 
 def set_faults(emulator_url: str, **faults: object) -> None:

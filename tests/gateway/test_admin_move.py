@@ -1,0 +1,186 @@
+"""Operator moves (``POST /admin/move``): a launched replica is drained, restarted with another pool's
+engine arguments on the same devices, verified and routed again, under continuous load, with 0
+requests failed and every phase in the decision log; a start that fails is rolled back, 0 lost.
+
+The emulated case runs anywhere; the llama.cpp case moves a real ``llama-server`` (the tiny model,
+installed and cached by ``fleet.engines.install`` on first use) from ``--parallel 4`` to
+``--parallel 1 -c 8192``."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import openai
+import pytest
+
+from tests.support.procs import Proc, start_gateway, write_tenant
+
+KEY, ADMIN = "sk-test-move", "admin-token-move"
+
+
+def _admin(url: str, path: str, body: dict[str, Any] | None = None) -> tuple[int, dict[str, Any]]:
+    data = json.dumps(body).encode() if body is not None else None
+    request = urllib.request.Request(url + path, data=data, method="POST" if data else "GET",
+                                     headers={"Authorization": f"Bearer {ADMIN}", "Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(request, timeout=10) as resp:
+            return resp.status, json.loads(resp.read())
+    except urllib.error.HTTPError as exc:
+        return exc.code, json.loads(exc.read())
+
+
+def _replica(state: dict[str, Any], name: str) -> tuple[str, dict[str, Any]]:
+    """(the pool it is routed in, or "" when unrouted; its process facts)."""
+    for pool in state["pools"]:
+        for replica in pool["replicas"]:
+            if replica["name"] == name:
+                return pool["name"], replica["process"]
+    return "", {}
+
+
+def _until(predicate: Callable[[], bool], timeout_s: float, what: str) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{what} within {timeout_s} s")
+        time.sleep(0.2)
+
+
+class _Load:
+    """Requests through the gateway from two client threads until stopped: every outcome is counted."""
+
+    def __init__(self, url: str, model: str, max_tokens: int) -> None:
+        self.client = openai.OpenAI(base_url=f"{url}/v1", api_key=KEY, max_retries=0, timeout=60)
+        self.model, self.max_tokens = model, max_tokens
+        self.ok = 0
+        self.failed: list[str] = []
+        self.replicas: set[str] = set()
+        self._stop = threading.Event()
+        self._threads = [threading.Thread(target=self._run, daemon=True) for _ in range(2)]
+
+    def __enter__(self) -> _Load:
+        for thread in self._threads:
+            thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        for thread in self._threads:
+            thread.join(60)
+        self.client.close()
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            try:
+                raw = self.client.chat.completions.with_raw_response.create(
+                    model=self.model, messages=[{"role": "user", "content": "Tell me about the sea."}], max_tokens=self.max_tokens)
+                raw.parse()
+                self.ok += 1
+                self.replicas.add(raw.headers["x-polymorph-replica"])
+            except openai.APIError as exc:
+                self.failed.append(repr(exc))
+
+
+def _config(tmp_path: Path, pools: list[dict[str, Any]], **fleet: Any) -> Path:
+    (tmp_path / "tenants").mkdir()
+    write_tenant(tmp_path / "tenants", "ops", KEY, max_concurrency=100, rate_limits={"requests_per_min": 1_000_000})
+    config = {
+        "server": {"admin_token": ADMIN, "access_log": False},
+        "tenants_dir": "tenants",
+        "fleet": {"pools": pools, **fleet, "controller": {"enabled": False, "decision_log": "decisions.jsonl"}},
+    }
+    path = tmp_path / "config.yaml"
+    path.write_text(json.dumps(config))
+    return path
+
+
+def _move_and_watch(gateway: Proc, replica: str, to_pool: str, model: str, max_tokens: int, timeout_s: float) -> tuple[_Load, list[dict[str, Any]]]:
+    """Move under load until the decision log says it ended (verify, or a rollback's end)."""
+    with _Load(gateway.url, model, max_tokens) as load:
+        _until(lambda: load.ok >= 4, 60, "load flowing")
+        status, answer = _admin(gateway.url, "/admin/move", {"replica": replica, "to_pool": to_pool})
+        assert status == 202, answer
+        assert [d["kind"] for d in answer["decisions"]] == ["step"]
+
+        def ended() -> bool:
+            kinds = [(d["kind"], d["evidence"].get("outcome")) for d in _admin(gateway.url, "/admin/decisions")[1]["decisions"]]
+            return ("verify", None) in kinds or ("rollback", "restored") in kinds or ("rollback", "failed") in kinds
+
+        _until(ended, timeout_s, "the move ends")
+        seen = load.ok
+        _until(lambda: load.ok >= seen + 4, 60, "load flowing after the move")
+    return load, _admin(gateway.url, "/admin/decisions")[1]["decisions"]
+
+
+def test_an_emulated_replica_moves_between_pools_under_load_without_failing_a_request(tmp_path: Path) -> None:
+    pools = [
+        {"name": "chat", "model": "llama-3.1-8b", "gpu": "H100-SXM", "shapes": ["short-chat"],
+         "engine": {"max_running_requests": 64}, "replicas": {"emulated": 1}},
+        {"name": "long", "model": "llama-3.1-8b", "gpu": "H100-SXM", "shapes": ["long-context"],
+         "engine": {"max_running_requests": 8, "chunked_prefill_size": 8192}, "replicas": {"emulated": 1}},
+    ]
+    gateway = start_gateway(tmp_path, ["--config", str(_config(tmp_path, pools, emulator_speed=20.0))])
+    try:
+        before = _replica(_admin(gateway.url, "/admin/state")[1], "chat-0")
+        load, decisions = _move_and_watch(gateway, "chat-0", "long", "llama-3.1-8b", 16, 60)
+        after = _replica(_admin(gateway.url, "/admin/state")[1], "chat-0")
+        refused = _admin(gateway.url, "/admin/move", {"replica": "chat-0", "to_pool": "long"})
+        unknown = _admin(gateway.url, "/admin/move", {"replica": "nope", "to_pool": "long"})
+        bad = _admin(gateway.url, "/admin/move", {"replica": "chat-0"})
+    finally:
+        gateway.stop()
+    assert load.failed == [] and load.ok > 8
+    assert before[0] == "chat" and after[0] == "long"
+    assert '"max_running_requests":64' in " ".join(before[1]["argv"])
+    assert '"chunked_prefill_size":8192' in " ".join(after[1]["argv"]) and after[1]["argv"] != before[1]["argv"]
+    kinds = [d["kind"] for d in decisions]
+    assert kinds == ["step", "verify"], kinds
+    step, verify = decisions
+    assert step["evidence"]["source"] == "operator" and step["evidence"]["moves"] == [["chat-0", "chat", "long"]]
+    assert verify["evidence"]["ok"] is True and verify["evidence"]["start_to_healthy_s"] is not None
+    assert refused[0] == 409 and "already serves" in refused[1]["error"]["message"]
+    assert unknown[0] == 404 and bad[0] == 400 and bad[1]["error"]["param"] == "to_pool"
+
+
+@pytest.mark.slow
+def test_a_real_llamacpp_replica_moves_to_other_arguments_and_a_failed_start_rolls_back(
+        tmp_path: Path, llama_server_bin: Path, tiny_gguf: Path) -> None:
+    llama = {"kind": "llamacpp", "threads": 1}
+    pools = [
+        {"name": "chat-cpu", "model": "tiny-llama", "gpu": "cpu", "shapes": ["short-chat"],
+         "engine": {**llama, "max_running_requests": 4}, "replicas": {"launch": 1}},
+        {"name": "long-cpu", "model": "tiny-llama", "gpu": "cpu", "shapes": ["long-context"],
+         "engine": {**llama, "max_running_requests": 1, "max_total_tokens": 8192}, "replicas": {"launch": 1}},
+        # a pool whose engine cannot start: llama-server refuses the flag and exits
+        {"name": "broken-cpu", "model": "tiny-llama", "gpu": "cpu", "shapes": ["batch"],
+         "engine": {**llama, "args": ["--no-such-flag"]}, "replicas": {"launch": 0}},
+    ]
+    config = _config(tmp_path, pools, devices={"cpu": {"count": 2}})
+    gateway = start_gateway(tmp_path, ["--config", str(config)], timeout_s=120)
+    try:
+        before = _replica(_admin(gateway.url, "/admin/state")[1], "chat-cpu-0")
+        load, decisions = _move_and_watch(gateway, "chat-cpu-0", "long-cpu", "tiny-llama", 8, 120)
+        after = _replica(_admin(gateway.url, "/admin/state")[1], "chat-cpu-0")
+        failing, more = _move_and_watch(gateway, "long-cpu-1", "broken-cpu", "tiny-llama", 8, 120)
+        restored = _replica(_admin(gateway.url, "/admin/state")[1], "long-cpu-1")
+    finally:
+        gateway.stop()
+    assert load.failed == [] and failing.failed == []
+    argv_before, argv_after = before[1]["argv"], after[1]["argv"]
+    assert before[0] == "chat-cpu" and after[0] == "long-cpu"
+    assert argv_before[argv_before.index("--parallel") + 1] == "4" and "-c" not in argv_before
+    assert argv_after[argv_after.index("--parallel") + 1] == "1" and argv_after[argv_after.index("-c") + 1] == "8192"
+    assert after[1]["devices"] == before[1]["devices"] and after[1]["healthy"] is True
+    assert [d["kind"] for d in decisions] == ["step", "verify"]
+    # the failed start: rolled back to its pool and arguments, with the evidence of why
+    kinds = [(d["kind"], d["evidence"].get("outcome")) for d in more[2:]]
+    assert kinds == [("step", None), ("rollback", None), ("rollback", "restored")], kinds
+    assert more[3]["evidence"]["reason"] == "replica never became healthy" and more[3]["evidence"]["never_healthy"] == ["long-cpu-1"]
+    assert restored[0] == "long-cpu" and "--no-such-flag" not in restored[1]["argv"] and restored[1]["healthy"] is True
