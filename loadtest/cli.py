@@ -216,6 +216,39 @@ def register_bench(benches: argparse._SubParsersAction) -> None:  # type: ignore
     p.set_defaults(handler=_run_bench_loadgen)
     register_bench_adapt(benches)
     register_bench_agreement(benches)
+    _register_bench_priority(benches)
+
+
+def _register_bench_priority(benches: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+    p = benches.add_parser(
+        "priority",
+        help="interactive TTFT p99 under a batch flood into one real vLLM replica, with and without tier priorities",
+        description=(
+            "Start one vLLM replica of the tiny model (CPU build) with --scheduling-policy priority and a small batch, "
+            "and a gateway in front of it whose tiers set each request's priority. Measure interactive TTFT alone, "
+            "under a closed-loop batch flood with priorities, and under the same flood without them (a pool of the "
+            "same replica that sends none). Prints a table, then one JSON line of ratios."
+        ),
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    p.add_argument("--interactive", type=int, default=12, help="interactive requests per phase")
+    p.add_argument("--interactive-every", type=float, default=0.6, metavar="S", help="seconds between interactive sends")
+    p.add_argument("--interactive-max-tokens", type=int, default=8, help="output tokens of each interactive request")
+    p.add_argument("--flood-concurrency", type=int, default=16, help="closed-loop batch clients during the flood phases")
+    p.add_argument("--flood-max-tokens", type=int, default=32, help="output tokens of each batch request (ignore_eos)")
+    p.add_argument("--flood-warmup", type=float, default=3.0, metavar="S", help="flood time before the first interactive send")
+    p.add_argument("--max-num-seqs", type=int, default=4, help="vLLM's batch size: the flood beyond it queues inside the engine")
+    p.add_argument("--start-timeout", type=float, default=300.0, metavar="S", help="how long vLLM may take to become healthy")
+    p.add_argument("--vllm-python", help="python of a vLLM venv (default: fleet.engines.install.vllm_python(), installed on first use)")
+    p.add_argument("--model-dir", help="Hugging Face model folder (default: fleet.engines.install.tiny_model_hf())")
+    p.add_argument("--run-dir", help="keep the engine's and gateway's logs and config here (default: a temporary folder)")
+    p.set_defaults(handler=_run_bench_priority)
+
+
+def _run_bench_priority(args: argparse.Namespace) -> int:
+    from loadtest.bench_priority import main_bench
+
+    return main_bench(args)
 
 
 def _run_bench_loadgen(args: argparse.Namespace) -> int:
