@@ -203,10 +203,15 @@ class EngineConfig:
     def vllm_flags(self) -> list[str]:
         """vLLM's engine flags, without the model (`vllm serve` takes it positionally, the api_server
         module as `--model`). sglang-only knobs (max_prefill_tokens, lpm/lof/dfs policies) have no vLLM
-        equivalent and are dropped; vLLM's default fcfs is used instead. `max_total_tokens` becomes
-        `--num-gpu-blocks-override`, the pool in blocks of `--block-size` tokens (rounded up): vLLM's
-        only bound on its KV pool, which replaces the size it derives from memory (and fails at start
-        when that many blocks do not fit), so every engine kind holds the same pool."""
+        equivalent and are dropped; vLLM's default fcfs is used instead. sglang's default token-sized
+        pages (page_size 1) leave vLLM its own block size: no vLLM attention backend takes 1-token
+        blocks (its CPU backend refuses to start: blocks are multiples of 32 there, 128 by default;
+        CUDA's default is 16). `max_total_tokens` becomes `--num-gpu-blocks-override`, the pool in
+        blocks of `--block-size` tokens (rounded up), where page_size names that size: vLLM's only
+        bound on its KV pool, which replaces the size it derives from memory (and fails at start when
+        that many blocks do not fit). With page_size 1 the block size is vLLM's choice per platform,
+        so the bound is left out and vLLM sizes its pool from memory (gpu_memory_utilization, or
+        VLLM_CPU_KVCACHE_SPACE on CPU)."""
         args = ["--tensor-parallel-size", str(self.tp), "--data-parallel-size", str(self.dp)]
         if self.ep > 1:
             args.append("--enable-expert-parallel")
@@ -215,10 +220,11 @@ class EngineConfig:
             "--max-num-batched-tokens": self.chunked_prefill_size if (self.chunked_prefill_size or 0) > 0 else None,
             "--kv-cache-dtype": _KV_TO_VLLM.get(self.kv_cache_dtype, self.kv_cache_dtype),
             "--quantization": self.quantization,
-            "--block-size": self.page_size,
+            "--block-size": self.page_size if self.page_size > 1 else None,
             "--gpu-memory-utilization": self.mem_fraction_static,
             "--scheduling-policy": self.schedule_policy if self.schedule_policy in ("fcfs", "priority") else None,
-            "--num-gpu-blocks-override": None if self.max_total_tokens is None else -(-self.max_total_tokens // self.page_size),
+            "--num-gpu-blocks-override": (-(-self.max_total_tokens // self.page_size)
+                                          if self.max_total_tokens is not None and self.page_size > 1 else None),
         }
         for flag, value in optional.items():
             if value is not None:
@@ -246,7 +252,7 @@ class EngineConfig:
                 values[_VLLM_SWITCHES[flag][0]] = _VLLM_SWITCHES[flag][1]
             elif flag in _VLLM_VALUED:
                 key = _VLLM_VALUED[flag]
-                values[key] = _KV_FROM_VLLM.get(value, value) if key == "kv_cache_dtype" else value
+                values[key] = _KV_FROM_VLLM.get(value, value) if key == "kv_cache_dtype" and value is not None else value
             elif flag == "--compilation-config" and value is not None:
                 capture = json.loads(value).get("max_cudagraph_capture_size")
                 if capture is not None:

@@ -84,6 +84,9 @@ def test_max_total_tokens_renders_as_each_engines_pool_bound() -> None:
     assert vllm[vllm.index("--num-gpu-blocks-override") + 1] == "63"  # 1000 tokens in 16-token blocks, rounded up
     assert EngineConfig.from_vllm_args(config.to_vllm_args("m")).max_total_tokens == 1008
     assert "--num-gpu-blocks-override" not in EngineConfig().vllm_flags()  # unset: vLLM sizes the pool from memory
+    # sglang's 1-token pages: vLLM picks its block size per platform (none takes 1), so no block count either
+    assert not {"--block-size", "--num-gpu-blocks-override"} & set(EngineConfig(max_total_tokens=1000).vllm_flags())
+    assert EngineConfig.from_vllm_args(EngineConfig().to_vllm_args("m")) == EngineConfig()
     with pytest.raises(ValueError, match="max_total_tokens"):
         EngineConfig(max_total_tokens=0)
 
