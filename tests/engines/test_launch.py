@@ -1,0 +1,148 @@
+"""Replica command lines: a pool's EngineConfig rendered for each engine, on CPU and GPU, with its
+environment; checked by llama-server's --help and vLLM's own parser, and started for real."""
+
+from __future__ import annotations
+
+import json
+import os
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+from fleet.engines import install
+from fleet.engines.launch import EngineLaunch, argument_problems, launch_argv, launch_env
+from kernels.compiler.gates import LlamacppFlagGate
+from kernels.config import EngineConfig
+from tests.conftest import free_port
+from tests.support.engines import LLAMA_START_TIMEOUT_S, VLLM_START_TIMEOUT_S
+from tests.support.procs import start
+
+VLLM_MODULE = ("-m", "vllm.entrypoints.openai.api_server")
+CONFIG = EngineConfig(max_running_requests=4, chunked_prefill_size=256, schedule_policy="priority")
+
+
+def _value(argv: tuple[str, ...], flag: str) -> str:
+    assert argv.count(flag) == 1, (flag, argv)
+    return argv[argv.index(flag) + 1]
+
+
+def test_vllm_command_line_names_the_model_once_and_adds_the_cpu_choices_only_on_cpu() -> None:
+    launch = EngineLaunch("vllm", command=("/venvs/vllm/bin/python",), model_path="/models/tiny", served_model_name="tiny-llama")
+    cpu, gpu = launch_argv(launch, CONFIG, "cpu"), launch_argv(launch, CONFIG, "H100")
+    assert cpu[:4] == ("/venvs/vllm/bin/python", *VLLM_MODULE, "--model") and _value(cpu, "--model") == "/models/tiny"
+    assert "serve" not in cpu and cpu.count("/models/tiny") == 1  # the api_server module takes --model, not `serve MODEL`
+    assert _value(cpu, "--served-model-name") == "tiny-llama" and _value(cpu, "--scheduling-policy") == "priority"
+    assert "--enforce-eager" in cpu and _value(cpu, "--dtype") == "bfloat16" and _value(cpu, "--max-model-len") == "2048"
+    assert not {"--enforce-eager", "--dtype", "--max-model-len"} & set(gpu)
+    # the rest is the config's own rendering: it reads back (CPU runs eager: no CUDA graphs there)
+    assert EngineConfig.from_vllm_args(gpu) == CONFIG
+    assert EngineConfig.from_vllm_args(cpu) == EngineConfig.from_dict({**CONFIG.to_dict(), "disable_cuda_graph": True})
+
+
+def test_operator_args_come_last_and_replace_the_cpu_defaults() -> None:
+    launch = EngineLaunch("vllm", command=("python",), model_path="/m", extra_args=("--max-model-len=4096", "--dtype", "float32", "--seed", "7"))
+    argv = launch_argv(launch, EngineConfig(), "cpu")
+    assert "--max-model-len" not in argv and "--max-model-len=4096" in argv and _value(argv, "--dtype") == "float32"
+    assert argv[-len(launch.extra_args):] == launch.extra_args and "--enforce-eager" in argv
+    # a config that already runs eager renders the flag once
+    assert launch_argv(launch, EngineConfig(disable_cuda_graph=True), "cpu").count("--enforce-eager") == 1
+
+
+def test_sglang_runs_in_the_operators_interpreter_and_exports_metrics() -> None:
+    launch = EngineLaunch("sglang", model_path="meta-llama/Llama-3.1-8B-Instruct", served_model_name="llama")
+    argv = launch_argv(launch, CONFIG, "H100")
+    assert argv[:3] == ("python3", "-m", "sglang.launch_server")  # never Polymorph's own interpreter
+    assert "--enable-metrics" in argv and _value(argv, "--served-model-name") == "llama"
+    assert {"--enable-priority-scheduling", "--schedule-low-priority-values-first"} <= set(argv)
+    assert EngineConfig.from_sglang_args(argv) == CONFIG
+    named = launch_argv(EngineLaunch("sglang", command=("/opt/sglang/bin/python",), model_path="m"), CONFIG, "H100")
+    assert named[:3] == ("/opt/sglang/bin/python", "-m", "sglang.launch_server") and "--served-model-name" not in named
+    with pytest.raises(ValueError, match="model_path"):
+        launch_argv(EngineLaunch("sglang"), CONFIG, "H100")
+
+
+def test_emulated_replicas_have_no_command_line_and_nothing_to_parse() -> None:
+    with pytest.raises(ValueError, match="emulated"):
+        launch_argv(EngineLaunch("emulated"), CONFIG, "H100")
+    assert argument_problems(EngineLaunch("emulated"), CONFIG, "H100") == []
+
+
+def test_environment_names_the_devices_and_quiets_vllm() -> None:
+    pool_env = (("POLYMORPH_POOL", "chat"), ("HF_HUB_OFFLINE", "0"))
+    gpu = launch_env(EngineLaunch("sglang", env=pool_env), "H100", ("2", "3"))
+    assert gpu["CUDA_VISIBLE_DEVICES"] == "2,3" and gpu["POLYMORPH_POOL"] == "chat" and gpu["PATH"] == os.environ["PATH"]
+    assert gpu["HF_HUB_OFFLINE"] == "0" and "VLLM_CPU_OMP_THREADS_BIND" not in gpu  # sglang's env is the operator's
+    vllm_cpu = launch_env(EngineLaunch("vllm", env=pool_env), "cpu", ("0", "1"))
+    assert vllm_cpu["VLLM_CPU_OMP_THREADS_BIND"] == "0,1" and vllm_cpu["VLLM_CPU_KVCACHE_SPACE"] == "1"
+    assert {k: vllm_cpu[k] for k in ("VLLM_NO_USAGE_STATS", "HF_HUB_OFFLINE", "DO_NOT_TRACK")} == dict.fromkeys(
+        ("VLLM_NO_USAGE_STATS", "HF_HUB_OFFLINE", "DO_NOT_TRACK"), "1")
+    assert vllm_cpu.get("CUDA_VISIBLE_DEVICES") == os.environ.get("CUDA_VISIBLE_DEVICES")  # CPU ids are no GPU ids
+    vllm_gpu = launch_env(EngineLaunch("vllm"), "H100", ("5",))
+    assert vllm_gpu["CUDA_VISIBLE_DEVICES"] == "5" and "VLLM_CPU_KVCACHE_SPACE" not in vllm_gpu
+    llama = launch_env(EngineLaunch("llamacpp", env=pool_env), "cpu", ("1",))
+    assert llama == {**os.environ, **dict(pool_env)}  # llama-server needs nothing more
+
+
+def test_llamacpp_command_line_passes_only_flags_llama_server_lists(llama_server_bin: Path, tiny_gguf: Path) -> None:
+    launch = EngineLaunch("llamacpp", served_model_name="tiny-llama", threads=2)
+    argv = launch_argv(launch, EngineConfig(max_running_requests=2, max_total_tokens=1024), "cpu")
+    assert argv[:3] == (str(llama_server_bin), "-m", str(tiny_gguf))
+    assert _value(argv, "-t") == "2" and _value(argv, "--alias") == "tiny-llama" and "--metrics" in argv
+    assert "--no-webui" in argv and "--no-cont-batching" not in argv and "--n-gpu-layers" not in argv
+    assert _value(launch_argv(launch, CONFIG, "H100"), "--n-gpu-layers") == "all"
+    assert _value(launch_argv(EngineLaunch("llamacpp"), CONFIG, "cpu"), "-t") == "1"
+    gate = LlamacppFlagGate(str(llama_server_bin))
+    rendered = [c.to_llamacpp_args("m") for c in (EngineConfig(), CONFIG, EngineConfig(enable_prefix_caching=False, max_total_tokens=512))]
+    assert [r.status for r in gate.check_many([*rendered, list(argv[1:])])] == ["passed"] * 4
+    assert argument_problems(launch, CONFIG, "cpu") == []
+    problems = argument_problems(EngineLaunch("llamacpp", extra_args=("--no-such-flag", "1", "--flash-attn=on")), CONFIG, "cpu")
+    assert len(problems) == 1 and "--no-such-flag" in problems[0] and "--flash-attn" not in problems[0]
+
+
+def test_llama_server_runs_the_rendered_command_line(llama_server_bin: Path, tiny_gguf: Path, tmp_path: Path) -> None:
+    launch = EngineLaunch("llamacpp", served_model_name="tiny-llama")
+    config = EngineConfig(max_running_requests=2, max_total_tokens=1024, chunked_prefill_size=128)
+    argv = launch_argv(launch, config, "cpu")
+    port = free_port()
+    proc = start([*argv[1:], "--host", "127.0.0.1", "--port", str(port)], port, tmp_path / "llama.log", "/health",
+                 command=argv[:1], timeout_s=LLAMA_START_TIMEOUT_S, env=launch_env(launch, "cpu", ("0",)))
+    try:
+        with urllib.request.urlopen(proc.url + "/props", timeout=10) as resp:
+            props = json.load(resp)
+        with urllib.request.urlopen(proc.url + "/v1/models", timeout=10) as resp:
+            models = json.load(resp)
+        with urllib.request.urlopen(proc.url + "/metrics", timeout=10) as resp:
+            metrics = resp.read().decode()
+    finally:
+        proc.stop()
+    assert props["total_slots"] == 2
+    assert props["default_generation_settings"]["n_ctx"] == 1024  # one pool: each slot may use all of it
+    assert [m["id"] for m in models["data"]] == ["tiny-llama"]
+    assert "llamacpp:requests_processing" in metrics
+
+
+def test_vllm_pool_arguments_pass_vllms_own_parser(vllm_python: Path, tiny_hf: Path) -> None:
+    launch = EngineLaunch("vllm", served_model_name="tiny-llama", extra_args=("--seed", "7"))
+    assert argument_problems(launch, CONFIG, "cpu") == []
+    problems = argument_problems(EngineLaunch("vllm", extra_args=("--max-model-len", "many")), CONFIG, "cpu")
+    assert len(problems) == 1 and "--max-model-len" in problems[0] and problems[0].startswith("vllm rejects the arguments")
+
+
+def test_vllm_runs_the_rendered_command_line_on_its_cores_with_its_pool(vllm_python: Path, tiny_hf: Path, tmp_path: Path) -> None:
+    launch = EngineLaunch("vllm", served_model_name="tiny-llama")
+    config = EngineConfig(max_running_requests=4, page_size=32, max_total_tokens=4000)  # 125 blocks of 32 tokens
+    argv = launch_argv(launch, config, "cpu")
+    assert argv[0] == str(install.vllm_python())
+    port = free_port()
+    log = tmp_path / "vllm.log"
+    proc = start([*argv[1:], "--host", "127.0.0.1", "--port", str(port)], port, log, "/health",
+                 command=argv[:1], timeout_s=VLLM_START_TIMEOUT_S, env=launch_env(launch, "cpu", ("0",)))
+    try:
+        with urllib.request.urlopen(proc.url + "/metrics", timeout=10) as resp:
+            metrics = resp.read().decode()
+    finally:
+        proc.stop()
+    info = next(line for line in metrics.splitlines() if line.startswith("vllm:cache_config_info{"))
+    assert 'num_gpu_blocks="125"' in info and 'block_size="32"' in info and 'kv_cache_size_tokens="4000"' in info
+    assert "core ids=[0]" in log.read_text()  # its OpenMP threads stay on the replica's core
