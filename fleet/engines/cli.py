@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
+from collections.abc import Callable, Sequence
+from pathlib import Path
 
 _ENGINES = ("llamacpp", "vllm", "all")
 
@@ -60,19 +63,28 @@ def register_bench(benches: argparse._SubParsersAction) -> None:  # type: ignore
 def _run_install(args: argparse.Namespace) -> int:
     from fleet.engines import install
 
-    if args.engine in ("llamacpp", "all"):
-        print(install.llamacpp_server())
-    if args.engine in ("vllm", "all"):
-        print(install.vllm_python())
-    return 0
+    steps = [step for engine, step in (("llamacpp", install.llamacpp_server), ("vllm", install.vllm_python))
+             if args.engine in (engine, "all")]
+    return _print_paths(steps)
 
 
 def _run_model(args: argparse.Namespace) -> int:
     from fleet.engines import install
 
-    print(install.tiny_model_gguf())
-    if args.hf or install.vllm_dir().is_dir():
-        print(install.tiny_model_hf())
+    with_hf = args.hf or install.vllm_dir().is_dir()
+    return _print_paths([install.tiny_model_gguf, *([install.tiny_model_hf] if with_hf else [])])
+
+
+def _print_paths(steps: Sequence[Callable[[], Path]]) -> int:
+    """Run each install step and print the path it returns; a failure prints its step and log, not a traceback."""
+    from fleet.engines.install import InstallError
+
+    for step in steps:
+        try:
+            print(step(), flush=True)
+        except InstallError as exc:
+            print(f"polymorph engines: {exc}", file=sys.stderr)
+            return 1
     return 0
 
 

