@@ -81,7 +81,7 @@ def argument_problems(launch: EngineLaunch, config: EngineConfig, device_kind: s
     if launch.kind == "llamacpp":
         result = LlamacppFlagGate(command[0]).check_many([engine_args])[0]
     else:
-        with ParserGate(python=command[0], env=dict(launch.env), engine=launch.kind) as gate:
+        with ParserGate(python=command[0], env=launch_env(launch, device_kind, ()), engine=launch.kind) as gate:
             result = gate.check_many([engine_args])[0]
     return [result.reason] if result.rejected else []
 
