@@ -103,6 +103,7 @@ def _config(tmp_path: Path, pools: list[dict[str, Any]], **fleet: Any) -> Path:
 
 def _move_and_watch(gateway: Proc, replica: str, to_pool: str, model: str, max_tokens: int, timeout_s: float) -> tuple[_Load, list[dict[str, Any]]]:
     """Move under load until the decision log says it ended (verify, or a rollback's end)."""
+    earlier = len(_admin(gateway.url, "/admin/decisions")[1]["decisions"])
     with _Load(gateway.url, model, max_tokens) as load:
         _until(lambda: load.ok >= 4, 60, "load flowing")
         status, answer = _admin(gateway.url, "/admin/move", {"replica": replica, "to_pool": to_pool})
@@ -110,7 +111,8 @@ def _move_and_watch(gateway: Proc, replica: str, to_pool: str, model: str, max_t
         assert [d["kind"] for d in answer["decisions"]] == ["step"]
 
         def ended() -> bool:
-            kinds = [(d["kind"], d["evidence"].get("outcome")) for d in _admin(gateway.url, "/admin/decisions")[1]["decisions"]]
+            entries = _admin(gateway.url, "/admin/decisions")[1]["decisions"][earlier:]
+            kinds = [(d["kind"], d["evidence"].get("outcome")) for d in entries]
             return ("verify", None) in kinds or ("rollback", "restored") in kinds or ("rollback", "failed") in kinds
 
         _until(ended, timeout_s, "the move ends")
@@ -168,8 +170,8 @@ def test_a_real_llamacpp_replica_moves_to_other_arguments_and_a_failed_start_rol
         before = _replica(_admin(gateway.url, "/admin/state")[1], "chat-cpu-0")
         load, decisions = _move_and_watch(gateway, "chat-cpu-0", "long-cpu", "tiny-llama", 8, 120)
         after = _replica(_admin(gateway.url, "/admin/state")[1], "chat-cpu-0")
-        failing, more = _move_and_watch(gateway, "long-cpu-1", "broken-cpu", "tiny-llama", 8, 120)
-        restored = _replica(_admin(gateway.url, "/admin/state")[1], "long-cpu-1")
+        failing, more = _move_and_watch(gateway, "long-cpu-0", "broken-cpu", "tiny-llama", 8, 120)
+        restored = _replica(_admin(gateway.url, "/admin/state")[1], "long-cpu-0")
     finally:
         gateway.stop()
     assert load.failed == [] and failing.failed == []
@@ -182,5 +184,5 @@ def test_a_real_llamacpp_replica_moves_to_other_arguments_and_a_failed_start_rol
     # the failed start: rolled back to its pool and arguments, with the evidence of why
     kinds = [(d["kind"], d["evidence"].get("outcome")) for d in more[2:]]
     assert kinds == [("step", None), ("rollback", None), ("rollback", "restored")], kinds
-    assert more[3]["evidence"]["reason"] == "replica never became healthy" and more[3]["evidence"]["never_healthy"] == ["long-cpu-1"]
+    assert more[3]["evidence"]["reason"] == "replica never became healthy" and more[3]["evidence"]["never_healthy"] == ["long-cpu-0"]
     assert restored[0] == "long-cpu" and "--no-such-flag" not in restored[1]["argv"] and restored[1]["healthy"] is True
