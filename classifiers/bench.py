@@ -17,19 +17,14 @@ import json
 import os
 import random
 import time
+from typing import Any
 
 import numpy as np
 
 from classifiers.request import RequestClassifier
 from classifiers.tokens import estimate_tokens
 
-_WORDS = (
-    "the a of to and in is for that with on as write function python list return value compute number sum "
-    "total each story summary article explain why how what which classify sentiment positive negative "
-    "extract names dates from text below question answer please give ideas about plan trip data model "
-    "error code bug fix loop array string matrix probability average price apples train hours "
-    ", , , . . . ? : ; ( ) \" ' - = + * / $ % 12 3.5 2024 1,200 x_1 f(x) [1, 2] {k: v} café naïve"
-).split()
+_WORDS = ["the", "a", "of", "to", "and", "in", "is", "for", "that", "with", "on", "as", "write", "function", "python", "list", "return", "value", "compute", "number", "sum", "total", "each", "story", "summary", "article", "explain", "why", "how", "what", "which", "classify", "sentiment", "positive", "negative", "extract", "names", "dates", "from", "text", "below", "question", "answer", "please", "give", "ideas", "about", "plan", "trip", "data", "model", "error", "code", "bug", "fix", "loop", "array", "string", "matrix", "probability", "average", "price", "apples", "train", "hours", ",", ",", ",", ".", ".", ".", "?", ":", ";", "(", ")", '"', "'", "-", "=", "+", "*", "/", "$", "%", "12", "3.5", "2024", "1,200", "x_1", "f(x)", "[1,", "2]", "{k:", "v}", "café", "naïve"]
 TARGETS_US = {"short": (50.0, 200.0), "long": (None, 200.0)}  # (median, p99)
 ROUNDS = 5
 
@@ -41,7 +36,7 @@ def _prompt(rng: random.Random, target_tokens: int) -> str:
     return " ".join(words)
 
 
-def _time_us(classifier: RequestClassifier, bodies: list[dict], repeats: int) -> np.ndarray:
+def _time_us(classifier: RequestClassifier, bodies: list[dict[str, Any]], repeats: int) -> np.ndarray:
     timings = []
     classify, clock = classifier.classify, time.perf_counter_ns
     for _ in range(repeats):
@@ -52,7 +47,7 @@ def _time_us(classifier: RequestClassifier, bodies: list[dict], repeats: int) ->
     return np.asarray(timings, dtype=np.float64) / 1e3
 
 
-def _rounds(classifier: RequestClassifier, bodies: list[dict], repeats: int, gc_on: bool) -> list[np.ndarray]:
+def _rounds(classifier: RequestClassifier, bodies: list[dict[str, Any]], repeats: int, gc_on: bool) -> list[np.ndarray]:
     was_enabled = gc.isenabled()
     (gc.enable if gc_on else gc.disable)()
     try:
@@ -61,7 +56,7 @@ def _rounds(classifier: RequestClassifier, bodies: list[dict], repeats: int, gc_
         (gc.enable if was_enabled else gc.disable)()
 
 
-def _summary(rounds: list[np.ndarray]) -> dict:
+def _summary(rounds: list[np.ndarray]) -> dict[str, Any]:
     pooled = np.concatenate(rounds)
     return {
         "median_us": float(np.median(pooled)),
@@ -72,14 +67,14 @@ def _summary(rounds: list[np.ndarray]) -> dict:
     }
 
 
-def run_bench(num_bodies: int = 200, repeats: int = 20, seed: int = 0) -> dict:
+def run_bench(num_bodies: int = 200, repeats: int = 20, seed: int = 0) -> dict[str, Any]:
     rng = random.Random(seed)
     classifier = RequestClassifier.load()
     results = {}
     for label, target in (("short", 100), ("long", 32_000)):
         count = num_bodies if label == "short" else max(4, num_bodies // 20)
         times = repeats if label == "short" else repeats * 5
-        bodies = [
+        bodies: list[dict[str, Any]] = [
             {"model": "m", "messages": [{"role": "system", "content": "You are helpful."},
                                         {"role": "user", "content": _prompt(rng, target)}], "max_tokens": 512}
             for _ in range(count)
@@ -124,13 +119,13 @@ def main_bench(args: argparse.Namespace) -> int:
     return 0
 
 
-def _meets(label: str, row: dict) -> bool:
+def _meets(label: str, row: dict[str, Any]) -> bool:
     """Wall-clock targets with the collector on, as the gateway runs."""
     median_target, p99_target = TARGETS_US[label]
-    return (median_target is None or row["median_us"] <= median_target) and row["p99_us"] <= p99_target
+    return bool((median_target is None or row["median_us"] <= median_target) and row["p99_us"] <= p99_target)
 
 
-def replay_output_gain(completions: list[int], max_tokens: int, domain: str = "chat") -> dict:
+def replay_output_gain(completions: list[int], max_tokens: int, domain: str = "chat") -> dict[str, Any]:
     """Replay finished responses through the online predictor vs. "assume max_tokens".
 
     Returns the mean absolute error of the p50 of both, and how often the true length was at or

@@ -8,7 +8,7 @@ import os
 import sys
 from collections.abc import Iterable, Iterator
 from pathlib import Path
-from typing import BinaryIO
+from typing import Any, BinaryIO
 
 from classifiers.config import ClassifierConfigError, load_classifier_config
 from classifiers.request import ClassifierLoadError, RequestClassifier
@@ -22,7 +22,7 @@ def _is_message(message: object) -> bool:
     )
 
 
-def _body_of(row: object) -> tuple[dict, bool]:
+def _body_of(row: object) -> tuple[dict[str, Any], bool]:
     """(body, chat) of one input line; raises ValueError with a message for the error object."""
     if not isinstance(row, dict):
         raise ValueError("each line must be a JSON object")
@@ -43,7 +43,7 @@ def _body_of(row: object) -> tuple[dict, bool]:
     raise ValueError('expected "messages", "prompt" or "text"')
 
 
-def classify_lines(classifier: RequestClassifier, lines: Iterable[bytes], tenant: str, tier: str) -> Iterator[dict]:
+def classify_lines(classifier: RequestClassifier, lines: Iterable[bytes], tenant: str, tier: str) -> Iterator[dict[str, Any]]:
     """One output object per non-blank input line: a classification or {"error": ...}.
 
     Lines are bytes and decoded one by one, so a line that is not UTF-8 costs only itself.
@@ -62,8 +62,9 @@ def classify_lines(classifier: RequestClassifier, lines: Iterable[bytes], tenant
         except (json.JSONDecodeError, ValueError) as exc:
             yield {"error": f"line {line_num}: {exc}"}
             continue
-        row_tier = body.get("tier") if isinstance(body.get("tier"), str) else tier
-        row_tenant = body.get("tenant") if isinstance(body.get("tenant"), str) else tenant
+        row_tier, row_tenant = body.get("tier"), body.get("tenant")
+        row_tier = row_tier if isinstance(row_tier, str) else tier
+        row_tenant = row_tenant if isinstance(row_tenant, str) else tenant
         shape = classifier.classify(body, chat=chat, tenant=row_tenant, tier=row_tier)
         yield {
             "domain": shape.domain,

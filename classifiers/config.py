@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from classifiers.shape import DOMAINS, ShapeRule, ShapeRules, default_shape_rules
 
@@ -62,10 +63,14 @@ def _rule(index: int, body: object) -> ShapeRule:
         key: _name_set((*where, key), body[key], DOMAINS if key == "domains" else None) if key in body else None
         for key in _SET_KEYS
     }
-    return ShapeRule(name=name, **sets, **bounds)
+    return ShapeRule(
+        name=name, tiers=sets["tiers"], domains=sets["domains"], tenants=sets["tenants"],
+        min_prompt_tokens=bounds["min_prompt_tokens"], max_prompt_tokens=bounds["max_prompt_tokens"],
+        min_predicted_output=bounds["min_predicted_output"], max_predicted_output=bounds["max_predicted_output"],
+    )
 
 
-def rules_from_mapping(data: dict) -> ShapeRules:
+def rules_from_mapping(data: dict[str, Any]) -> ShapeRules:
     """ShapeRules from a config mapping's ``shapes`` and ``default_shape`` (defaults when absent)."""
     raw = data.get("shapes")
     if raw is None:

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from functools import cache
 from importlib import resources
 from pathlib import Path
+from typing import Any
 
 from classifiers.shape import DOMAINS
 
@@ -58,7 +59,7 @@ class Example:
     labelled_here: bool = False  # the label is ours (LABELLED_HERE), not the set's or a source rule's
 
 
-def _read_jsonl(path: Path) -> Iterator[dict]:
+def _read_jsonl(path: Path) -> Iterator[dict[str, Any]]:
     opener = gzip.open if path.suffix == ".gz" else open
     with opener(path, "rt", encoding="utf-8") as handle:
         for line in handle:
@@ -91,10 +92,11 @@ def labels_dir() -> Path:
 @cache
 def labels_here(set_name: str) -> dict[str, str]:
     """Row key (its ``id``, else its ``idx``, as a string) -> domain for a set in LABELLED_HERE."""
-    return json.loads((labels_dir() / f"{set_name}.json").read_text(encoding="utf-8"))["labels"]
+    labels: dict[str, str] = json.loads((labels_dir() / f"{set_name}.json").read_text(encoding="utf-8"))["labels"]
+    return labels
 
 
-def _shared_rows(prompts_dir: Path) -> Iterator[tuple[str, dict, int]]:
+def _shared_rows(prompts_dir: Path) -> Iterator[tuple[str, dict[str, Any], int]]:
     for path in sorted(prompts_dir.glob("*/prompts.jsonl*")):
         folder = path.parent.name
         ours = labels_here(folder) if folder in LABELLED_HERE else {}
@@ -108,7 +110,7 @@ def _shared_rows(prompts_dir: Path) -> Iterator[tuple[str, dict, int]]:
                 yield folder, {**row, "label": label, "labelled_here": labelled_here}, row_num
 
 
-def _t0_groups(rows: list[tuple[str, dict, int]]) -> dict[str, str]:
+def _t0_groups(rows: list[tuple[str, dict[str, Any], int]]) -> dict[str, str]:
     """T0 template -> leak group: templates of a dataset that share a source document share a group.
 
     PromptSource applies several templates to the same passages (a template covers 40 source lines

@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 from importlib import resources
 from itertools import pairwise
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -103,7 +104,7 @@ class DomainModel:
     idf: np.ndarray  # (num_features,) float64
     coef: np.ndarray  # (num_features, num_classes) float64, transposed for row gathers
     intercept: np.ndarray  # (num_classes,)
-    metadata: dict
+    metadata: dict[str, Any]
     temperature: float = 1.0  # confidence = softmax(scores / temperature), fitted on held-out rows
     # Serving tables derived from the fields above (__post_init__).
     _feature_ids: dict[bytes | tuple[bytes, bytes], int] = field(init=False, repr=False, compare=False)
@@ -163,7 +164,8 @@ class DomainModel:
     def predict_proba(self, text: str) -> np.ndarray:
         scores = self.scores(text) / self.temperature
         exp = np.exp(scores - scores.max())
-        return exp / exp.sum()
+        proba: np.ndarray = exp / exp.sum()
+        return proba
 
     def save(self, out_dir: Path) -> None:
         out_dir.mkdir(parents=True, exist_ok=True)

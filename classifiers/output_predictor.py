@@ -125,11 +125,11 @@ class OutputPredictor:
     def predict(self, tenant: str, domain: str, prompt_tokens: int, max_tokens: int | None) -> tuple[int, int]:
         """(p50, p90) completion tokens for a request; never above ``max_tokens``."""
         prior_p50, prior_p90 = DOMAIN_PRIORS.get(domain, _FALLBACK_PRIOR)
+        p50, p90 = float(prior_p50), float(prior_p90)
         if domain in ("summarization", "extraction"):
             # outputs of these grow with the input, sublinearly
             scale = min(4.0, max(0.5, math.sqrt(prompt_tokens / 1000.0)))
-            prior_p50, prior_p90 = prior_p50 * scale, prior_p90 * scale
-        p50, p90 = float(prior_p50), float(prior_p90)
+            p50, p90 = p50 * scale, p90 * scale
         for key in (("*", domain), (tenant, domain)):
             sketch = self._sketches.get(key)
             if sketch is not None:

@@ -48,7 +48,7 @@ def _head_crc(contents: Iterable[Any], num_chars: int) -> tuple[int, bool]:
     return crc, False
 
 
-def prefix_fingerprint(messages: list) -> int:
+def prefix_fingerprint(messages: list[Any]) -> int:
     """The fingerprint of a chat's shared prefix: its system prompt, else its history (0: none)."""
     system: list[Any] = []
     for message in messages:

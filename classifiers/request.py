@@ -26,7 +26,7 @@ def _model_text(content: Any) -> str:
     return content if isinstance(content, str) else window_of_parts(content_parts(content)[0])
 
 
-def _chat_text(messages: list) -> str:
+def _chat_text(messages: list[Any]) -> str:
     """The text the domain model reads: the last user turn (what is asked now), else the last turn."""
     for message in reversed(messages):
         if isinstance(message, Mapping) and message.get("role") == "user":
@@ -54,7 +54,7 @@ def _prompt_text(prompt: Any, count_text: Callable[[str], int]) -> tuple[str, in
     return "", 0
 
 
-def _max_tokens(body: Mapping) -> int | None:
+def _max_tokens(body: Mapping[str, Any]) -> int | None:
     value = body.get("max_completion_tokens", body.get("max_tokens"))
     return value if isinstance(value, int) and not isinstance(value, bool) else None
 
@@ -96,7 +96,7 @@ class RequestClassifier:
             raise ClassifierLoadError(str(exc)) from exc
         return cls(domain_model, rules or default_shape_rules(), predictor, count_text, tokenizer)
 
-    def classify(self, body: Mapping, *, chat: bool, tenant: str, tier: str) -> Shape:
+    def classify(self, body: Mapping[str, Any], *, chat: bool, tenant: str, tier: str) -> Shape:
         """Classify one parsed OpenAI chat (``chat=True``) or completion request body."""
         num_messages = 0
         prefix_fp = 0

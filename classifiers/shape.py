@@ -72,7 +72,7 @@ class ShapeRule:
             return False
         if self.min_predicted_output is not None and predicted_output < self.min_predicted_output:
             return False
-        if self.max_predicted_output is not None and predicted_output > self.max_predicted_output:
+        if self.max_predicted_output is not None and predicted_output > self.max_predicted_output:  # noqa: SIM103 (one guard per condition)
             return False
         return True
 

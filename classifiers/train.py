@@ -16,6 +16,7 @@ from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
+from typing import Any, TextIO
 
 import numpy as np
 
@@ -88,7 +89,7 @@ class Scores:
     num_train: int
     num_test: int
 
-    def as_dict(self) -> dict:
+    def as_dict(self) -> dict[str, Any]:
         return {
             "macro_f1": round(self.macro_f1, 4),
             "accuracy": round(self.accuracy, 4),
@@ -100,7 +101,7 @@ class Scores:
         }
 
 
-def build_pipeline(max_features: int = MAX_FEATURES, c: float = REGULARIZATION_C):  # -> sklearn Pipeline
+def build_pipeline(max_features: int = MAX_FEATURES, c: float = REGULARIZATION_C) -> Any:  # a sklearn Pipeline: sklearn ships no types
     from sklearn.feature_extraction.text import TfidfVectorizer
     from sklearn.linear_model import LogisticRegression
     from sklearn.pipeline import Pipeline
@@ -126,7 +127,7 @@ def dataset_weights(examples: Sequence[Example]) -> np.ndarray:
     ])
 
 
-def fit_pipeline(examples: Sequence[Example], max_features: int = MAX_FEATURES, c: float = REGULARIZATION_C):
+def fit_pipeline(examples: Sequence[Example], max_features: int = MAX_FEATURES, c: float = REGULARIZATION_C) -> Any:
     if len({example.label for example in examples}) < 2:
         raise ValueError("training needs at least two distinct labels")
     pipeline = build_pipeline(max_features, c)
@@ -135,7 +136,7 @@ def fit_pipeline(examples: Sequence[Example], max_features: int = MAX_FEATURES, 
     return pipeline
 
 
-def export_pipeline(pipeline, metadata: dict) -> DomainModel:
+def export_pipeline(pipeline: Any, metadata: dict[str, Any]) -> DomainModel:
     """The pipeline's weights as a DomainModel (scikit-learn is not needed to serve it)."""
     vectorizer, linear = pipeline.named_steps["features"], pipeline.named_steps["linear"]
     coef, intercept = linear.coef_, linear.intercept_
@@ -182,7 +183,8 @@ def evaluate(truth: Sequence[str], predicted: Sequence[str], num_train: int) -> 
 def _probabilities(scores: np.ndarray, temperature: float) -> np.ndarray:
     scaled = scores / temperature
     exp = np.exp(scaled - scaled.max(axis=1, keepdims=True))
-    return exp / exp.sum(axis=1, keepdims=True)
+    probabilities: np.ndarray = exp / exp.sum(axis=1, keepdims=True)
+    return probabilities
 
 
 def fit_temperature(scores: np.ndarray, truth: np.ndarray) -> float:
@@ -220,7 +222,7 @@ class Report:
     # origin (ORIGINS) -> (grouped, cross-dataset) scores of that origin's held-out rows alone
     by_origin: dict[str, tuple[Scores, Scores]] = field(default_factory=dict)
 
-    def as_dict(self) -> dict:
+    def as_dict(self) -> dict[str, Any]:
         return {
             "grouped_cv": {
                 "what": "4-fold StratifiedGroupKFold over the same sets; a group is a T0 template with every template "
@@ -298,7 +300,7 @@ def train_and_score(
     return replace(final, temperature=temperature), report
 
 
-def _metadata(report: Report, data_digest: str, data_desc: str, attribution: list[dict]) -> dict:
+def _metadata(report: Report, data_digest: str, data_desc: str, attribution: list[dict[str, Any]]) -> dict[str, Any]:
     import sklearn
 
     return {
@@ -312,7 +314,7 @@ def _metadata(report: Report, data_digest: str, data_desc: str, attribution: lis
     }
 
 
-def print_scores(scores: Scores, title: str, out=sys.stdout) -> None:
+def print_scores(scores: Scores, title: str, out: TextIO = sys.stdout) -> None:
     print(f"{title}: held-out rows {scores.num_test} (trained on {scores.num_train})", file=out)
     print(f"{'domain':<18}{'support':>8}{'F1':>8}{'acc':>8}", file=out)
     for label, f1 in scores.per_class_f1.items():
@@ -323,7 +325,7 @@ def print_scores(scores: Scores, title: str, out=sys.stdout) -> None:
     print(f"{'macro-F1':<18}{'':>8}{scores.macro_f1:>8.3f}{scores.accuracy:>8.3f}", file=out)
 
 
-def print_report(report: Report, out=sys.stdout) -> None:
+def print_report(report: Report, out: TextIO = sys.stdout) -> None:
     print_scores(report.grouped, "grouped 4-fold CV (same sets, templates/sources never on both sides)", out)
     print_scores(report.cross_dataset, "cross-dataset (T0 datasets held out whole)", out)
     for origin, (grouped, cross) in report.by_origin.items():
@@ -334,7 +336,7 @@ def print_report(report: Report, out=sys.stdout) -> None:
 
 
 def train_to_dir(examples: Sequence[Example], out_dir: Path, data_digest: str, data_desc: str,
-                 attribution: list[dict]) -> Report:
+                 attribution: list[dict[str, Any]]) -> Report:
     model, report = train_and_score(examples)
     replace(model, metadata=_metadata(report, data_digest, data_desc, attribution)).save(out_dir)
     return report

@@ -92,15 +92,20 @@ def plan(problem: PlanProblem) -> Plan | None:
     c[t_index] = -HEADROOM_WEIGHT
     rows: list[np.ndarray] = []
     upper: list[float] = []
+
+    def constrain(row: np.ndarray, bound: float) -> None:  # one row of A_ub x <= b_ub
+        rows.append(row)
+        upper.append(bound)
+
     for p, pool in enumerate(pools):
         for w in range(num_w):
             row = np.zeros(num_vars)
             row[g0 + p * num_w + w], row[p] = 1.0, -pool.rate_per_replica_rps
-            rows.append(row), upper.append(0.0)
+            constrain(row, 0.0)
         for sign in (1.0, -1.0):  # u_p >= |n_p - current_p|
             row = np.zeros(num_vars)
             row[p], row[u0 + p] = sign, -1.0
-            rows.append(row), upper.append(sign * current.get(pool.name, 0))
+            constrain(row, sign * current.get(pool.name, 0))
     shapes = sorted({pool.shape for pool in pools})
     for w, demand in enumerate(problem.window_demands):
         shape_to_rate = dict(demand)
@@ -109,20 +114,20 @@ def plan(problem: PlanProblem) -> Plan | None:
             for p, pool in enumerate(pools):
                 if pool.shape == shape:
                     row[g0 + p * num_w + w] = 1.0
-            rows.append(row), upper.append(shape_to_rate.get(shape, 0.0))
+            constrain(row, shape_to_rate.get(shape, 0.0))
     for shape, total in totals.items():
         row = np.zeros(num_vars)
         row[t_index] = 1.0
         for p, pool in enumerate(pools):
             if pool.shape == shape:
                 row[p] = -pool.rate_per_replica_rps / total
-        rows.append(row), upper.append(0.0)
-    for gpu, budget in problem.gpu_to_budget:
+        constrain(row, 0.0)
+    for gpu, num_gpus in problem.gpu_to_budget:
         row = np.zeros(num_vars)
         for p, pool in enumerate(pools):
             if pool.gpu == gpu:
                 row[p] = pool.gpus_per_replica
-        rows.append(row), upper.append(budget)
+        constrain(row, num_gpus)
     lower_b = np.zeros(num_vars)
     upper_b = np.full(num_vars, np.inf)
     budget = dict(problem.gpu_to_budget)

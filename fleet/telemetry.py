@@ -12,6 +12,7 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Any
 
 from fleet.lengths import add_counts, equal_mass_points, length_bin
 
@@ -103,8 +104,8 @@ class _Bucket:
     __slots__ = ("shape_to_arrivals", "pool_to_outcomes", "shape_to_outputs")
 
     def __init__(self) -> None:
-        self.shape_to_arrivals: dict[str, list] = {}  # shape -> [num, prompt_tokens, {tier: num}, {bin: num}]
-        self.shape_to_outputs: dict[str, list] = {}  # shape -> [num, completion_tokens, {bin: num}]
+        self.shape_to_arrivals: dict[str, list[Any]] = {}  # shape -> [num, prompt_tokens, {tier: num}, {bin: num}]
+        self.shape_to_outputs: dict[str, list[Any]] = {}  # shape -> [num, completion_tokens, {bin: num}]
         self.pool_to_outcomes: dict[str, list[int]] = {}  # pool -> [num, num_met]
 
 

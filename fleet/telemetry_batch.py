@@ -62,7 +62,7 @@ def _entries(doc: dict[str, Any], key: str, width: int) -> list[list[Any]]:
         num, tokens = row[-2], row[-1]
         if not all(isinstance(v, int) and not isinstance(v, bool) for v in (row[0], num, tokens)):
             raise ValueError(f"{key}: bucket, count and tokens must be integers")
-        if not (1 <= num <= _MAX_PER_ENTRY and 0 <= tokens):
+        if not (1 <= num <= _MAX_PER_ENTRY and tokens >= 0):
             raise ValueError(f"{key}: count must be 1..{_MAX_PER_ENTRY} and tokens >= 0")
         if not all(isinstance(v, str) for v in row[1:3]):
             raise ValueError(f"{key}: shape and tier/pool must be strings")
@@ -88,7 +88,7 @@ def parse(doc: object) -> Report:
     outcomes = _entries(doc, "outcomes", 6)
     if not all(isinstance(row[3], bool) for row in outcomes):
         raise ValueError("outcomes: met_slo must be true or false")
-    return Report(float(bucket_s), tuple(tuple(r) for r in _entries(doc, "arrivals", 5)), tuple(tuple(r) for r in outcomes))  # type: ignore[misc]
+    return Report(float(bucket_s), tuple(tuple(r) for r in _entries(doc, "arrivals", 5)), tuple(tuple(r) for r in outcomes))
 
 
 def replay(report: Report, telemetry: Telemetry, now: float) -> None:
@@ -99,8 +99,8 @@ def replay(report: Report, telemetry: Telemetry, now: float) -> None:
 
     # oldest first: Telemetry counts a record older than its newest bucket into the newest one
     rows = sorted([(row[0], 0, row) for row in report.arrivals] + [(row[0], 1, row) for row in report.outcomes], key=lambda r: (r[0], r[1]))
-    for bucket, kind, row in rows:
-        if kind == 0:
+    for bucket, _, row in rows:
+        if len(row) == 5:  # an arrival (sorted before the bucket's outcomes)
             _, shape, tier, num, tokens = row
             for prompt_tokens in _spread(num, tokens):
                 telemetry.record_arrival(at(bucket), shape, tier, prompt_tokens)

@@ -35,7 +35,7 @@ from gateway.validate import validate_body
 
 _JSON = "application/json"
 _UNAUTHENTICATED = "_unauthenticated"
-STATE_KEY: web.AppKey["GatewayState"] = web.AppKey("polymorph_state")
+STATE_KEY: web.AppKey[GatewayState] = web.AppKey("polymorph_state")
 ENGINE_SCRAPER_KEY: web.AppKey[EngineScraper] = web.AppKey("polymorph_engine_scraper")
 
 

@@ -23,7 +23,7 @@ import dataclasses
 import os
 import time
 import zlib
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from concurrent.futures import ProcessPoolExecutor, ThreadPoolExecutor
 from typing import TYPE_CHECKING
 

@@ -47,7 +47,7 @@ class HealthProber:
                 if resp.status != 200:
                     return
                 payload = orjson.loads(await resp.read())
-        except (aiohttp.ClientError, asyncio.TimeoutError, orjson.JSONDecodeError):
+        except (TimeoutError, aiohttp.ClientError, orjson.JSONDecodeError):
             return
         data = payload.get("data") if isinstance(payload, dict) else None
         if isinstance(data, list):
@@ -66,7 +66,7 @@ class HealthProber:
             async with self.state.session.get(replica.url + "/health", timeout=self._timeout()) as resp:
                 status = resp.status
                 await resp.read()
-        except (aiohttp.ClientError, asyncio.TimeoutError):
+        except (TimeoutError, aiohttp.ClientError):
             status = 0
         if status == 404:
             replica.offers_health = False

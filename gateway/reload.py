@@ -65,7 +65,7 @@ class ConfigWatcher:
             try:
                 await asyncio.wait_for(self._wake.wait(), self.poll_interval_s)
                 forced = True
-            except asyncio.TimeoutError:
+            except TimeoutError:
                 forced = False
             self._wake.clear()
             current = self._current()

@@ -57,9 +57,8 @@ def validate_body(body: Any, chat: bool) -> tuple[str, bool, int | None]:
         if not low <= value <= high:
             raise _bad(name, f"'{name}' must be between {low:g} and {high:g}; got {value}.")
     stop = body.get("stop")
-    if stop is not None and not isinstance(stop, str):
-        if not isinstance(stop, list) or not all(isinstance(s, str) for s in stop):
-            raise _bad("stop", "'stop' must be a string or a list of strings.")
+    if stop is not None and not isinstance(stop, str) and (not isinstance(stop, list) or not all(isinstance(s, str) for s in stop)):
+        raise _bad("stop", "'stop' must be a string or a list of strings.")
     options = body.get("stream_options")
     if options is not None and not isinstance(options, dict):
         raise _bad("stream_options", "'stream_options' must be an object.")

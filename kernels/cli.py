@@ -179,7 +179,7 @@ def _run_predict(args: argparse.Namespace) -> int:
         print(json.dumps(report))
         return 0
     for key, value in report.items():
-        shown = f"{value * 1e3:.2f} ms" if key.startswith(("ttft", "tpot")) else f"{value:.4g}" if isinstance(value, float) else value
+        shown = value if not isinstance(value, float) else f"{value * 1e3:.2f} ms" if key.startswith(("ttft", "tpot")) else f"{value:.4g}"
         print(f"{key:>24}  {shown}")
     return 0
 

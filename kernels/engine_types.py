@@ -31,9 +31,13 @@ class EngineRequest:
 
 
 class IterationShapeLike(Protocol):
-    num_decode_seqs: int
-    sum_decode_context: int
-    num_prefill_tokens: int
+    # read-only members, so a frozen dataclass (perf.IterationShape) satisfies the protocol
+    @property
+    def num_decode_seqs(self) -> int: ...
+    @property
+    def sum_decode_context(self) -> int: ...
+    @property
+    def num_prefill_tokens(self) -> int: ...
 
 
 @dataclass(frozen=True, slots=True)

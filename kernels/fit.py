@@ -40,14 +40,15 @@ def _vector(params: PerfParams) -> np.ndarray:
     for name, key, _, _ in _FREE:
         value = getattr(params, name)
         values.append(value[key] if key else value)
-    return np.log(np.asarray(values, dtype=float))
+    logs: np.ndarray = np.log(np.asarray(values, dtype=float))
+    return logs
 
 
 def _with_vector(params: PerfParams, vector: np.ndarray) -> PerfParams:
     changes: dict[str, object] = {}
     for (name, key, _, _), value in zip(_FREE, np.exp(vector), strict=True):
         if key:
-            mapping = dict(changes.get(name, getattr(params, name)))  # type: ignore[arg-type]
+            mapping = dict(changes.get(name, getattr(params, name)))  # type: ignore[call-overload]
             mapping[key] = float(value)
             changes[name] = mapping
         else:

@@ -243,7 +243,7 @@ class PerfModel:
         if not m.is_moe:
             return dense
         idle = (1.0 - m.num_experts_per_tok / m.num_experts) ** num_tokens
-        return dense + m.routed_expert_params * (1.0 - idle) * self._expert_bytes / tp
+        return float(dense + m.routed_expert_params * (1.0 - idle) * self._expert_bytes / tp)
 
     def _flops(self, num_tokens: float, decode_query_context: float, prefill_attn_pairs: float) -> float:
         """FLOPs per GPU, with routed-expert FLOPs inflated by 1 / moe_compute_efficiency."""

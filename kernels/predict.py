@@ -65,7 +65,7 @@ class Prediction:
     method: str  # "simulated" or "steady-state"
 
     def to_dict(self) -> dict[str, float | str]:
-        return {name: getattr(self, name) for name in self.__slots__}  # type: ignore[attr-defined]
+        return {name: getattr(self, name) for name in self.__slots__}
 
 
 def predict(perf: PerfModel, workload: Workload, seed: int = 0) -> Prediction:

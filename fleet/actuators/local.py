@@ -64,7 +64,7 @@ def warm_up(url: str, model: str, timeout_s: float = 120.0) -> bool:
     request = urllib.request.Request(url + "/v1/completions", data=body, headers={"Content-Type": "application/json"})
     try:
         with urllib.request.urlopen(request, timeout=timeout_s) as resp:
-            return resp.status == 200
+            return bool(resp.status == 200)
     except (urllib.error.URLError, OSError):
         return False
 
@@ -73,7 +73,7 @@ def answers_health(url: str, timeout_s: float = 1.0) -> bool:
     """Does the replica at ``url`` answer ``GET /health`` with 200 (the readiness every engine serves)?"""
     try:
         with urllib.request.urlopen(url + "/health", timeout=timeout_s) as resp:
-            return resp.status == 200
+            return bool(resp.status == 200)
     except (urllib.error.URLError, OSError):
         return False
 

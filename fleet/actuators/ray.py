@@ -44,7 +44,7 @@ class _ReplicaHost:
     def __init__(self, name: str, argv: tuple[str, ...], env: dict[str, str], log_dir: str) -> None:
         # Constructed on the actor's main thread, so the child's parent-death signal fires only when
         # the actor's process dies (ray.kill included): no replica outlives its reservation.
-        self._local = LocalActuator(Path(log_dir), host=ray.util.get_node_ip_address())
+        self._local = LocalActuator(Path(log_dir), host=ray.util.get_node_ip_address())  # type: ignore[no-untyped-call]  # untyped in Ray
         self._replica = self._local.start(LaunchSpec(name, argv, env))
 
     def url(self) -> str:
@@ -121,7 +121,8 @@ class RayActuator:
             scheduling_strategy=PlacementGroupSchedulingStrategy(group, placement_group_bundle_index=0),
             max_restarts=0,
         ).remote(name, *self._argv_env(found, pool, config_json), str(self.log_dir))
-        replica = _Replica(group, actor, actor.url.remote())
+        # Ray's stubs type an actor's method as the plain function; the handle's method has .remote
+        replica = _Replica(group, actor, actor.url.remote())  # type: ignore[union-attr]
         found.replica, found.pool, found.config_json = replica, pool, config_json
         self._workers.submit(self._wait_healthy, found, replica)
 

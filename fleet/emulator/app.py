@@ -11,7 +11,7 @@ import asyncio
 import itertools
 import os
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable, Coroutine
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -66,7 +66,7 @@ class EmulatorState:
         self.ids = itertools.count(1)
         self.id_prefix = f"{os.getpid():x}"
         # Set by the server once it listens; closes the listening socket for a while.
-        self.refuse_connections: Callable[[float], Awaitable[None]] | None = None
+        self.refuse_connections: Callable[[float], Coroutine[Any, Any, None]] | None = None
 
     def new_req_id(self, prefix: str) -> str:
         return f"{prefix}-{self.id_prefix}{next(self.ids):08x}"

@@ -120,9 +120,7 @@ class FaultPlan:
         spec = self.spec
         self.num_requests += 1
         error_status: int | None = None
-        if spec.fail_after_requests is not None and self.num_requests > spec.fail_after_requests:
-            error_status = spec.error_status
-        elif spec.error_rate > 0.0 and self._rng.random() < spec.error_rate:
+        if spec.fail_after_requests is not None and self.num_requests > spec.fail_after_requests or spec.error_rate > 0.0 and self._rng.random() < spec.error_rate:
             error_status = spec.error_status
         return RequestFault(
             error_status=error_status,

@@ -25,12 +25,7 @@ PREFIX_BLOCK_CHARS = 2048  # about 512 tokens of English text: the engine's pref
 _Z_P90 = 1.2815515655446004  # standard normal quantile at 0.9
 _MAX_NATURAL_TOKENS = 8192
 # Common English words; a token is one word with its leading space, safe inside a JSON string.
-_WORDS = (
-    "the of and to in is that for it as with was on be by this are or from at an which have not "
-    "but had they were their one all we can her has there been if more when will would who so no "
-    "model data time system value result case point number work part process order form level "
-    "state rate group field line set way use make first new such only other about some also any"
-).split()
+_WORDS = ["the", "of", "and", "to", "in", "is", "that", "for", "it", "as", "with", "was", "on", "be", "by", "this", "are", "or", "from", "at", "an", "which", "have", "not", "but", "had", "they", "were", "their", "one", "all", "we", "can", "her", "has", "there", "been", "if", "more", "when", "will", "would", "who", "so", "no", "model", "data", "time", "system", "value", "result", "case", "point", "number", "work", "part", "process", "order", "form", "level", "state", "rate", "group", "field", "line", "set", "way", "use", "make", "first", "new", "such", "only", "other", "about", "some", "also", "any"]
 _FILLER = tuple(" " + word for word in _WORDS)
 
 

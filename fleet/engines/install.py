@@ -241,9 +241,8 @@ def _build_llamacpp(staging: Path, report: Progress) -> None:
     name = llamacpp_dir().name
     log = _log_path(name)
     log.write_text("")
-    with _phase(report, name, "extracting the source"):
-        with tarfile.open(sdist) as archive:
-            archive.extractall(staging, filter="data")
+    with _phase(report, name, "extracting the source"), tarfile.open(sdist) as archive:
+        archive.extractall(staging, filter="data")
     source = staging / _SDIST / "vendor" / "llama.cpp"
     build = staging / "build"
     generator = ["-G", "Ninja"] if shutil.which("ninja") else []

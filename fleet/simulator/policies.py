@@ -15,12 +15,13 @@ from __future__ import annotations
 
 from bisect import bisect_left
 from collections.abc import Mapping
+from typing import Any
 
 import numpy as np
 
 from fleet.capacity import CapacityModel
-from fleet.compile_sources import VirtualTimeConfigSource
 from fleet.commands import apply
+from fleet.compile_sources import VirtualTimeConfigSource
 from fleet.compiled import ConfigSource
 from fleet.controller import Controller, ControllerSettings, initial_slots
 from fleet.decisions import DecisionLog, decision
@@ -40,7 +41,7 @@ WINDOW_S = 60.0
 def true_mix(sim: FleetSim, start_s: float, end_s: float) -> TrafficMix:
     """The mix the workload really sends in ``[start_s, end_s)`` (what an oracle knows), with the
     same length histograms telemetry keeps."""
-    counts: dict[str, list] = {}
+    counts: dict[str, list[Any]] = {}
     bins: dict[str, tuple[dict[int, int], dict[int, int]]] = {}
     specs, shapes = sim.specs, sim.shapes
     for index in range(bisect_left(sim.arrivals_s, start_s), bisect_left(sim.arrivals_s, end_s)):
@@ -55,7 +56,7 @@ def true_mix(sim: FleetSim, start_s: float, end_s: float) -> TrafficMix:
         for hist, tokens in ((prompt_bins, spec.input_tokens), (output_bins, spec.output_tokens)):
             k = length_bin(tokens)
             hist[k] = hist.get(k, 0) + 1
-    return mix_from_counts(end_s, end_s - start_s, {k: tuple(v) for k, v in counts.items()}, bins)  # type: ignore[misc]
+    return mix_from_counts(end_s, end_s - start_s, {k: tuple(v) for k, v in counts.items()}, bins)
 
 
 def initial_window_s(duration_s: float) -> float:

@@ -79,7 +79,7 @@ def _summarise(sim: FleetSim, policy: str, budget: Mapping[str, int], log: Decis
     duration = workload.duration_s
     onset = workload.drift_onsets_s[-1] if workload.drift_onsets_s else 0.0
     late = arrivals >= onset
-    repartitions = getattr(controller, "num_repartitions", None)
+    repartitions: int | None = getattr(controller, "num_repartitions", None)
     if repartitions is None:
         repartitions = getattr(getattr(sim, "oracle", None), "num_repartitions", 0)
     return SimResult(

@@ -189,10 +189,17 @@ def get_model(name_or_path: str | Path) -> ModelSpec:
     raise ValueError(f"unknown model {text!r}; known models: {', '.join(list_models())} (or pass a config.json path)")
 
 
-def _first(config: Mapping[str, object], *keys: str, default: object = None) -> object:
+def _first_int(config: Mapping[str, object], *keys: str, default: int | None = None) -> int:
+    """The first of `keys` that config sets, as an int; `default` when none is; TypeError when none is and no default."""
     for key in keys:
-        if config.get(key) is not None:
-            return config[key]
+        value = config.get(key)
+        if value is None:
+            continue
+        if not isinstance(value, int | float | str):
+            raise TypeError(f"{key} is {value!r}, not a number")
+        return int(value)
+    if default is None:
+        raise TypeError(f"none of {keys} is set")
     return default
 
 
@@ -202,14 +209,14 @@ def model_from_hf_config(config: Mapping[str, object], name: str = "custom") -> 
     if isinstance(text, Mapping):
         config = {**config, **text}
     try:
-        hidden = int(_first(config, "hidden_size", "d_model"))  # type: ignore[arg-type]
-        num_layers = int(_first(config, "num_hidden_layers", "n_layer", "num_layers"))  # type: ignore[arg-type]
-        num_heads = int(_first(config, "num_attention_heads", "n_head"))  # type: ignore[arg-type]
+        hidden = _first_int(config, "hidden_size", "d_model")
+        num_layers = _first_int(config, "num_hidden_layers", "n_layer", "num_layers")
+        num_heads = _first_int(config, "num_attention_heads", "n_head")
     except TypeError as exc:
         raise ValueError(f"config for {name!r} lacks hidden_size / num_hidden_layers / num_attention_heads") from exc
-    num_experts = int(_first(config, "num_local_experts", "n_routed_experts", "num_experts", default=0))  # type: ignore[arg-type]
-    intermediate = int(_first(config, "intermediate_size", "ffn_dim", default=4 * hidden))  # type: ignore[arg-type]
-    sliding_window = int(_first(config, "sliding_window", default=0) or 0)  # type: ignore[arg-type]
+    num_experts = _first_int(config, "num_local_experts", "n_routed_experts", "num_experts", default=0)
+    intermediate = _first_int(config, "intermediate_size", "ffn_dim", default=4 * hidden)
+    sliding_window = _first_int(config, "sliding_window", default=0)
     layer_types = config.get("layer_types")
     num_sliding = sum(1 for kind in layer_types if kind == "sliding_attention") if isinstance(layer_types, list) else 0
     quant = config.get("quantization_config")
@@ -220,21 +227,21 @@ def model_from_hf_config(config: Mapping[str, object], name: str = "custom") -> 
         num_layers=num_layers,
         hidden_size=hidden,
         num_heads=num_heads,
-        num_kv_heads=int(_first(config, "num_key_value_heads", default=num_heads)),  # type: ignore[arg-type]
-        head_dim=int(_first(config, "head_dim", default=hidden // num_heads)),  # type: ignore[arg-type]
+        num_kv_heads=_first_int(config, "num_key_value_heads", default=num_heads),
+        head_dim=_first_int(config, "head_dim", default=hidden // num_heads),
         intermediate_size=intermediate,
-        vocab_size=int(_first(config, "vocab_size", default=32000)),  # type: ignore[arg-type]
-        max_context=int(_first(config, "max_position_embeddings", default=131072)),  # type: ignore[arg-type]
+        vocab_size=_first_int(config, "vocab_size", default=32000),
+        max_context=_first_int(config, "max_position_embeddings", default=131072),
         num_experts=num_experts,
-        num_experts_per_tok=int(_first(config, "num_experts_per_tok", "num_experts_per_token", "experts_per_token", default=0)) if num_experts else 0,  # type: ignore[arg-type]
-        num_shared_experts=int(_first(config, "n_shared_experts", default=0) or 0),  # type: ignore[arg-type]
-        moe_intermediate_size=int(_first(config, "moe_intermediate_size", default=intermediate)) if num_experts else 0,  # type: ignore[arg-type]
-        first_k_dense_layers=int(_first(config, "first_k_dense_replace", default=0) or 0),  # type: ignore[arg-type]
-        q_lora_rank=int(_first(config, "q_lora_rank", default=0) or 0),  # type: ignore[arg-type]
-        kv_lora_rank=int(_first(config, "kv_lora_rank", default=0) or 0),  # type: ignore[arg-type]
-        qk_rope_head_dim=int(_first(config, "qk_rope_head_dim", default=0) or 0),  # type: ignore[arg-type]
-        qk_nope_head_dim=int(_first(config, "qk_nope_head_dim", default=0) or 0),  # type: ignore[arg-type]
-        v_head_dim=int(_first(config, "v_head_dim", default=0) or 0),  # type: ignore[arg-type]
+        num_experts_per_tok=_first_int(config, "num_experts_per_tok", "num_experts_per_token", "experts_per_token", default=0) if num_experts else 0,
+        num_shared_experts=_first_int(config, "n_shared_experts", default=0),
+        moe_intermediate_size=_first_int(config, "moe_intermediate_size", default=intermediate) if num_experts else 0,
+        first_k_dense_layers=_first_int(config, "first_k_dense_replace", default=0),
+        q_lora_rank=_first_int(config, "q_lora_rank", default=0),
+        kv_lora_rank=_first_int(config, "kv_lora_rank", default=0),
+        qk_rope_head_dim=_first_int(config, "qk_rope_head_dim", default=0),
+        qk_nope_head_dim=_first_int(config, "qk_nope_head_dim", default=0),
+        v_head_dim=_first_int(config, "v_head_dim", default=0),
         sliding_window=sliding_window if num_sliding else 0,
         num_sliding_layers=num_sliding,
         tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),

@@ -52,7 +52,7 @@ class Metrics:
 
     @classmethod
     def from_dict(cls, values: dict[str, object]) -> Metrics:
-        return cls(**{k: (v if k == "bottleneck" else float(v)) for k, v in values.items() if k in cls.__slots__})  # type: ignore[arg-type, attr-defined]
+        return cls(**{k: (v if k == "bottleneck" else float(v)) for k, v in values.items() if k in cls.__slots__})  # type: ignore[arg-type]
 
 
 class Evaluator(Protocol):

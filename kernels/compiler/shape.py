@@ -84,7 +84,7 @@ class TrafficShape:
             name=str(values["name"]),
             prompt_tokens=tuple(int(v) for v in values["prompt_tokens"]),  # type: ignore[attr-defined]
             output_tokens=tuple(int(v) for v in values["output_tokens"]),  # type: ignore[attr-defined]
-            domain_mix=_normalise_mix(pairs),  # type: ignore[arg-type]
+            domain_mix=_normalise_mix(pairs),
             prefix_share=float(values.get("prefix_share", 0.0)),  # type: ignore[arg-type]
             arrival_rate_rps=None if values.get("arrival_rate_rps") is None else float(values["arrival_rate_rps"]),  # type: ignore[arg-type]
             ttft_p99_s=float(values.get("ttft_p99_s", 1.0)),  # type: ignore[arg-type]
@@ -153,7 +153,7 @@ def shape_from_samples(
 
 
 def _normalise_mix(pairs: Sequence[tuple[str, float]] | object) -> tuple[tuple[str, float], ...]:
-    items = [(str(d), float(w)) for d, w in pairs]  # type: ignore[attr-defined]
+    items = [(str(d), float(w)) for d, w in pairs]  # type: ignore[union-attr]
     total = sum(w for _, w in items)
     if total <= 0:
         raise ValueError("domain_mix needs positive weights")

@@ -72,7 +72,7 @@ def default_space(
     space = SearchSpace(tp=tps, kv_cache_dtype=kv, quantization=quant, speculative=tuple(spec))
     resolved = PerfModel(model, gpu, EngineConfig(tp=tps[-1])).config
     ordered = {knob: _place_auto(space.choices(knob), getattr(resolved, knob)) for knob in _AUTO_KNOBS}
-    return replace(space, **ordered)
+    return replace(space, **ordered)  # type: ignore[arg-type]  # knobs set by name: each keeps its own choices' type
 
 
 _AUTO_KNOBS = ("max_running_requests", "chunked_prefill_size", "cuda_graph_max_bs", "mem_fraction_static")
@@ -105,11 +105,13 @@ def with_knob(config: EngineConfig, knob: str, value: object, num_gpus: int) -> 
     if knob == "speculative":
         if value is None:
             return replace(config, speculative_algorithm=None, speculative_num_steps=None, speculative_num_draft_tokens=None)
-        algorithm, steps, drafts = value  # type: ignore[misc]
+        if not isinstance(value, tuple):
+            raise TypeError(f"speculative must be None or (algorithm, steps, draft tokens), not {value!r}")
+        algorithm, steps, drafts = value
         return replace(config, speculative_algorithm=algorithm, speculative_num_steps=steps, speculative_num_draft_tokens=drafts)
     if knob == "tp":
         return replace(config, tp=int(value), dp=num_gpus // int(value))  # type: ignore[call-overload]
-    return replace(config, **{knob: value})
+    return replace(config, **{knob: value})  # type: ignore[arg-type]  # a knob set by name: the value is one of its choices
 
 
 def config_from_dict(values: Mapping[str, object]) -> EngineConfig:

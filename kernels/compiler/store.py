@@ -17,7 +17,7 @@ import sqlite3
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import TypeVar
+from typing import Any, TypeVar
 
 from kernels.catalog import GpuSpec, ModelSpec
 from kernels.compiler.evaluators import Metrics
@@ -236,7 +236,7 @@ class TrialStore:
 
     def artefacts(self, model: str | None = None, gpu: str | None = None, limit: int = 20) -> list[ArtefactRecord]:
         """Compiled artefacts, newest first, optionally for one model and GPU kind."""
-        query, params = "SELECT * FROM artefacts WHERE 1 = 1", []
+        query, params = "SELECT * FROM artefacts WHERE 1 = 1", list[object]()
         if model is not None:
             query, params = query + " AND model = ?", [*params, model]
         if gpu is not None:
@@ -252,7 +252,7 @@ class TrialStore:
         rows = self._read(query, [model, gpu, num_gpus, fingerprints.model, fingerprints.hardware, shape_fp, evaluator, objective])
         return _artefact(rows[0]) if rows else None
 
-    def _read(self, query: str, params: Sequence[object]) -> list[dict[str, object]]:
+    def _read(self, query: str, params: Sequence[object]) -> list[dict[str, Any]]:  # sqlite3 columns are untyped
         try:
             cursor = self._db.execute(query, params)
             names = [d[0] for d in cursor.description]
@@ -273,27 +273,27 @@ class TrialStore:
         self.close()
 
 
-def _trial(row: Mapping[str, object]) -> TrialRecord:
+def _trial(row: Mapping[str, Any]) -> TrialRecord:
     metrics = row["metrics_json"]
     return TrialRecord(
-        trial_id=int(row["id"]), run_id=str(row["run_id"]), created_at=float(row["created_at"]),  # type: ignore[arg-type]
-        model=str(row["model"]), model_fp=str(row["model_fp"]), gpu=str(row["gpu"]), num_gpus=int(row["num_gpus"]),  # type: ignore[call-overload]
+        trial_id=int(row["id"]), run_id=str(row["run_id"]), created_at=float(row["created_at"]),
+        model=str(row["model"]), model_fp=str(row["model_fp"]), gpu=str(row["gpu"]), num_gpus=int(row["num_gpus"]),
         hardware_fp=str(row["hardware_fp"]), shape=TrafficShape.from_dict(json.loads(str(row["shape_json"]))),
         shape_fp=str(row["shape_fp"]), evaluator=str(row["evaluator"]), proposer=str(row["proposer"]),
         config=EngineConfig.from_dict(json.loads(str(row["config_json"]))), status=str(row["status"]),
-        gates=tuple(tuple(g) for g in json.loads(str(row["gates_json"]))),  # type: ignore[misc]
+        gates=tuple(tuple(g) for g in json.loads(str(row["gates_json"]))),
         metrics=None if metrics is None else Metrics.from_dict(json.loads(str(metrics))), note=str(row["note"]),
     )
 
 
-def _artefact(row: Mapping[str, object]) -> ArtefactRecord:
+def _artefact(row: Mapping[str, Any]) -> ArtefactRecord:
     return ArtefactRecord(
-        artefact_id=int(row["id"]), run_id=str(row["run_id"]), created_at=float(row["created_at"]),  # type: ignore[arg-type]
-        model=str(row["model"]), gpu=str(row["gpu"]), num_gpus=int(row["num_gpus"]), shape_name=str(row["shape_name"]),  # type: ignore[call-overload]
+        artefact_id=int(row["id"]), run_id=str(row["run_id"]), created_at=float(row["created_at"]),
+        model=str(row["model"]), gpu=str(row["gpu"]), num_gpus=int(row["num_gpus"]), shape_name=str(row["shape_name"]),
         shape_fp=str(row["shape_fp"]), evaluator=str(row["evaluator"]), objective=str(row["objective"]),
         config=EngineConfig.from_dict(json.loads(str(row["config_json"]))),
         metrics=Metrics.from_dict(json.loads(str(row["metrics_json"]))),
-        baseline=Metrics.from_dict(json.loads(str(row["baseline_json"]))), num_trials=int(row["num_trials"]),  # type: ignore[call-overload]
+        baseline=Metrics.from_dict(json.loads(str(row["baseline_json"]))), num_trials=int(row["num_trials"]),
         warm_start=bool(row["warm_start"]), reason=str(row["reason"]), engine_version=str(row["engine_version"]),
         pools=tuple(json.loads(str(row["pools_json"]))),
     )

@@ -8,7 +8,6 @@ from collections.abc import Iterator
 import openai
 import pytest
 
-
 from classifiers.tokens import count_chat_tokens, estimate_tokens
 from tests.fleet.emulator_helpers import get_json, parse_metrics, post_json, request
 from tests.support.procs import start_emulator

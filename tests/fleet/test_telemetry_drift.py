@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from classifiers.shape import default_shape_rules
 from fleet.drift import DriftDetector, DriftSettings, js_divergence, score
-from fleet.telemetry import Telemetry
 from fleet.simulator.world import classify
+from fleet.telemetry import Telemetry
 from loadtest.scenario import build_workload, load_scenario
 
 

@@ -9,8 +9,8 @@ from collections.abc import Iterator
 import orjson
 import pytest
 
-from loadtest.fast_backend import fast_backend_process
 from loadtest.client import prepare
+from loadtest.fast_backend import fast_backend_process
 from loadtest.runner import RunnerConfig, TargetUnreachable, run_async
 from loadtest.spec import RequestSpec, make_workload
 from tests.conftest import free_port

@@ -65,9 +65,8 @@ def tiny_hf(pytestconfig: pytest.Config) -> Path:
 def _log_file(engine: str, log_path: Path | None) -> Path:
     if log_path is not None:
         return log_path
-    handle = tempfile.NamedTemporaryFile(prefix=f"polymorph-{engine}-", suffix=".log", delete=False)
-    handle.close()
-    return Path(handle.name)
+    with tempfile.NamedTemporaryFile(prefix=f"polymorph-{engine}-", suffix=".log", delete=False) as handle:
+        return Path(handle.name)
 
 
 def start_llama_server(binary: Path, gguf: Path, port: int, *extra_args: str, log_path: Path | None = None) -> Proc:

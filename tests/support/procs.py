@@ -62,10 +62,9 @@ def wait_http(url: str, timeout_s: float = 30.0, process: subprocess.Popen[bytes
 def start(argv: Sequence[str], port: int, log_path: Path, health: str, *, command: Sequence[str] = POLYMORPH,
           timeout_s: float = 30.0, env: Mapping[str, str] | None = None) -> Proc:
     """Run ``command + argv`` (a polymorph subcommand unless ``command`` names another program) until ``health`` answers."""
-    log = open(log_path, "wb")
     full_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
-    process = subprocess.Popen([*command, *argv], cwd=REPO, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=full_env)
-    log.close()
+    with open(log_path, "wb") as log:  # the child keeps its own descriptor
+        process = subprocess.Popen([*command, *argv], cwd=REPO, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=full_env)
     proc = Proc(process, f"http://127.0.0.1:{port}", log_path)
     try:
         wait_http(proc.url + health, timeout_s, process=process)
