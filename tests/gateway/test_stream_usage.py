@@ -4,6 +4,7 @@ The real `openai` SDK talks to a real gateway process. Behind it: an emulated re
 without ``include_usage`` still counts its tokens, and its client sees no usage chunk), and a small
 real aiohttp server in this process that answers with the body it received (what the gateway sent
 each engine kind: ``priority`` per tier, ``stream_options``), streaming its usage chunk in pieces.
+Last, a real llama.cpp server behind the gateway.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ import pytest
 from aiohttp import web
 
 from gateway.stream_usage import UsageChunkFilter, upstream_body
+from tests.support.engines import llama_server
 from tests.support.procs import Proc, start_emulator, start_gateway, write_tenant
 
 MODEL = "llama-3.1-8b"
@@ -265,3 +267,26 @@ def test_a_stream_asks_the_engine_for_usage_and_hides_a_usage_chunk_split_over_r
 
     chunks = list(stack.client.chat.completions.create(model="llamacpp", messages=messages, stream=True, stream_options={"include_usage": True}))  # type: ignore[arg-type]
     assert not chunks[-1].choices and chunks[-1].usage is not None and chunks[-1].usage.total_tokens == 9
+
+
+def test_a_real_llama_server_stream_counts_its_tokens_without_showing_usage(llama_server_bin: Path, tiny_gguf: Path, tmp_path: Path) -> None:
+    with llama_server(llama_server_bin, tiny_gguf, log_path=tmp_path / "llama-server.log") as llama:
+        tenants = tmp_path / "tenants"
+        tenants.mkdir()
+        write_tenant(tenants, "main", KEY, rate_limits={"requests_per_min": 100000})
+        pools = [{"name": "llama", "model": "tiny-llama", "engine": {"kind": "llamacpp"}, "replicas": {"urls": [llama.url]}}]
+        config = {"server": {"host": "127.0.0.1"}, "tenants_dir": "tenants", "fleet": {"pools": pools}}
+        (tmp_path / "config.yaml").write_text(json.dumps(config))
+        gateway = start_gateway(tmp_path, ["--config", str(tmp_path / "config.yaml")])
+        try:
+            with openai.OpenAI(base_url=gateway.url + "/v1", api_key=KEY, max_retries=0, timeout=60) as client:
+                stack = Stack(gateway, client)
+                request: dict[str, object] = {"model": "tiny-llama", "messages": [{"role": "user", "content": "Say hello."}], "max_tokens": 8, "stream": True, "extra_body": {"ignore_eos": True}}
+                before = _tokens(stack, "completion")
+                chunks = list(client.chat.completions.create(**request))  # type: ignore[call-overload]
+                assert chunks and all(chunk.choices and chunk.usage is None for chunk in chunks)
+                assert _tokens_after(stack, "completion", before) - before == 8
+                asked = list(client.chat.completions.create(**request, stream_options={"include_usage": True}))  # type: ignore[call-overload]
+                assert not asked[-1].choices and asked[-1].usage is not None and asked[-1].usage.completion_tokens == 8
+        finally:
+            gateway.stop()
