@@ -156,7 +156,9 @@ class EngineConfig:
             "--max-running-requests": self.max_running_requests,
             "--chunked-prefill-size": self.chunked_prefill_size,
             "--max-prefill-tokens": self.max_prefill_tokens,
-            "--schedule-policy": self.schedule_policy,
+            # sglang's scheduler knows no "priority" policy (its parser would pass it, its start would
+            # fail): priority ordering is fcfs with the switch below
+            "--schedule-policy": "fcfs" if self.schedule_policy == "priority" else self.schedule_policy,
             "--kv-cache-dtype": self.kv_cache_dtype,
             "--quantization": self.quantization,
             spell("--cuda-graph-max-bs"): self.cuda_graph_max_bs,

@@ -101,8 +101,9 @@ def test_priority_scheduling_runs_lower_values_first_on_every_engine() -> None:
     vllm = config.vllm_flags()
     assert vllm[vllm.index("--scheduling-policy") + 1] == "priority"  # vLLM: lower values first
     sglang = config.to_sglang_args("m")
-    # sglang orders by priority only with the switch, higher values first unless told otherwise
-    assert sglang[sglang.index("--schedule-policy") + 1] == "priority"
+    # sglang orders by priority only with the switch (under fcfs: its scheduler has no "priority"
+    # policy), higher values first unless told otherwise
+    assert sglang[sglang.index("--schedule-policy") + 1] == "fcfs"
     assert {"--enable-priority-scheduling", "--schedule-low-priority-values-first"} <= set(sglang)
     assert EngineConfig.from_sglang_args(sglang) == config
     assert not {"--enable-priority-scheduling", "--schedule-low-priority-values-first"} & set(EngineConfig().to_sglang_args("m"))
