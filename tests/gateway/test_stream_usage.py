@@ -23,6 +23,7 @@ import openai
 import orjson
 import pytest
 from aiohttp import web
+from openai.types.chat import ChatCompletionMessageParam
 
 from gateway.stream_usage import UsageChunkFilter, upstream_body
 from tests.support.engines import llama_server
@@ -251,21 +252,21 @@ def test_tiers_reach_engines_that_schedule_by_priority_in_their_own_convention(s
 
 
 def test_a_stream_asks_the_engine_for_usage_and_hides_a_usage_chunk_split_over_reads(stack: Stack) -> None:
-    messages = [{"role": "user", "content": "hi"}]
-    chunks = list(stack.client.chat.completions.create(model="sglang-prio", messages=messages, stream=True, extra_headers={"x-polymorph-tier": "batch"}))  # type: ignore[arg-type]
+    messages: list[ChatCompletionMessageParam] = [{"role": "user", "content": "hi"}]
+    chunks = list(stack.client.chat.completions.create(model="sglang-prio", messages=messages, stream=True, extra_headers={"x-polymorph-tier": "batch"}))
     assert chunks and all(chunk.choices for chunk in chunks)
     received = json.loads("".join(c.choices[0].delta.content or "" for c in chunks))
     assert received["stream_options"] == {"include_usage": True} and received["priority"] == -2
 
     # other stream options are kept; usage on every chunk (vLLM's continuous_usage_stats) still streams
     before = _tokens(stack, "completion")
-    chunks = list(stack.client.chat.completions.create(model="vllm-fcfs", messages=messages, stream=True, stream_options={"continuous_usage_stats": True}))  # type: ignore[arg-type, typeddict-unknown-key]
+    chunks = list(stack.client.chat.completions.create(model="vllm-fcfs", messages=messages, stream=True, extra_body={"stream_options": {"continuous_usage_stats": True}}))
     assert chunks and all(chunk.choices for chunk in chunks)
     received = json.loads("".join(c.choices[0].delta.content or "" for c in chunks))
     assert received["stream_options"] == {"continuous_usage_stats": True, "include_usage": True}
     assert _tokens_after(stack, "completion", before) - before == 4
 
-    chunks = list(stack.client.chat.completions.create(model="llamacpp", messages=messages, stream=True, stream_options={"include_usage": True}))  # type: ignore[arg-type]
+    chunks = list(stack.client.chat.completions.create(model="llamacpp", messages=messages, stream=True, stream_options={"include_usage": True}))
     assert not chunks[-1].choices and chunks[-1].usage is not None and chunks[-1].usage.total_tokens == 9
 
 
@@ -284,8 +285,8 @@ def test_a_real_llama_server_stream_counts_its_tokens_without_showing_usage(llam
                 request: dict[str, object] = {"model": "tiny-llama", "messages": [{"role": "user", "content": "Say hello."}], "max_tokens": 8, "stream": True, "extra_body": {"ignore_eos": True}}
                 before = _tokens(stack, "completion")
                 chunks = list(client.chat.completions.create(**request))  # type: ignore[call-overload]
-                assert chunks and all(chunk.choices and chunk.usage is None for chunk in chunks)
-                assert _tokens_after(stack, "completion", before) - before == 8
+                assert chunks and all(chunk.choices and chunk.usage is None for chunk in chunks), (chunks[-2:], gateway.log()[-3000:])
+                assert _tokens_after(stack, "completion", before) - before == 8, gateway.log()[-3000:]
                 asked = list(client.chat.completions.create(**request, stream_options={"include_usage": True}))  # type: ignore[call-overload]
                 assert not asked[-1].choices and asked[-1].usage is not None and asked[-1].usage.completion_tokens == 8
         finally:
