@@ -25,11 +25,11 @@ from typing import Protocol
 
 from fleet.lengths import snap_tokens
 from fleet.telemetry import ShapeLoad
-from fleet.tiers import TierSlo
 from kernels.catalog import get_gpu, get_model
 from kernels.config import EngineConfig
 from kernels.perf import PerfModel
 from kernels.predict import Workload, max_rate_under_slo, simulate
+from kernels.tiers import TierSlo
 
 # sglang's defaults, small chunks (short prompts, tight TPOT), large chunks (long prompts, fast TTFT)
 CANDIDATE_CONFIGS: tuple[EngineConfig, ...] = (

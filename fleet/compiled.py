@@ -29,9 +29,9 @@ from typing import Protocol
 from fleet.capacity import length_points
 from fleet.decisions import Decision, decision
 from fleet.telemetry import ShapeLoad
-from fleet.tiers import TierSlo
 from kernels.compiler.shape import TrafficShape
 from kernels.config import EngineConfig
+from kernels.tiers import TierSlo
 
 STEPS_PER_OCTAVE = 2  # the envelope grid: a half-octave (x1.41) step
 TOLERANCE_OCTAVES = 0.5  # a live point further than this from the envelope's point leaves it

@@ -31,8 +31,8 @@ from fleet.options import MoveCost, Options, pool_options, problem_for
 from fleet.planner import Plan, evaluate, fill_budget, plan
 from fleet.rollout import Mover, SlotState, batch_moves, diff_moves
 from fleet.telemetry import Telemetry, TrafficMix
-from fleet.tiers import DEFAULT_TIERS, TierSlo
 from kernels.config import EngineConfig
+from kernels.tiers import DEFAULT_TIERS, TierSlo
 
 
 @dataclass(frozen=True, slots=True)

@@ -23,10 +23,11 @@ from fleet.compiled import CompiledConfig, ConfigSource, Envelope, config_change
 from fleet.planner import PlanProblem, PoolOption
 from fleet.pool import PoolState
 from fleet.telemetry import ShapeLoad, TrafficMix
-from fleet.tiers import TierSlo, strictest, tier_weight
+from fleet.tiers import strictest, tier_weight
 from kernels.catalog import get_gpu, get_model
 from kernels.config import EngineConfig
 from kernels.perf import PerfModel
+from kernels.tiers import TierSlo
 
 
 @dataclass(frozen=True, slots=True)

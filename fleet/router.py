@@ -47,7 +47,7 @@ from dataclasses import dataclass
 from classifiers.shape import Shape
 from fleet.engines.load import EngineLoad
 from fleet.pool import PoolState, ReplicaState
-from fleet.tiers import DEFAULT_TIERS, TierSlo
+from kernels.tiers import DEFAULT_TIERS, TierSlo, slo_for
 
 
 @dataclass(frozen=True, slots=True)
@@ -103,7 +103,7 @@ def route(
     serving = [p for p in pools if p.serves(model)]
     if not serving:
         return Reject(404, "model_not_found", f"no pool serves model {model!r}", 0.0)
-    slo = (tiers or DEFAULT_TIERS).get(shape.tier) or DEFAULT_TIERS["standard"]
+    slo = slo_for(tiers or DEFAULT_TIERS, shape.tier)
     wait_s = settings.wait_share * slo.ttft_p99_s
     works = [work_units(shape, p) for p in serving]  # computed once: ranking, queueing and the route's books
     if len(serving) == 1:  # nothing to rank (one pool per model is common): spare the hot path the scoring

@@ -96,9 +96,7 @@ def _met_slo(runtime: Runtime, tier: str, outcome: Outcome) -> bool:
     if objectives is None:
         return True
     scale = runtime.time_scale(outcome.pool)  # objectives are in fleet time; emulated GPUs may run faster
-    return (outcome.ttft_s is None or outcome.ttft_s * scale <= objectives.ttft_p99_s) and (
-        outcome.tpot_s is None or outcome.tpot_s * scale <= objectives.tpot_p99_s
-    )
+    return objectives.met(None if outcome.ttft_s is None else outcome.ttft_s * scale, None if outcome.tpot_s is None else outcome.tpot_s * scale)
 
 
 class Handlers:

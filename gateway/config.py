@@ -19,6 +19,7 @@ from classifiers.shape import ShapeRules, default_shape_rules
 from fleet.engines.launch import EngineLaunch
 from fleet.engines.load import ENGINE_KINDS
 from gateway.yamlsrc import ConfigError, FieldPath, YamlDoc, load_yaml
+from kernels.tiers import DEFAULT_TIERS, TierSlo
 
 DEMO_API_KEY = "sk-polymorph-demo"
 DEMO_ADMIN_TOKEN = "polymorph-admin-demo"
@@ -57,28 +58,13 @@ class UpstreamSettings:
 
 
 @dataclass(frozen=True, slots=True)
-class TierObjectives:
-    ttft_p99_s: float
-    tpot_p99_s: float
-    deadline_s: float
-    priority: int
-
-
-DEFAULT_TIERS: Mapping[str, TierObjectives] = {
-    "interactive": TierObjectives(1.0, 0.05, 60.0, 0),
-    "standard": TierObjectives(3.0, 0.10, 300.0, 1),
-    "batch": TierObjectives(60.0, 0.50, 3600.0, 2),
-}
-
-
-@dataclass(frozen=True, slots=True)
 class Tenant:
     name: str
     key_sha256: frozenset[str]
     models: frozenset[str] | None  # None: every model the fleet serves
     tiers: tuple[str, ...]
     default_tier: str
-    objectives: Mapping[str, TierObjectives]
+    objectives: Mapping[str, TierSlo]
     requests_per_min: float
     tokens_per_min: float
     max_concurrency: int
@@ -147,7 +133,7 @@ class GatewayConfig:
     source: str
     server: ServerSettings
     upstream: UpstreamSettings
-    tiers: Mapping[str, TierObjectives]
+    tiers: Mapping[str, TierSlo]
     tenants: tuple[Tenant, ...]
     classifier: ClassifierSettings
     shapes: ShapeRules
@@ -256,14 +242,14 @@ def _upstream(doc: YamlDoc) -> UpstreamSettings:
     )
 
 
-def _objectives(doc: YamlDoc, path: FieldPath, data: object, base: TierObjectives | None) -> TierObjectives:
+def _objectives(doc: YamlDoc, path: FieldPath, data: object, base: TierSlo | None) -> TierSlo:
     r = _Reader(doc, path, data, {"ttft_p99_s", "tpot_p99_s", "deadline_s", "priority"})
     if base is None:
         for key in ("ttft_p99_s", "tpot_p99_s"):
             if key not in r.data:
                 raise doc.error(path, f"missing {key}")
-        base = TierObjectives(0.0, 0.0, 3600.0, 1)
-    return TierObjectives(
+        base = TierSlo(0.0, 0.0, priority=1, deadline_s=3600.0)
+    return TierSlo(
         ttft_p99_s=r.number("ttft_p99_s", base.ttft_p99_s, lo=0.001, hi=86400),
         tpot_p99_s=r.number("tpot_p99_s", base.tpot_p99_s, lo=0.0001, hi=3600),
         deadline_s=r.number("deadline_s", base.deadline_s, lo=0.01, hi=86400),
@@ -271,7 +257,7 @@ def _objectives(doc: YamlDoc, path: FieldPath, data: object, base: TierObjective
     )
 
 
-def _tiers(doc: YamlDoc) -> dict[str, TierObjectives]:
+def _tiers(doc: YamlDoc) -> dict[str, TierSlo]:
     raw = doc.data.get("tiers")
     if raw is None:
         return dict(DEFAULT_TIERS)
@@ -496,7 +482,7 @@ def _fleet(doc: YamlDoc, shapes: ShapeRules, base: Path) -> tuple[tuple[PoolSpec
 # --- tenants -------------------------------------------------------------------------------------
 
 
-def parse_tenant(doc: YamlDoc, tiers: Mapping[str, TierObjectives]) -> Tenant:
+def parse_tenant(doc: YamlDoc, tiers: Mapping[str, TierSlo]) -> Tenant:
     known = {"name", "api_key_sha256", "models", "tiers", "default_tier", "objectives", "rate_limits", "max_concurrency"}
     r = _Reader(doc, (), doc.data, known)
     name = r.text("name", None)
@@ -538,7 +524,7 @@ def parse_tenant(doc: YamlDoc, tiers: Mapping[str, TierObjectives]) -> Tenant:
     )
 
 
-def demo_tenant(tiers: Mapping[str, TierObjectives]) -> Tenant:
+def demo_tenant(tiers: Mapping[str, TierSlo]) -> Tenant:
     """The tenant `polymorph serve --upstream` serves: demo-only key, generous limits."""
     return Tenant(
         name="demo",
@@ -553,7 +539,7 @@ def demo_tenant(tiers: Mapping[str, TierObjectives]) -> Tenant:
     )
 
 
-def _tenants(doc: YamlDoc, base: Path, tiers: Mapping[str, TierObjectives]) -> tuple[tuple[Tenant, ...], list[Path], Path]:
+def _tenants(doc: YamlDoc, base: Path, tiers: Mapping[str, TierSlo]) -> tuple[tuple[Tenant, ...], list[Path], Path]:
     raw = doc.data.get("tenants_dir")
     if not isinstance(raw, str) or not raw:
         raise doc.error(("tenants_dir",), "name the directory of per-tenant YAML files")

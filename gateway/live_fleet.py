@@ -39,7 +39,6 @@ from fleet.options import Options, PoolModel, pool_models
 from fleet.pool import PoolState, ReplicaState
 from fleet.rollout import SlotState
 from fleet.telemetry import Telemetry
-from fleet.tiers import from_objectives
 from gateway.background import BackgroundTask
 from gateway.config import ControllerSettingsFile, GatewayConfig
 from kernels.compiler.worker import background_process_pool, terminate_process_pool
@@ -54,7 +53,7 @@ _DEFAULT_MAX_RUNNING = 256
 
 def controller_settings(config: GatewayConfig, model: str, gpu_to_budget: dict[str, int]) -> ControllerSettings:
     """The controller's settings for ``config``'s tiers and a budget of replica slots per GPU kind."""
-    return ControllerSettings(model=model, gpu_to_budget=gpu_to_budget, tiers=from_objectives(config.tiers))
+    return ControllerSettings(model=model, gpu_to_budget=gpu_to_budget, tiers=dict(config.tiers))
 
 
 def new_pool(name: str, model: str, gpu: str, config_json: str) -> PoolState:

@@ -19,9 +19,8 @@ from classifiers.shape import Shape
 from fleet.health import HealthState
 from fleet.pool import PoolState, ReplicaState
 from fleet.router import Reject, Route, RouterSettings, Wait, route
-from fleet.tiers import TierSlo, from_objectives
 from gateway.admission import RetryBudget
-from gateway.config import GatewayConfig, UpstreamSettings
+from gateway.config import UpstreamSettings
 from gateway.errors import ApiError, sse_error_event
 from gateway.metrics import GatewayMetrics
 from gateway.pool_wait import PoolWaits
@@ -97,14 +96,6 @@ class Proxy:
         self.router_settings = RouterSettings()
         self.waits = PoolWaits(metrics, self.router_settings)  # pools' queues; attached to each runtime as it goes live
         self.retry_budget = RetryBudget(settings.retry_budget_ratio, now)
-        self._tiers_of: GatewayConfig | None = None
-        self._tier_slos: dict[str, TierSlo] = {}
-
-    def _tiers(self, config: GatewayConfig) -> dict[str, TierSlo]:
-        """The config's tiers as the router reads them (rebuilt when a reload swaps the config)."""
-        if config is not self._tiers_of:
-            self._tiers_of, self._tier_slos = config, from_objectives(config.tiers)
-        return self._tier_slos
 
     async def forward(
         self,
@@ -125,12 +116,12 @@ class Proxy:
         self.retry_budget.on_request()
         # A stream whose client did not ask for usage asks the engine anyway (and hides it again)
         strip_usage = stream and not asked_for_usage(body)
-        tier = self._tiers(runtime.config).get(shape.tier)
+        tier = runtime.config.tiers.get(shape.tier)
         last_error: ApiError | None = None
         while True:
             now = loop.time()
             # with the tiers, the router sheds the lowest tiers at once when every usable pool is full
-            decision = route(shape, model, runtime.pools, now, self.router_settings, tried, self._tiers(runtime.config))
+            decision = route(shape, model, runtime.pools, now, self.router_settings, tried, runtime.config.tiers)
             if isinstance(decision, Reject):
                 if last_error is not None:
                     raise last_error

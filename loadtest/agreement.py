@@ -34,8 +34,9 @@ import numpy as np
 import yaml
 
 from fleet.rollout import SlotState
+from kernels.tiers import TierSlo, slo_for
 from loadtest.record import RequestRecord
-from loadtest.slo import TierSlo, meets_slo, slo_for
+from loadtest.slo import meets_slo
 
 TARGET_RATIO = 0.15  # the "within 15% on goodput"
 
@@ -174,7 +175,7 @@ def _simulate(workload: Any, budget: Mapping[str, int], capacity: Any, model: st
     from fleet.simulator.run import simulate
     from fleet.simulator.world import FleetSim, SimSettings
     from fleet.telemetry import Telemetry
-    from fleet.tiers import DEFAULT_TIERS
+    from kernels.tiers import DEFAULT_TIERS
 
     start = FleetSim(SimSettings(model), workload, Telemetry())
     setup("static-initial", start, budget, capacity, dict(DEFAULT_TIERS), DecisionLog(), MoveCost())

@@ -32,7 +32,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Self
 
 from gateway.config import DEMO_ADMIN_TOKEN
-from loadtest.slo import DEFAULT_TIER_SLOS, TierSlo
+from kernels.tiers import DEFAULT_TIERS, TierSlo
 from loadtest.spec import Workload
 
 if TYPE_CHECKING:
@@ -68,9 +68,9 @@ def fleet_time_slos(tier_to_objectives: Mapping[str, Mapping[str, float]], speed
     """The deployment's tier objectives (``/admin/state`` ``tiers``; the defaults without) on the wall
     clock of a fleet at ``speed``."""
     if not tier_to_objectives:
-        return {tier: TierSlo(slo.ttft_s / speed, slo.tpot_s / speed) for tier, slo in DEFAULT_TIER_SLOS.items()}
+        return {tier: slo.sped_up(speed) for tier, slo in DEFAULT_TIERS.items()}
     return {
-        tier: TierSlo(ttft_s=float(o["ttft_p99_s"]) / speed, tpot_s=float(o["tpot_p99_s"]) / speed)
+        tier: TierSlo(float(o["ttft_p99_s"]), float(o["tpot_p99_s"])).sped_up(speed)  # goodput reads only these two
         for tier, o in tier_to_objectives.items()
     }
 

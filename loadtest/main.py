@@ -9,7 +9,7 @@ from pathlib import Path
 
 import yaml
 
-from loadtest.slo import TierSlo
+from kernels.tiers import TierSlo
 from loadtest.spec import Workload
 from loadtest.transform import AssignRule
 
@@ -142,11 +142,12 @@ def _rules(path: Path) -> list[AssignRule]:
 
 
 def _slos_from_args(args: argparse.Namespace) -> dict[str, TierSlo]:
-    from loadtest.slo import DEFAULT_TIER_SLOS, load_slos, override_slos
+    from kernels.tiers import DEFAULT_TIERS
+    from loadtest.slo import load_slos, override_slos
 
-    tier_to_slo = load_slos(args.slo) if args.slo else dict(DEFAULT_TIER_SLOS)
-    tier_to_slo = override_slos(tier_to_slo, "ttft_s", args.slo_ttft or [])
-    return override_slos(tier_to_slo, "tpot_s", args.slo_tpot or [])
+    tier_to_slo = load_slos(args.slo) if args.slo else dict(DEFAULT_TIERS)
+    tier_to_slo = override_slos(tier_to_slo, "ttft_p99_s", args.slo_ttft or [])
+    return override_slos(tier_to_slo, "tpot_p99_s", args.slo_tpot or [])
 
 
 def _tenant_keys(value: str | None) -> dict[str, str]:

@@ -7,8 +7,9 @@ from collections.abc import Mapping
 
 from tqdm import tqdm
 
+from kernels.tiers import TierSlo, slo_for
 from loadtest.record import RequestRecord
-from loadtest.slo import TierSlo, meets_slo, slo_for
+from loadtest.slo import meets_slo
 
 GOODPUT_WINDOW_S = 10.0
 

@@ -17,12 +17,12 @@ from typing import Any
 
 import aiohttp
 
+from kernels.tiers import DEFAULT_TIERS, TierSlo
 from loadtest.client import PreparedRequest, prepare, send
 from loadtest.events import fetch_gateway_events
 from loadtest.progress import Progress
 from loadtest.prompts import PromptSource
 from loadtest.record import RequestRecord
-from loadtest.slo import DEFAULT_TIER_SLOS, TierSlo
 from loadtest.spec import RequestSpec, Workload
 
 _PROGRESS_INTERVAL_S = 0.5
@@ -70,7 +70,7 @@ class RunResult:
 def run(
     workload: Workload,
     config: RunnerConfig,
-    tier_to_slo: Mapping[str, TierSlo] = DEFAULT_TIER_SLOS,
+    tier_to_slo: Mapping[str, TierSlo] = DEFAULT_TIERS,
     prompts: PromptSource | None = None,
 ) -> RunResult:
     """Run on a fresh uvloop event loop (the CLI entry point)."""
@@ -82,7 +82,7 @@ def run(
 async def run_async(
     workload: Workload,
     config: RunnerConfig,
-    tier_to_slo: Mapping[str, TierSlo] = DEFAULT_TIER_SLOS,
+    tier_to_slo: Mapping[str, TierSlo] = DEFAULT_TIERS,
     prompts: PromptSource | None = None,
 ) -> RunResult:
     prompts = prompts or PromptSource()

@@ -7,25 +7,13 @@ Defaults match ``config.example.yaml`` ``tiers:``. A ``--slo`` file may be a Pol
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from pathlib import Path
 
 import yaml
 
+from kernels.tiers import DEFAULT_TIERS, FALLBACK_TIER, TierSlo
 from loadtest.record import RequestRecord
-
-
-@dataclass(frozen=True, slots=True)
-class TierSlo:
-    ttft_s: float  # objective on time to first token
-    tpot_s: float  # objective on time per output token after the first
-
-
-DEFAULT_TIER_SLOS: dict[str, TierSlo] = {
-    "interactive": TierSlo(ttft_s=1.0, tpot_s=0.05),
-    "standard": TierSlo(ttft_s=3.0, tpot_s=0.10),
-    "batch": TierSlo(ttft_s=60.0, tpot_s=0.50),
-}
 
 
 def meets_slo(record: RequestRecord, slo: TierSlo) -> bool:
@@ -34,13 +22,8 @@ def meets_slo(record: RequestRecord, slo: TierSlo) -> bool:
     if not record.ok or record.e2e_s is None:
         return False
     if record.ttft_s is None:
-        return record.e2e_s <= slo.ttft_s + slo.tpot_s * max(0, record.output_tokens - 1)
-    return record.ttft_s <= slo.ttft_s and (record.tpot_s is None or record.tpot_s <= slo.tpot_s)
-
-
-def slo_for(tier_to_slo: Mapping[str, TierSlo], tier: str) -> TierSlo:
-    """The tier's objectives; unknown tiers are held to the standard tier's."""
-    return tier_to_slo.get(tier) or tier_to_slo.get("standard") or DEFAULT_TIER_SLOS["standard"]
+        return record.e2e_s <= slo.e2e_budget_s(record.output_tokens)
+    return slo.met(record.ttft_s, record.tpot_s)
 
 
 def load_slos(path: Path | str) -> dict[str, TierSlo]:
@@ -53,26 +36,27 @@ def load_slos(path: Path | str) -> dict[str, TierSlo]:
     tiers = data.get("tiers", data) if isinstance(data, dict) else None
     if not isinstance(tiers, dict):
         raise ValueError(f"{path}: expected a `tiers:` mapping of tier -> {{ttft_p99_s, tpot_p99_s}}")
-    tier_to_slo = dict(DEFAULT_TIER_SLOS)
+    tier_to_slo = dict(DEFAULT_TIERS)
     for tier, values in tiers.items():
         if not isinstance(values, dict):
             raise ValueError(f"{path}: tiers.{tier} must be a mapping with ttft_p99_s and tpot_p99_s")
-        base = tier_to_slo.get(str(tier), DEFAULT_TIER_SLOS["standard"])
-        tier_to_slo[str(tier)] = TierSlo(
-            ttft_s=_seconds(values.get("ttft_p99_s", base.ttft_s), f"{path}: tiers.{tier}.ttft_p99_s"),
-            tpot_s=_seconds(values.get("tpot_p99_s", base.tpot_s), f"{path}: tiers.{tier}.tpot_p99_s"),
+        base = tier_to_slo.get(str(tier), DEFAULT_TIERS[FALLBACK_TIER])
+        tier_to_slo[str(tier)] = replace(
+            base,
+            ttft_p99_s=_seconds(values.get("ttft_p99_s", base.ttft_p99_s), f"{path}: tiers.{tier}.ttft_p99_s"),
+            tpot_p99_s=_seconds(values.get("tpot_p99_s", base.tpot_p99_s), f"{path}: tiers.{tier}.tpot_p99_s"),
         )
     return tier_to_slo
 
 
 def override_slos(tier_to_slo: Mapping[str, TierSlo], field: str, assignments: list[str]) -> dict[str, TierSlo]:
-    """Apply ``TIER=SECONDS`` overrides of ``field`` ("ttft_s" or "tpot_s")."""
+    """Apply ``TIER=SECONDS`` overrides of ``field`` ("ttft_p99_s" or "tpot_p99_s")."""
     result = dict(tier_to_slo)
     for assignment in assignments:
         tier, sep, value = assignment.partition("=")
         if not sep or not tier:
             raise ValueError(f"bad SLO override {assignment!r}: expected TIER=SECONDS")
-        base = result.get(tier, DEFAULT_TIER_SLOS["standard"])
+        base = result.get(tier, DEFAULT_TIERS[FALLBACK_TIER])
         result[tier] = replace(base, **{field: _seconds(value, f"SLO override {assignment!r}")})
     return result
 

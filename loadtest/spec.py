@@ -9,6 +9,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from kernels.traces import RowIssue
+
 TIERS: tuple[str, ...] = ("interactive", "standard", "batch")
 DEFAULT_TENANT = "default"
 DEFAULT_TIER = "standard"
@@ -29,14 +31,6 @@ class RequestSpec:
     hash_ids: tuple[int, ...] = ()  # equal leading ids = a shared prompt prefix (512-token blocks)
     text: str | None = None  # the prompt itself; None = drawn from the shipped corpus at send time
     label: str = ""  # the workload class that made it (scenario stream/class, trace name): for mix plots
-
-
-@dataclass(frozen=True, slots=True)
-class RowIssue:
-    """A trace row that was skipped: where it is and why."""
-
-    line: int
-    reason: str
 
 
 @dataclass(frozen=True, slots=True)

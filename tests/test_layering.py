@@ -63,6 +63,7 @@ POLICY_MODULES = (
     "kernels/kvcache.py",
     "kernels/perf.py",
     "kernels/predict.py",
+    "kernels/tiers.py",
 )
 NO_IO_MODULES = frozenset({"asyncio", "aiohttp", "socket", "subprocess", "urllib", "requests", "threading", "time"})
 

@@ -31,7 +31,7 @@ from fleet.planner import fill_budget, plan
 from fleet.rollout import SlotState, diff_moves
 from fleet.simulator.world import FleetSim
 from fleet.telemetry import TrafficMix, mix_from_counts
-from fleet.tiers import TierSlo
+from kernels.tiers import TierSlo
 
 POLICIES = ("round-robin", "static-initial", "static-hindsight", "adaptive", "oracle")
 INITIAL_WINDOW_S = 600.0

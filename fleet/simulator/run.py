@@ -17,7 +17,7 @@ from fleet.simulator.policies import setup
 from fleet.simulator.traffic import Traffic
 from fleet.simulator.world import FleetSim, SimSettings, nan_percentile
 from fleet.telemetry import Telemetry
-from fleet.tiers import DEFAULT_TIERS
+from kernels.tiers import DEFAULT_TIERS
 
 DEFAULT_MODEL = "llama-3.1-8b"
 

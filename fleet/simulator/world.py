@@ -33,11 +33,11 @@ from fleet.simulator.events import Event, EventLoop
 from fleet.simulator.replica import VirtualReplica
 from fleet.simulator.traffic import SimRequest, Traffic
 from fleet.telemetry import Telemetry, TrafficMix
-from fleet.tiers import DEFAULT_TIERS, TierSlo
 from kernels.catalog import get_gpu, get_model
 from kernels.config import EngineConfig
 from kernels.engine_types import EngineRequest
 from kernels.perf import PerfModel
+from kernels.tiers import DEFAULT_TIERS, TierSlo, slo_for
 
 KINDS = ("iteration", "arrival", "tick")  # simultaneous events run in this order
 _UNMODELLED_MAX_RUNNING = 64  # a pool no plan has sized yet
@@ -316,8 +316,7 @@ class FleetSim:
         out.finished_at[index] = now
         ttft = out.first_at[index] - spec.arrival_s + out.overhead_s[index]
         tpot = (now - out.first_at[index]) / (spec.output_tokens - 1) if spec.output_tokens > 1 else 0.0
-        slo = self.settings.tiers.get(spec.tier) or self.settings.tiers["standard"]
-        met = bool(slo.met(ttft, tpot))
+        met = bool(slo_for(self.settings.tiers, spec.tier).met(ttft, tpot))  # numpy floats: a numpy bool otherwise
         out.met_slo[index] = met
         rep.state.end(spec.input_tokens + spec.output_tokens, self.work[index])
         self.telemetry.record_outcome(now, self.shapes[index], rep.pool, met, spec.output_tokens)

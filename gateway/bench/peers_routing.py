@@ -169,16 +169,16 @@ def write_polymorph_config(directory: Path, pool_to_urls: dict[str, list[str]], 
 def _measure(
     args: argparse.Namespace, name_to_url: dict[str, str], pool_to_urls: dict[str, list[str]], say: Callable[[str], None]
 ) -> list[RoutingFigures]:
+    from kernels.tiers import DEFAULT_TIERS
     from loadtest.metrics import RunFacts, summarize
     from loadtest.runner import RunnerConfig, run
     from loadtest.scenario import build_workload, load_scenario
-    from loadtest.slo import DEFAULT_TIER_SLOS, TierSlo
     from loadtest.transform import speed_up
 
     speed = args.speed
     scenario = load_scenario(SCENARIO_PATH)
     workload = speed_up(build_workload(scenario, args.routing_duration, args.routing_rate or None, args.seed), speed)
-    tier_to_slo = {tier: TierSlo(slo.ttft_s / speed, slo.tpot_s / speed) for tier, slo in DEFAULT_TIER_SLOS.items()}
+    tier_to_slo = {tier: slo.sped_up(speed) for tier, slo in DEFAULT_TIERS.items()}
     replica_urls = [url for urls in pool_to_urls.values() for url in urls]
     replica_names = [f"{pool}-{index}" for pool, urls in pool_to_urls.items() for index in range(len(urls))]
     targets = [Target(name, url, url, None) for name, url in name_to_url.items()]
@@ -225,13 +225,13 @@ def with_fresh_prefixes(workload: Workload, salt_index: int) -> Workload:
 def kept_up(summary: dict[str, object], speed: float) -> bool:
     """Whether the run measured the routers rather than this machine: the generator sent at its target
     rate, and its p99 scheduling error (engine time) was under a small share of the tightest TTFT objective."""
-    from loadtest.slo import DEFAULT_TIER_SLOS
+    from kernels.tiers import DEFAULT_TIERS
 
     target, achieved = summary["target_rate"], summary["achieved_rate"]
     lag_p99_ms = summary["scheduling_error_ms"]["p99"]  # type: ignore[index]
     if target is None or achieved is None or lag_p99_ms is None:
         return True
-    tightest_ttft_s = min(slo.ttft_s for slo in DEFAULT_TIER_SLOS.values())
+    tightest_ttft_s = min(slo.ttft_p99_s for slo in DEFAULT_TIERS.values())
     return float(achieved) >= float(target) * (1 - _MAX_RATE_SHORTFALL) and \
         lag_p99_ms / 1000 * speed <= _MAX_LAG_SHARE_OF_TTFT * tightest_ttft_s  # type: ignore[operator]
 

@@ -15,13 +15,10 @@ from dataclasses import dataclass, replace
 
 import numpy as np
 
+from kernels.tiers import DEFAULT_TIERS, slo_for
+
 _NUM_QUANTILES = 5
-# Tier objectives of config.example.yaml (p99 TTFT, p99 TPOT), the SLOs the named shapes carry.
-TIER_SLOS: dict[str, tuple[float, float]] = {
-    "interactive": (1.0, 0.05),
-    "standard": (3.0, 0.10),
-    "batch": (60.0, 0.50),
-}
+_DEFAULT_TIER = "interactive"  # a shape's tier when none is named: the compiler plans for the tightest
 
 
 @dataclass(frozen=True, slots=True)
@@ -34,9 +31,9 @@ class TrafficShape:
     domain_mix: tuple[tuple[str, float], ...] = (("chat", 1.0),)
     prefix_share: float = 0.0  # fraction of prompt tokens a prefix cache can reuse
     arrival_rate_rps: float | None = None  # offered load, when known
-    ttft_p99_s: float = 1.0
-    tpot_p99_s: float = 0.05
-    tier: str = "interactive"
+    ttft_p99_s: float = DEFAULT_TIERS[_DEFAULT_TIER].ttft_p99_s
+    tpot_p99_s: float = DEFAULT_TIERS[_DEFAULT_TIER].tpot_p99_s
+    tier: str = _DEFAULT_TIER
 
     def __post_init__(self) -> None:
         if not self.prompt_tokens or not self.output_tokens:
@@ -87,9 +84,9 @@ class TrafficShape:
             domain_mix=_normalise_mix(pairs),
             prefix_share=float(values.get("prefix_share", 0.0)),  # type: ignore[arg-type]
             arrival_rate_rps=None if values.get("arrival_rate_rps") is None else float(values["arrival_rate_rps"]),  # type: ignore[arg-type]
-            ttft_p99_s=float(values.get("ttft_p99_s", 1.0)),  # type: ignore[arg-type]
-            tpot_p99_s=float(values.get("tpot_p99_s", 0.05)),  # type: ignore[arg-type]
-            tier=str(values.get("tier", "interactive")),
+            ttft_p99_s=float(values.get("ttft_p99_s", DEFAULT_TIERS[_DEFAULT_TIER].ttft_p99_s)),  # type: ignore[arg-type]
+            tpot_p99_s=float(values.get("tpot_p99_s", DEFAULT_TIERS[_DEFAULT_TIER].tpot_p99_s)),  # type: ignore[arg-type]
+            tier=str(values.get("tier", _DEFAULT_TIER)),
         )
 
 
@@ -148,7 +145,8 @@ def shape_from_samples(
     for domain in domains or ["chat"]:
         counts[domain] = counts.get(domain, 0.0) + 1.0
     rate = len(prompt_tokens) / duration_s if duration_s and duration_s > 0 else None
-    ttft, tpot = slos or TIER_SLOS.get(tier, TIER_SLOS["interactive"])
+    slo = slo_for(DEFAULT_TIERS, tier)
+    ttft, tpot = slos or (slo.ttft_p99_s, slo.tpot_p99_s)
     return TrafficShape(name, prompts, outputs, _normalise_mix(counts.items()), prefix_share, rate, ttft, tpot, tier)
 
 
@@ -161,8 +159,8 @@ def _normalise_mix(pairs: Sequence[tuple[str, float]] | object) -> tuple[tuple[s
 
 
 def _named(name: str, prompts: tuple[int, ...], outputs: tuple[int, ...], mix: dict[str, float], share: float, tier: str) -> TrafficShape:
-    ttft, tpot = TIER_SLOS[tier]
-    return TrafficShape(name, prompts, outputs, _normalise_mix(mix.items()), share, None, ttft, tpot, tier)
+    slo = DEFAULT_TIERS[tier]
+    return TrafficShape(name, prompts, outputs, _normalise_mix(mix.items()), share, None, slo.ttft_p99_s, slo.tpot_p99_s, tier)
 
 
 # Built-in shapes; their lengths are illustrative quantiles consistent with config.example.yaml's

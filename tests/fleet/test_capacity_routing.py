@@ -15,8 +15,8 @@ from fleet.pool import PoolState, ReplicaState
 from fleet.queueing import PoolQueue
 from fleet.router import Reject, Route, RouterSettings, route
 from fleet.telemetry import ShapeLoad, Telemetry
-from fleet.tiers import DEFAULT_TIERS
 from kernels.config import EngineConfig
+from kernels.tiers import DEFAULT_TIERS
 
 BATCH = Shape("short-chat", "chat", 0.9, 100, 50, 120, "batch", "demo", 0, None, False)
 

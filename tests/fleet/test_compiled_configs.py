@@ -17,10 +17,10 @@ from fleet.options import pool_options
 from fleet.rollout import SlotState
 from fleet.simulator.run import simulate
 from fleet.telemetry import ShapeLoad, Telemetry
-from fleet.tiers import DEFAULT_TIERS
 from kernels.catalog import get_gpu, get_model
 from kernels.compiler import Budget, CompileWorker, TrialStore
 from kernels.config import EngineConfig
+from kernels.tiers import DEFAULT_TIERS
 from loadtest.scenario import build_workload, load_scenario
 from tests.fleet.test_controller_sim import TableCapacity
 from tests.fleet.test_planner_rollout import FakeActuator, tick

@@ -14,7 +14,7 @@ from fleet.health import CircuitBreaker, HealthState
 from fleet.pool import PoolState, ReplicaState
 from fleet.queueing import PoolQueue
 from fleet.router import Reject, Route, RouterSettings, Wait, foreign_requests, pick_replica, poisson_at_least, route, slo_chance, work_units
-from fleet.tiers import DEFAULT_TIERS
+from kernels.tiers import DEFAULT_TIERS
 
 SETTINGS = RouterSettings()
 SHAPE = Shape("short-chat", "chat", 0.9, 100, 50, 120, "standard", "demo", 0, None, False)

@@ -5,7 +5,8 @@ from __future__ import annotations
 from dataclasses import replace
 
 from gateway.admission import RetryBudget, TenantLimiter, TokenBucket
-from gateway.config import DEFAULT_TIERS, demo_tenant
+from gateway.config import demo_tenant
+from kernels.tiers import DEFAULT_TIERS
 
 TENANT = replace(demo_tenant(DEFAULT_TIERS), requests_per_min=60.0, tokens_per_min=600.0, max_concurrency=2)
 

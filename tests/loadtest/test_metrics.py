@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import pytest
 
+from kernels.tiers import DEFAULT_TIERS, TierSlo
 from loadtest.metrics import RunFacts, generator_health, span_rate, summarize, timeline_bin_s
 from loadtest.record import RequestRecord
-from loadtest.slo import DEFAULT_TIER_SLOS, TierSlo, meets_slo
+from loadtest.slo import meets_slo
 
 
 def _record(index: int, tier: str, ttft_s: float | None, tpot_s: float | None, *, tenant: str = "a",
@@ -36,13 +37,13 @@ FIXTURE = (
 
 
 def test_meets_slo_cases() -> None:
-    met = [meets_slo(record, DEFAULT_TIER_SLOS[record.tier]) for record in FIXTURE]
+    met = [meets_slo(record, DEFAULT_TIERS[record.tier]) for record in FIXTURE]
     assert met == [True, False, False, True, True, False, True, False, False, True]
 
 
 def test_goodput_overall_per_tier_and_per_tenant_match_hand_counts() -> None:
     facts = RunFacts("fixture", "http://x", "m", "open-loop", True, duration_s=10.0)
-    summary = summarize(FIXTURE, facts, DEFAULT_TIER_SLOS)
+    summary = summarize(FIXTURE, facts, DEFAULT_TIERS)
     assert summary["requests"] == 10 and summary["completed"] == 8 and summary["errors"] == 2
     assert summary["goodput_rps"] == pytest.approx(0.5)  # 5 met / 10 s
     assert summary["slo_attainment"] == pytest.approx(0.5)
@@ -63,7 +64,7 @@ def test_goodput_overall_per_tier_and_per_tenant_match_hand_counts() -> None:
 
 def test_goodput_over_time_bins_by_scheduled_arrival() -> None:
     facts = RunFacts("fixture", "http://x", "m", "open-loop", True, duration_s=10.0)
-    line = summarize(FIXTURE, facts, DEFAULT_TIER_SLOS)["timeline"]
+    line = summarize(FIXTURE, facts, DEFAULT_TIERS)["timeline"]
     assert line["bin_s"] == 1.0
     assert line["requests"] == [1] * 10
     assert line["goodput_rps"] == [1.0, 0.0, 0.0, 1.0, 1.0, 0.0, 1.0, 0.0, 0.0, 1.0]
@@ -71,7 +72,7 @@ def test_goodput_over_time_bins_by_scheduled_arrival() -> None:
 
 
 def test_custom_objectives_change_the_count() -> None:
-    lenient = {**DEFAULT_TIER_SLOS, "interactive": TierSlo(ttft_s=2.0, tpot_s=0.1)}
+    lenient = {**DEFAULT_TIERS, "interactive": TierSlo(ttft_p99_s=2.0, tpot_p99_s=0.1)}
     facts = RunFacts("fixture", "http://x", "m", "open-loop", True, duration_s=10.0)
     assert summarize(FIXTURE, facts, lenient)["goodput_rps"] == pytest.approx(0.7)
 

@@ -6,22 +6,23 @@ from pathlib import Path
 
 import pytest
 
-from loadtest.slo import DEFAULT_TIER_SLOS, TierSlo, load_slos, override_slos, slo_for
+from kernels.tiers import DEFAULT_TIERS, TierSlo, slo_for
+from loadtest.slo import load_slos, override_slos
 from tests.conftest import REPO
 
 
 def test_defaults_match_the_example_config() -> None:
-    assert load_slos(REPO / "config.example.yaml") == DEFAULT_TIER_SLOS
+    assert load_slos(REPO / "config.example.yaml") == DEFAULT_TIERS
 
 
 def test_file_and_flag_overrides(tmp_path: Path) -> None:
     path = tmp_path / "slo.yaml"
     path.write_text("tiers:\n  interactive: {ttft_p99_s: 0.5}\n  premium: {ttft_p99_s: 0.2, tpot_p99_s: 0.02}\n")
     tier_to_slo = load_slos(path)
-    assert tier_to_slo["interactive"] == TierSlo(0.5, 0.05)
-    assert tier_to_slo["premium"] == TierSlo(0.2, 0.02)
-    assert override_slos(tier_to_slo, "tpot_s", ["batch=1.5"])["batch"] == TierSlo(60.0, 1.5)
-    assert slo_for(tier_to_slo, "unknown") == DEFAULT_TIER_SLOS["standard"]
+    assert tier_to_slo["interactive"] == TierSlo(0.5, 0.05, priority=0, deadline_s=60.0)  # the rest stays the default's
+    assert tier_to_slo["premium"] == TierSlo(0.2, 0.02)  # a new tier starts from the standard tier's
+    assert override_slos(tier_to_slo, "tpot_p99_s", ["batch=1.5"])["batch"] == TierSlo(60.0, 1.5, priority=2, deadline_s=3600.0)
+    assert slo_for(tier_to_slo, "unknown") == DEFAULT_TIERS["standard"]
 
 
 @pytest.mark.parametrize(
@@ -35,4 +36,4 @@ def test_bad_slo_files_are_clear_errors(tmp_path: Path, text: str, message: str)
     with pytest.raises(ValueError, match=message):
         load_slos(path)
     with pytest.raises(ValueError, match="TIER=SECONDS"):
-        override_slos(DEFAULT_TIER_SLOS, "ttft_s", ["0.5"])
+        override_slos(DEFAULT_TIERS, "ttft_p99_s", ["0.5"])

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from loadtest.spec import RowIssue
+from kernels.traces import RowIssue
 from loadtest.traces import TraceFormatError, read_trace, sniff_format, write_native
 
 FIXTURES = Path(__file__).parent / "fixtures"

@@ -67,3 +67,18 @@ def test_compile_runs_in_a_worker_process(tmp_path: Path) -> None:
                                                    evaluator="analytic"))
         result = future.result(timeout=120)
     assert result is not None and result.trials == 2 and result.store_path == str(store)
+
+
+def test_compile_reads_an_azure_2024_trace_with_utc_offsets(tmp_path: Path) -> None:
+    """Azure's 2024 trace stamps carry a UTC offset: every row counts (the compiler once skipped them all)."""
+    trace = tmp_path / "azure2024.csv"
+    stamps = [f"2024-05-10 00:00:{i // 2:02d}.{(i % 2) * 5}00000+00:00" for i in range(40)]
+    trace.write_text("TIMESTAMP,ContextTokens,GeneratedTokens\n"
+                     + "".join(f"{stamp},{512 + 64 * (i % 5)},{32 + i}\n" for i, stamp in enumerate(stamps)))
+    done = _polymorph("compile", "--model", "llama-3.1-8b", "--gpu", "H100", "--trace", str(trace), "--format", "azure",
+                      "--budget", "2", "--no-store", "--json")
+    assert done.returncode == 0, done.stderr
+    report = json.loads(done.stdout.strip().splitlines()[-1])
+    assert report["trials"] == 2 and report["predicted"]["goodput_rps"] > 0
+    shape, requests = shape_from_trace(trace, "azure")
+    assert len(requests) == 40 and requests[-1].arrival_s == 19.5 and shape.arrival_rate_rps == 40 / 19.5
