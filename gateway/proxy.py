@@ -65,16 +65,12 @@ def engine_priority(pool: PoolState, tier_priority: int) -> int | None:
     a client could otherwise jump the queue of every other tenant on the replica."""
     if not pool.priority_scheduling:
         return None
-    if pool.engine_kind == "sglang":
-        # sglang runs higher values first unless launched with --schedule-low-priority-values-first
-        # (which our sglang arguments do not pass): SchedulePolicy sorts its waiting queue by
-        # priority * priority_sign, with priority_sign = 1 if schedule_low_priority_values_first else -1
-        # (python/sglang/srt/managers/schedule_policy.py; server_args.py --enable-priority-scheduling:
-        # "Requests with higher priority integer values will be scheduled first by default").
-        return -tier_priority
-    if pool.engine_kind in ("vllm", "emulated"):
-        # vLLM's priority scheduler runs lower values first, as the tiers count; the emulator takes
-        # the gateway's own convention.
+    if pool.engine_kind in ("sglang", "vllm", "emulated"):
+        # One convention everywhere, lower values first, as the tiers count: vLLM's priority scheduler
+        # does so; sglang runs higher values first by default (SchedulePolicy sorts by priority *
+        # priority_sign, python/sglang/srt/managers/schedule_policy.py), so the pools Polymorph launches
+        # get --schedule-low-priority-values-first (kernels.config), and an sglang the operator runs
+        # behind `replicas: {urls: ...}` must be started with it too (README, Real engines).
         return tier_priority
     return None  # llama.cpp's server has no request priority
 

@@ -241,7 +241,7 @@ def _sent(stack: Stack, pool: str, tier: str, **extra: object) -> dict[str, obje
 def test_tiers_reach_engines_that_schedule_by_priority_in_their_own_convention(stack: Stack) -> None:
     for tier, priority in TIERS.items():
         assert _sent(stack, "vllm-prio", tier)["priority"] == priority  # vLLM: lower runs first
-        assert _sent(stack, "sglang-prio", tier)["priority"] == -priority  # sglang: higher runs first
+        assert _sent(stack, "sglang-prio", tier)["priority"] == priority  # sglang too: launched with --schedule-low-priority-values-first
     # the tenant's tier decides, not the client
     assert _sent(stack, "vllm-prio", "batch", priority=-100)["priority"] == 2
     # an engine without priority scheduling, or without priorities at all, gets the client's body as sent
@@ -256,7 +256,7 @@ def test_a_stream_asks_the_engine_for_usage_and_hides_a_usage_chunk_split_over_r
     chunks = list(stack.client.chat.completions.create(model="sglang-prio", messages=messages, stream=True, extra_headers={"x-polymorph-tier": "batch"}))
     assert chunks and all(chunk.choices for chunk in chunks)
     received = json.loads("".join(c.choices[0].delta.content or "" for c in chunks))
-    assert received["stream_options"] == {"include_usage": True} and received["priority"] == -2
+    assert received["stream_options"] == {"include_usage": True} and received["priority"] == 2
 
     # other stream options are kept; usage on every chunk (vLLM's continuous_usage_stats) still streams
     before = _tokens(stack, "completion")
