@@ -167,7 +167,8 @@ def test_a_replica_another_client_loads_directly_gets_the_gateways_new_requests_
             _eventually(lambda: all(r["engine"] for r in _replicas(gateway).values()), "both engines' figures")
             assert {r["engine_kind"] for r in _replicas(gateway).values()} == {"llamacpp"}
             direct = openai.OpenAI(base_url=a.url + "/v1", api_key="none", max_retries=0, timeout=120)
-            loaders = [threading.Thread(target=_generate_long, args=(direct,)) for _ in range(4)]
+            stop = threading.Event()
+            loaders = [threading.Thread(target=_generate_long, args=(direct, stop)) for _ in range(4)]
             for thread in loaders:
                 thread.start()
             try:
@@ -184,10 +185,17 @@ def test_a_replica_another_client_loads_directly_gets_the_gateways_new_requests_
                 client.close()
                 assert chosen == ["cpu-1"] * 3
             finally:
+                stop.set()
                 for thread in loaders:
                     thread.join(timeout=180)
                 direct.close()
 
 
-def _generate_long(client: openai.OpenAI) -> None:
-    client.completions.create(model=install.TINY_MODEL, prompt="Once upon a time", max_tokens=1500, extra_body={"ignore_eos": True})
+def _generate_long(client: openai.OpenAI, stop: threading.Event) -> None:
+    """A long generation, streamed until ``stop`` (closing the stream makes llama-server drop it)."""
+    stream = client.completions.create(model=install.TINY_MODEL, prompt="Once upon a time", max_tokens=1500, stream=True,
+                                       extra_body={"ignore_eos": True})
+    with stream:
+        for _ in stream:
+            if stop.is_set():
+                return
