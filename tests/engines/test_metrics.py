@@ -15,8 +15,10 @@ import pytest
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.exposition import generate_latest
 
+from fleet.engines import install
 from fleet.engines.load import EngineLoad
 from fleet.engines.metrics import parse_load, prefix_hit_fraction
+from tests.support.engines import llama_server
 from tests.support.procs import running, start_emulator
 
 _LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
@@ -171,3 +173,17 @@ def test_an_emulated_replicas_metrics_are_read(tmp_path: Path) -> None:
         urllib.request.urlopen(request, timeout=30).read()
         after = parse_load("emulated", urllib.request.urlopen(emulator.url + "/metrics", timeout=10).read().decode(), now=1.0)
         assert after.generation_tokens_total == 7.0 and after.prompt_tokens_total and after.kv_usage_fraction is not None
+
+
+def test_a_llama_servers_metrics_are_read(tmp_path: Path, llama_server_bin: Path, tiny_gguf: Path) -> None:
+    with llama_server(llama_server_bin, tiny_gguf, "--metrics", "--parallel", "2", log_path=tmp_path / "llama.log") as server:
+        body = json.dumps({"model": install.TINY_MODEL, "prompt": "The quick brown fox jumps over the lazy dog and runs into the forest", "max_tokens": 8,
+                           "ignore_eos": True}).encode()
+        for _ in range(2):  # the same prompt twice: the second is found in the slot's prompt cache
+            request = urllib.request.Request(server.url + "/v1/completions", data=body, headers={"Content-Type": "application/json"})
+            urllib.request.urlopen(request, timeout=60).read()
+        load = parse_load("llamacpp", urllib.request.urlopen(server.url + "/metrics", timeout=10).read().decode(), now=3.0)
+    assert (load.num_running, load.num_waiting, load.generation_tokens_total) == (0, 0, 16.0)
+    assert load.kv_usage_fraction is None  # this build exports no KV usage
+    assert load.prompt_tokens_total == load.prefix_cache_queries_tokens and load.prompt_tokens_total is not None
+    assert load.prefix_cache_hits_tokens and 0 < load.prefix_cache_hits_tokens < load.prompt_tokens_total
