@@ -35,6 +35,10 @@ class ReplicaState:
     def serves(self, model: str) -> bool:
         return self.models is None or model in self.models
 
+    def routable(self, now: float) -> bool:
+        """May new requests go here: not draining, and its circuit breaker lets traffic through."""
+        return not self.draining and self.breaker.available(now)
+
     def begin(self, tokens: int, work: float = 1.0) -> None:
         self.num_in_flight += 1
         self.outstanding_tokens += tokens
@@ -91,7 +95,7 @@ class PoolState:
         return sum(r.work_in_flight for r in self.replicas)
 
     def num_routable(self, now: float) -> int:
-        return sum(1 for r in self.replicas if not r.draining and r.breaker.available(now))
+        return sum(1 for r in self.replicas if r.routable(now))
 
     @property
     def knows_capacity(self) -> bool:
@@ -102,7 +106,7 @@ class PoolState:
     def replicas_with_room(self, now: float) -> list[ReplicaState]:
         """Routable replicas carrying less than ``max_running_per_replica`` work: where a queued request may start."""
         return [r for r in self.replicas
-                if not r.draining and r.breaker.available(now) and r.work_in_flight < self.max_running_per_replica]
+                if r.routable(now) and r.work_in_flight < self.max_running_per_replica]
 
     def load_fraction(self, now: float) -> float:
         """Work in flight over what the available replicas run at once (inf when none is available)."""

@@ -185,7 +185,7 @@ def work_units(shape: Shape, pool: PoolState) -> float:
 
 def _num_to_leave(pool: PoolState, now: float, priority: int, num_routable: int, work: float) -> int:
     """Own-shape requests that must leave ``pool`` before a newcomer of ``priority`` and ``work`` runs."""
-    in_flight = sum(r.work_in_flight for r in pool.replicas if not r.draining and r.breaker.available(now))
+    in_flight = sum(r.work_in_flight for r in pool.replicas if r.routable(now))
     ahead = in_flight + (pool.queue.num_ahead(priority) if pool.queue is not None else 0)
     return math.ceil(ahead + work - num_routable * pool.max_running_per_replica - 1e-9)
 
@@ -238,7 +238,7 @@ def pick_replica(
     settings: RouterSettings,
     exclude: Collection[str] = (),
 ) -> ReplicaState | None:
-    live = [r for r in replicas if not r.draining and r.name not in exclude and r.serves(model) and r.breaker.available(now)]
+    live = [r for r in replicas if r.name not in exclude and r.serves(model) and r.routable(now)]
     if not live:
         return None
     if len(live) == 1:

@@ -219,7 +219,7 @@ class Handlers:
 
     async def readyz(self, request: web.Request) -> web.Response:
         now = asyncio.get_running_loop().time()
-        ready = any(r.breaker.available(now) and not r.draining for p in self.state.runtime.pools for r in p.replicas)
+        ready = any(r.routable(now) for p in self.state.runtime.pools for r in p.replicas)
         if ready:
             return web.Response(body=b'{"status":"ready"}', content_type=_JSON)
         return error_response(ApiError(503, "No replica is healthy yet.", "not_ready", retry_after_s=1.0))

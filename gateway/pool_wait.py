@@ -6,9 +6,9 @@ request is offered to that pool's bounded queue by tier priority and deadline (a
 its least urgent entry, possibly the newcomer). It is admitted, most urgent first, when a routable
 replica of the pool carries less than ``max_running_per_replica`` work: when a request on the pool
 ends, when the pools change (a replica added, a plan's larger concurrency, a reload) and on a short
-tick (a replica whose circuit breaker lets it back in). The pump picks the replica (``pick_replica``
-among those with room) and holds the slot for the waiter, so nothing that arrives meanwhile takes
-it. A request still waiting at its deadline (the router's wait budget, a share of its tier's TTFT
+tick (a replica whose circuit breaker lets it back in). The pump (fleet.dispatch, the simulator's
+too) picks the replica and this module holds the slot for the waiter, so nothing that arrives
+meanwhile takes it. A request still waiting at its deadline (the router's wait budget, a share of its tier's TTFT
 objective, in fleet time) is shed with 429 and ``Retry-After``; a client that goes away leaves the
 queue at once; a pool left with no routable replica hands its waiters back to be routed again.
 Everything runs on the event loop, the pools' only writer.
@@ -21,9 +21,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from classifiers.shape import Shape
+from fleet.dispatch import Queued, pump
 from fleet.pool import PoolState, ReplicaState
 from fleet.queueing import PoolQueue, Shed
-from fleet.router import Route, RouterSettings, Wait, pick_replica, work_units
+from fleet.router import Route, RouterSettings, Wait, work_units
 from gateway.errors import ApiError
 from gateway.metrics import GatewayMetrics
 from gateway.runtime import Runtime
@@ -45,6 +46,10 @@ class _Waiter:
     parked_at: float
     timer: asyncio.TimerHandle | None = None
     settled: bool = False  # out of the queue's books (given a slot, shed, routed again or gone)
+
+
+def _describe(waiter: _Waiter) -> Queued:
+    return Queued(waiter.shape, waiter.model, waiter.tried)
 
 
 class PoolWaits:
@@ -140,21 +145,14 @@ class PoolWaits:
                 self._pump(pool, queue, now)
 
     def _pump(self, pool: PoolState, queue: PoolQueue[_Waiter], now: float) -> None:
-        while len(queue):
-            room = pool.replicas_with_room(now)
-            if not room:
-                return
-            waiter, expired = queue.take(now)
-            self._shed_all(expired)
-            if waiter is None:
-                return
-            # a replica that failed this request is avoided while another has room, as the router would
-            replica = (pick_replica(waiter.shape, waiter.model, room, now, self.settings, waiter.tried)
-                       or pick_replica(waiter.shape, waiter.model, room, now, self.settings))
-            if replica is not None and not waiter.future.done():
-                replica.begin(waiter.tokens, waiter.work)
-                self.metrics.child(self.metrics.queue_wait, waiter.pool, waiter.shape.tier).observe(now - waiter.parked_at)
-            self._admit(waiter, replica)
+        pump(pool, queue, now, self.settings, _describe, lambda waiter, replica: self._take(waiter, replica, now), self._shed_all)
+
+    def _take(self, waiter: _Waiter, replica: ReplicaState | None, now: float) -> None:
+        """The dispatcher placed ``waiter`` (None: route it again): hold the slot for it until it takes it."""
+        if replica is not None and not waiter.future.done():
+            replica.begin(waiter.tokens, waiter.work)
+            self.metrics.child(self.metrics.queue_wait, waiter.pool, waiter.shape.tier).observe(now - waiter.parked_at)
+        self._admit(waiter, replica)
 
     def _admit(self, waiter: _Waiter, replica: ReplicaState | None) -> None:
         """Out of the queue with a held slot on ``replica``, or None: to be routed again."""

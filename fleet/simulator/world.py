@@ -23,12 +23,13 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from classifiers.shape import Shape, ShapeRules, default_shape_rules
+from fleet.dispatch import Queued, pump
 from fleet.health import CircuitBreaker
 from fleet.options import Options, PoolModel, pool_models
 from fleet.pool import PoolState, ReplicaState
 from fleet.queueing import PoolQueue, Shed
 from fleet.rollout import SlotState
-from fleet.router import Reject, RouterSettings, Wait, pick_replica, route, work_units
+from fleet.router import Reject, RouterSettings, Wait, route, work_units
 from fleet.simulator.events import Event, EventLoop
 from fleet.simulator.replica import VirtualReplica
 from fleet.simulator.traffic import SimRequest, Traffic
@@ -273,18 +274,15 @@ class FleetSim:
 
     def _pump(self, pool: PoolState, now: float) -> None:
         """Admit waiting requests, most urgent first, while a routable replica of ``pool`` has room."""
-        queue = pool.queue
-        while queue is not None and len(queue):
-            room = pool.replicas_with_room(now)
-            if not room:
-                return
-            index, expired = queue.take(now)
-            self._shed(expired)
-            if index is None:
-                return
-            replica = pick_replica(self._shape(index), self.settings.model, room, now, self.settings.router)
-            assert replica is not None
-            self._admit(index, self.slots[replica.name], now)
+        if pool.queue is not None:
+            pump(pool, pool.queue, now, self.settings.router, self._queued, lambda index, replica: self._place(index, replica, now), self._shed)
+
+    def _queued(self, index: int) -> Queued:
+        return Queued(self._shape(index), self.settings.model)
+
+    def _place(self, index: int, replica: ReplicaState | None, now: float) -> None:
+        assert replica is not None  # every replica of the simulator serves its one model
+        self._admit(index, self.slots[replica.name], now)
 
     def _drop(self, index: int) -> None:
         self.outcomes.num_dropped += 1
