@@ -17,6 +17,7 @@ from typing import Any
 from classifiers.config import ClassifierConfigError, rules_from_mapping
 from classifiers.shape import ShapeRules, default_shape_rules
 from fleet.engines.launch import EngineLaunch
+from fleet.router import RouterSettings
 from fleet.engines.load import ENGINE_KINDS
 from gateway.yamlsrc import ConfigError, FieldPath, YamlDoc, load_yaml
 from kernels.tiers import DEFAULT_TIERS, TierSlo
@@ -145,6 +146,7 @@ class GatewayConfig:
     # ``fleet.devices``: what the actuator may hand out, device kind -> ids ("cpu" slots or a GPU kind's
     # CUDA device ids on this host); empty: launched replicas get logical ids (emulated GPUs need none)
     devices: Mapping[str, tuple[str, ...]] = field(default_factory=dict)
+    router: RouterSettings = field(default_factory=RouterSettings)  # `router:`: how pools and replicas are chosen
     watched_files: tuple[Path, ...] = field(default=())
     tenants_dir: Path | None = None
 
@@ -385,6 +387,22 @@ def _check_engine(doc: YamlDoc, path: FieldPath, model: str | None, gpu: str | N
         raise doc.error((*path, "engine"), str(exc)) from None
 
 
+def _router(doc: YamlDoc) -> RouterSettings:
+    """``router:``: the router's knobs (fleet.router.RouterSettings; its defaults are today's behaviour)."""
+    d = RouterSettings()
+    r = _Reader(doc, ("router",), doc.data.get("router"), {"affinity_slack", "shed_priority", "shed_load_fraction",
+                                                            "shed_retry_after_s", "good_chance", "shed_chance", "wait_share"})
+    return RouterSettings(
+        affinity_slack=r.number("affinity_slack", d.affinity_slack, lo=1.0, hi=100.0),
+        shed_priority=r.number("shed_priority", d.shed_priority, lo=0, hi=100, integer=True),
+        shed_load_fraction=r.number("shed_load_fraction", d.shed_load_fraction, lo=0.01, hi=100.0),
+        shed_retry_after_s=r.number("shed_retry_after_s", d.shed_retry_after_s, lo=0.0, hi=3600.0),
+        good_chance=r.number("good_chance", d.good_chance, lo=0.0, hi=1.0),
+        shed_chance=r.number("shed_chance", d.shed_chance, lo=0.0, hi=1.0),
+        wait_share=r.number("wait_share", d.wait_share, lo=0.01, hi=1.0),
+    )
+
+
 def _controller(doc: YamlDoc, base: Path, raw: object) -> ControllerSettingsFile:
     r = _Reader(doc, ("fleet", "controller"), raw,
                 {"enabled", "tick_s", "decision_log", "capacity_cache", "mode", "url", "state_file", "report_s", "compile_store"})
@@ -570,7 +588,7 @@ def load_config(path: Path) -> GatewayConfig:
     doc = load_yaml(path)
     if not isinstance(doc.data, dict):
         raise doc.error((), "the config must be a YAML mapping")
-    known = {"server", "upstream", "tenants_dir", "tiers", "classifier", "shapes", "default_shape", "fleet"}
+    known = {"server", "upstream", "tenants_dir", "tiers", "classifier", "shapes", "default_shape", "fleet", "router"}
     _Reader(doc, (), doc.data, known)
     tiers = _tiers(doc)
     shapes = _shapes(doc)
@@ -590,6 +608,7 @@ def load_config(path: Path) -> GatewayConfig:
         actuator=actuator,
         ray=ray,
         devices=devices,
+        router=_router(doc),
         watched_files=(path, *tenant_files),
         tenants_dir=tenants_dir,
     )

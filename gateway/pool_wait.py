@@ -73,6 +73,7 @@ class PoolWaits:
         own, so it is routed as before. ``upstream.queue_max_len: 0`` turns queues off (the router
         then never answers ``Wait``); requests already waiting are still admitted or shed."""
         self.runtime = runtime
+        self.settings = runtime.config.router
         self._pools = {pool.name: pool for pool in runtime.pools}
         max_len = runtime.config.upstream.queue_max_len
         for pool in runtime.pools:

@@ -89,8 +89,7 @@ class Proxy:
     def __init__(self, pool: UpstreamPool, metrics: GatewayMetrics, settings: UpstreamSettings, now: float) -> None:
         self.pool = pool
         self.metrics = metrics
-        self.router_settings = RouterSettings()
-        self.waits = PoolWaits(metrics, self.router_settings)  # pools' queues; attached to each runtime as it goes live
+        self.waits = PoolWaits(metrics, RouterSettings())  # pools' queues; attached to each runtime as it goes live (with its router settings)
         self.retry_budget = RetryBudget(settings.retry_budget_ratio, now)
 
     async def forward(
@@ -117,7 +116,7 @@ class Proxy:
         while True:
             now = loop.time()
             # with the tiers, the router sheds the lowest tiers at once when every usable pool is full
-            decision = route(shape, model, runtime.pools, now, self.router_settings, tried, runtime.config.tiers)
+            decision = route(shape, model, runtime.pools, now, runtime.config.router, tried, runtime.config.tiers)
             if isinstance(decision, Reject):
                 if last_error is not None:
                     raise last_error

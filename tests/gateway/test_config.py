@@ -137,3 +137,10 @@ def test_bad_engine_launch_settings_name_file_line_and_field(tmp_path: Path, old
     assert info.value.field == field
     assert reason in info.value.reason
     assert info.value.line == _line_of(path, line_with)
+
+
+def test_router_settings_are_read_and_a_bad_one_names_its_line(tmp_path: Path) -> None:
+    assert load_config(REPO / "config.example.yaml").router.good_chance == 0.9
+    err = _error_for(tmp_path, "  good_chance: 0.9", "  good_chance: 1.5")
+    assert err.field == "router.good_chance" and "between 0 and 1" in err.reason
+    assert err.line == _line_of(Path(err.file), "good_chance: 1.5")
