@@ -12,12 +12,16 @@ import tempfile
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import pytest
 
 from fleet.engines import install
-from tests.conftest import free_port
-from tests.support.procs import Proc, start
+
+# tests.conftest imports this module for its fixtures, and procs imports tests.conftest: importing procs
+# here at the top would make the import order matter, so the helpers below import it when called.
+if TYPE_CHECKING:
+    from tests.support.procs import Proc
 
 __all__ = [
     "llama_server",
@@ -72,12 +76,16 @@ def _log_file(engine: str, log_path: Path | None) -> Path:
 def start_llama_server(binary: Path, gguf: Path, port: int, *extra_args: str, log_path: Path | None = None) -> Proc:
     """llama-server on 127.0.0.1:``port`` serving ``gguf`` as ``tiny-llama``, healthy. One thread by
     default: two threads beside other work on a two-core machine collapse its speed; a later ``-t`` wins."""
+    from tests.support.procs import start
+
     argv = ["-m", str(gguf), "--host", "127.0.0.1", "--port", str(port), "--alias", install.TINY_MODEL, "-t", "1", *extra_args]
     return start(argv, port, _log_file("llama-server", log_path), "/health", command=[str(binary)], timeout_s=LLAMA_START_TIMEOUT_S)
 
 
 def start_vllm(python: Path, hf_dir: Path, port: int, *extra_args: str, log_path: Path | None = None) -> Proc:
     """vLLM's OpenAI server on 127.0.0.1:``port`` serving ``hf_dir`` as ``tiny-llama``, healthy (about 40 s)."""
+    from tests.support.procs import start
+
     argv = ["--model", str(hf_dir), "--served-model-name", install.TINY_MODEL, "--host", "127.0.0.1", "--port", str(port),
             "--enforce-eager", "--dtype", "bfloat16", "--max-model-len", "2048", *extra_args]
     command = [str(python), "-m", "vllm.entrypoints.openai.api_server"]
@@ -86,6 +94,8 @@ def start_vllm(python: Path, hf_dir: Path, port: int, *extra_args: str, log_path
 
 @contextmanager
 def llama_server(binary: Path, gguf: Path, *extra_args: str, log_path: Path | None = None) -> Iterator[Proc]:
+    from tests.conftest import free_port
+
     proc = start_llama_server(binary, gguf, free_port(), *extra_args, log_path=log_path)
     try:
         yield proc
@@ -95,6 +105,8 @@ def llama_server(binary: Path, gguf: Path, *extra_args: str, log_path: Path | No
 
 @contextmanager
 def vllm_server(python: Path, hf_dir: Path, *extra_args: str, log_path: Path | None = None) -> Iterator[Proc]:
+    from tests.conftest import free_port
+
     proc = start_vllm(python, hf_dir, free_port(), *extra_args, log_path=log_path)
     try:
         yield proc
