@@ -17,13 +17,12 @@ from typing import Any
 from classifiers.config import ClassifierConfigError, rules_from_mapping
 from classifiers.shape import ShapeRules, default_shape_rules
 from fleet.engines.launch import EngineLaunch
-from fleet.router import RouterSettings
 from fleet.engines.load import ENGINE_KINDS
+from fleet.router import RouterSettings
 from gateway.yamlsrc import ConfigError, FieldPath, YamlDoc, load_yaml
 from kernels.tiers import DEFAULT_TIERS, TierSlo
+from loadtest.demo_credentials import DEMO_ADMIN_TOKEN, DEMO_API_KEY
 
-DEMO_API_KEY = "sk-polymorph-demo"
-DEMO_ADMIN_TOKEN = "polymorph-admin-demo"
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.:-]{0,62}$")
 _POOL_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.:@-]{0,62}$")  # and the controller's own names, <shape>@<gpu>
 _SHA256 = re.compile(r"^[0-9a-f]{64}$")

@@ -18,7 +18,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from gateway import controller_cli
-from gateway.config import DEMO_ADMIN_TOKEN, DEMO_API_KEY, GatewayConfig, PoolSpec
+from gateway.config import GatewayConfig, PoolSpec
+from loadtest.demo_credentials import DEMO_ADMIN_TOKEN, DEMO_API_KEY
 
 if TYPE_CHECKING:
     from gateway.live_fleet import LiveFleet
@@ -52,11 +53,7 @@ def register(commands: argparse._SubParsersAction) -> None:  # type: ignore[type
 
 
 def register_bench(benches: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
-    from gateway.bench import cli as bench_cli
-    from gateway.chaos import cli as chaos_cli
-
-    bench_cli.register_bench(benches)
-    chaos_cli.register_bench(benches)
+    """No `polymorph bench` entries: the gateway's benchmarks and chaos suite are the load tester's (loadtest/cli.py)."""
 
 
 def _load(args: argparse.Namespace) -> GatewayConfig:

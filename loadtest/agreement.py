@@ -192,8 +192,8 @@ def _simulate(workload: Any, budget: Mapping[str, int], capacity: Any, model: st
 
 def _live(args: argparse.Namespace, workload: Any, slots: list[SlotState], out_dir: Path, cache: str | None) -> Side:
     from fleet.actuators.local import free_port
-    from gateway.config import DEMO_ADMIN_TOKEN, DEMO_API_KEY
     from loadtest.demo import DEMO_CONFIG, decisions_since, fleet_time_slos, get_json, start_deployment
+    from loadtest.demo_credentials import DEMO_ADMIN_TOKEN, DEMO_API_KEY
     from loadtest.runner import RunnerConfig, run
     from loadtest.transform import speed_up
 

@@ -6,6 +6,8 @@ import argparse
 import sys
 from pathlib import Path
 
+from loadtest.bench import cli as bench_cli
+from loadtest.chaos import cli as chaos_cli
 from loadtest.sim_cli import register_bench_adapt, register_bench_agreement, register_simulate
 
 _DESCRIPTION = """\
@@ -112,7 +114,7 @@ examples:
 
 
 def _register_demo(commands: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
-    from gateway.config import DEMO_ADMIN_TOKEN, DEMO_API_KEY
+    from loadtest.demo_credentials import DEMO_ADMIN_TOKEN, DEMO_API_KEY
 
     p = commands.add_parser(
         "demo",
@@ -197,7 +199,9 @@ def _run_fast_backend(args: argparse.Namespace) -> int:
 
 
 def register_bench(benches: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
-    """Add this package's `polymorph bench` entries."""
+    """Add this package's `polymorph bench` entries: the gateway's benchmarks and chaos suite first."""
+    bench_cli.register_bench(benches)
+    chaos_cli.register_bench(benches)
     p = benches.add_parser(
         "loadgen",
         help="load generator accuracy: achieved vs target rate and scheduling error, swept over rates",
@@ -246,12 +250,12 @@ def _register_bench_priority(benches: argparse._SubParsersAction) -> None:  # ty
 
 
 def _run_bench_priority(args: argparse.Namespace) -> int:
-    from loadtest.bench_priority import main_bench
+    from loadtest.bench.priority import main_bench
 
     return main_bench(args)
 
 
 def _run_bench_loadgen(args: argparse.Namespace) -> int:
-    from loadtest.bench_loadgen import main_bench
+    from loadtest.bench.loadgen import main_bench
 
     return main_bench(args)

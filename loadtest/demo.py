@@ -31,8 +31,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Self
 
-from gateway.config import DEMO_ADMIN_TOKEN
 from kernels.tiers import DEFAULT_TIERS, TierSlo
+from loadtest import procs
+from loadtest.demo_credentials import DEMO_ADMIN_TOKEN
 from loadtest.spec import Workload
 
 if TYPE_CHECKING:
@@ -175,13 +176,7 @@ class Deployment:
     log_path: Path
 
     def stop(self) -> None:
-        if self.process.poll() is None:
-            self.process.send_signal(signal.SIGTERM)  # serve stops its replicas on the way out
-            try:
-                self.process.wait(30)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
-                self.process.wait(10)
+        procs.stop(self.process, grace_s=30.0)  # on SIGTERM serve stops its replicas on the way out
 
 
 def start_deployment(config: Path, base_url: str, log_path: Path) -> Deployment:
@@ -189,18 +184,11 @@ def start_deployment(config: Path, base_url: str, log_path: Path) -> Deployment:
     where = urllib.parse.urlsplit(base_url)
     argv = [sys.executable, "-m", "gateway.cli", "serve", "--config", str(config),
             "--host", where.hostname or "127.0.0.1", "--port", str(where.port or 80)]
-    log_path.parent.mkdir(parents=True, exist_ok=True)
-    with open(log_path, "wb") as log:
-        process = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
-    deployment = Deployment(process, log_path)
-    deadline = time.monotonic() + _START_TIMEOUT_S
-    while not answers(base_url):
-        if process.poll() is not None or time.monotonic() > deadline:
-            deployment.stop()
-            tail = log_path.read_text(errors="replace")[-2000:]
-            raise RuntimeError(f"`polymorph serve --config {config}` did not come up at {base_url}:\n{tail}")
-        time.sleep(0.5)
-    return deployment
+    try:
+        process = procs.start_healthy(argv, f"{base_url}/healthz", log_path, _START_TIMEOUT_S)
+    except RuntimeError as problem:
+        raise RuntimeError(f"`polymorph serve --config {config}` did not come up at {base_url}: {problem}") from None
+    return Deployment(process, log_path)
 
 
 class DecisionWatcher:

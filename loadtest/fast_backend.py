@@ -12,11 +12,9 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
-import socket
-import subprocess
 import sys
+import tempfile
 import time
-import urllib.request
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -26,8 +24,10 @@ import orjson
 from aiohttp import web
 
 from classifiers.tokens import count_chat_tokens
+from loadtest import procs
 
 _TOKEN = "tok "
+_START_TIMEOUT_S = 20.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -159,49 +159,19 @@ def serve(args: argparse.Namespace) -> int:
     return 0
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
 @contextmanager
 def fast_backend_process(port: int | None = None, *extra_args: str) -> Iterator[str]:
     """Run ``loadtest.fast_backend`` in a subprocess; yields its base URL once it answers /health."""
-    port = port or _free_port()
-    process = subprocess.Popen(
-        [sys.executable, "-m", "loadtest.fast_backend", "--port", str(port), *extra_args],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.PIPE,
-        env={**os.environ, "PYTHONUNBUFFERED": "1"},
-    )
+    port = port or procs.free_port()
     url = f"http://127.0.0.1:{port}"
-    try:
-        _wait_healthy(url, process)
-        yield url
-    finally:
-        process.terminate()
+    argv = [sys.executable, "-m", "loadtest.fast_backend", "--port", str(port), *extra_args]
+    with tempfile.TemporaryDirectory(prefix="polymorph-fast-backend-") as log_dir:  # its output, for a failed start's error
+        process = procs.start_healthy(argv, f"{url}/health", Path(log_dir) / "fast-backend.log", _START_TIMEOUT_S,
+                                      env={**os.environ, "PYTHONUNBUFFERED": "1"})
         try:
-            process.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait()
-        if process.stderr is not None:
-            process.stderr.close()
-
-
-def _wait_healthy(url: str, process: subprocess.Popen[bytes], timeout_s: float = 20.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if process.poll() is not None:
-            raise RuntimeError(f"fast backend exited with {process.returncode}")
-        try:
-            with urllib.request.urlopen(f"{url}/health", timeout=1) as response:
-                if response.status == 200:
-                    return
-        except OSError:
-            time.sleep(0.05)
-    raise RuntimeError(f"fast backend at {url} did not become healthy in {timeout_s} s")
+            yield url
+        finally:
+            procs.stop(process)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -115,6 +115,6 @@ def _run_simulate(args: argparse.Namespace) -> int:
 
 
 def _run_bench_adapt(args: argparse.Namespace) -> int:
-    from loadtest.bench_adapt import main_bench
+    from loadtest.bench.adapt import main_bench
 
     return main_bench(args)

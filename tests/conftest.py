@@ -2,19 +2,14 @@
 
 from __future__ import annotations
 
-import socket
 from pathlib import Path
 
 import pytest
 
+from loadtest.procs import free_port
+
 REPO = Path(__file__).resolve().parent.parent
 SHARED = REPO.parent / "shared"
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 @pytest.fixture

@@ -22,11 +22,7 @@ from typing import Any
 import aiohttp
 import orjson
 
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
+from fleet.actuators.local import free_port
 
 
 def start_emulator(model: str, gpu: str, port: int, config: dict[str, Any], extra: list[str] | None = None,
@@ -78,7 +74,7 @@ async def _level(base: str, concurrency: int, num_tokens: int) -> dict[str, Any]
 
 def main_bench(args: argparse.Namespace) -> int:
     levels = [int(level) for level in args.concurrency.split(",") if level.strip()]
-    port = _free_port()
+    port = free_port()
     config = {"max_running_requests": max(levels) * 2}
     process = start_emulator(args.model, args.gpu, port, config)
     results: list[dict[str, Any]] = []

@@ -1,4 +1,4 @@
-"""The `polymorph bench gateway` entry; the gateway's CLI registration calls ``register_bench``."""
+"""The `polymorph bench gateway`, `peers` and `dashboard` entries; loadtest/cli.py's ``register_bench`` calls ``register_bench`` here."""
 
 from __future__ import annotations
 
@@ -75,7 +75,7 @@ def _register_dashboard(benches: argparse._SubParsersAction) -> None:  # type: i
 def _run_bench_dashboard(args: argparse.Namespace) -> int:
     if not (args.rate > 0 and args.duration > 0 and args.poll_s > 0) or args.rounds < 1 or args.clients < 1:
         raise SystemExit("bench dashboard: --rate, --duration and --poll-s must be > 0, --rounds and --clients >= 1")
-    from gateway.bench.dashboard_cost import main_bench_dashboard
+    from loadtest.bench.dashboard_cost import main_bench_dashboard
 
     return main_bench_dashboard(args)
 
@@ -178,7 +178,7 @@ def _run_bench_peers(args: argparse.Namespace) -> int:
             setattr(args, field, short if quick else full)
     if min(args.duration, args.routing_duration, args.num_prompts) <= 0 or min(args.rounds, args.routing_rounds) < 1:
         raise SystemExit("bench peers: --duration, --routing-duration and --num-prompts must be > 0, rounds >= 1")
-    from gateway.bench.peers import main_bench_peers
+    from loadtest.bench.peers import main_bench_peers
 
     return main_bench_peers(args)
 
@@ -196,6 +196,6 @@ def _positive_ints(text: str) -> tuple[int, ...]:
 def _run_bench_gateway(args: argparse.Namespace) -> int:
     if args.duration <= 0 or args.rounds < 1 or args.soak_s < 0:
         raise SystemExit("bench gateway: --duration must be > 0, --rounds >= 1 and --soak-s >= 0")
-    from gateway.bench.harness import main_bench
+    from loadtest.bench.harness import main_bench
 
     return main_bench(args)

@@ -25,12 +25,13 @@ from typing import Any, Self
 
 import orjson
 
-from gateway.bench import load, payloads
-from gateway.bench.load import WrkResult
-from gateway.bench.processes import ProcessRegistry, default_pinning
-from gateway.bench.stack import Target, start_backend, start_target
-from gateway.bench.tools import SetupError, ensure_tools
-from gateway.config import DEMO_ADMIN_TOKEN
+from loadtest.bench import load, payloads
+from loadtest.bench.load import WrkResult
+from loadtest.bench.processes import default_pinning
+from loadtest.bench.stack import Target, start_backend, start_target
+from loadtest.bench.tools import SetupError, ensure_tools
+from loadtest.demo_credentials import DEMO_ADMIN_TOKEN
+from loadtest.procs import ProcessRegistry
 
 POLL_PATHS = ("/admin/state", "/admin/series?window_s=3600", "/admin/decisions")
 RUNS = ("direct", "gateway", "gateway+dashboard")

@@ -13,17 +13,13 @@ from pathlib import Path
 
 import orjson
 
-from gateway.bench import measure, report
-from gateway.bench.measure import Settings, SoakResult
-from gateway.bench.processes import (
-    Pinning,
-    ProcessRegistry,
-    default_pinning,
-    tree_rss_mb,
-)
-from gateway.bench.report import VariantFigures
-from gateway.bench.stack import VARIANTS, Target, start_backend, start_target
-from gateway.bench.tools import SetupError, ensure_tools
+from loadtest.bench import measure, report
+from loadtest.bench.measure import Settings, SoakResult
+from loadtest.bench.processes import Pinning, default_pinning, tree_rss_mb
+from loadtest.bench.report import VariantFigures
+from loadtest.bench.stack import VARIANTS, Target, start_backend, start_target
+from loadtest.bench.tools import SetupError, ensure_tools
+from loadtest.procs import ProcessRegistry
 
 
 def _say(line: str) -> None:

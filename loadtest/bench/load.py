@@ -14,8 +14,8 @@ import subprocess
 from dataclasses import dataclass
 from pathlib import Path
 
-from gateway.bench.payloads import DEMO_API_KEY
-from gateway.bench.processes import pinned
+from loadtest.bench.processes import pinned
+from loadtest.demo_credentials import DEMO_API_KEY
 
 _RESULT_LINE = re.compile(r"^BENCH_RESULT (.+)$", re.MULTILINE)
 

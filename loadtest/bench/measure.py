@@ -15,10 +15,10 @@ from pathlib import Path
 
 import numpy as np
 
-from gateway.bench import load, payloads
-from gateway.bench.load import WrkResult
-from gateway.bench.processes import tree_cpu_s, tree_rss_mb
-from gateway.bench.stack import Target, describe_answer
+from loadtest.bench import load, payloads
+from loadtest.bench.load import WrkResult
+from loadtest.bench.processes import tree_cpu_s, tree_rss_mb
+from loadtest.bench.stack import Target, describe_answer
 
 MODES = ("json", "stream")
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from gateway.bench import payloads
+from loadtest.bench import payloads
 
 _MAIN_TEMPLATE = """\
 daemon off;

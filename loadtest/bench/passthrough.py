@@ -4,7 +4,7 @@ It reads the body, checks it is JSON (as any OpenAI proxy must, to learn ``strea
 over one pooled ClientSession and returns the answer, streaming when the upstream streams. No
 auth, classification or metrics: whatever the gateway adds costs rate relative to this.
 
-Run: ``python -m gateway.bench.passthrough --upstream http://127.0.0.1:8080 --port 8100``.
+Run: ``python -m loadtest.bench.passthrough --upstream http://127.0.0.1:8080 --port 8100``.
 """
 
 from __future__ import annotations

@@ -5,7 +5,6 @@ from __future__ import annotations
 import orjson
 
 MODEL_ID = "bench-model"
-DEMO_API_KEY = "sk-polymorph-demo"
 CHAT_PATH = "/v1/chat/completions"
 
 

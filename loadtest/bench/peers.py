@@ -3,7 +3,7 @@
 The set-up (apt-get for wrk/nginx, one pip venv per peer) needs the package registries, so it runs
 first, in the host's network. The measurements then run in a child process in a new network
 namespace that holds only loopback (``unshare -n``), so nothing a peer does can leave the machine.
-The child gets the parsed options as JSON: ``python -m gateway.bench.peers --args-json '{...}'``.
+The child gets the parsed options as JSON: ``python -m loadtest.bench.peers --args-json '{...}'``.
 """
 
 from __future__ import annotations
@@ -18,12 +18,13 @@ from pathlib import Path
 
 import orjson
 
-from gateway.bench import peers_report, peers_setup
-from gateway.bench.harness import _sigterm_interrupts
-from gateway.bench.measure import Settings
-from gateway.bench.peers_stack import RAW_PEERS
-from gateway.bench.processes import Pinning, ProcessRegistry, default_pinning
-from gateway.bench.tools import SetupError, ensure_tools
+from loadtest.bench import peers_report, peers_setup
+from loadtest.bench.harness import _sigterm_interrupts
+from loadtest.bench.measure import Settings
+from loadtest.bench.peers_stack import RAW_PEERS
+from loadtest.bench.processes import Pinning, default_pinning
+from loadtest.bench.tools import SetupError, ensure_tools
+from loadtest.procs import ProcessRegistry
 
 PARTS = ("raw", "routing", "bench-serving")
 _PART_TO_ENVS = {"raw": ("sglang-router", "litellm"), "routing": ("sglang-router",), "bench-serving": ("sglang",)}
@@ -49,7 +50,7 @@ def main_bench_peers(args: argparse.Namespace) -> int:
             name_to_python[name] = str(python)
     options = {key: value for key, value in vars(args).items() if key != "handler"}
     options["name_to_python"] = name_to_python
-    child_argv = [sys.executable, "-m", "gateway.bench.peers", "--args-json", orjson.dumps(options).decode()]
+    child_argv = [sys.executable, "-m", "loadtest.bench.peers", "--args-json", orjson.dumps(options).decode()]
     wrapped = None if args.no_netns else peers_setup.netns_argv(child_argv)
     if wrapped is None and not args.no_netns:
         _say("bench peers: cannot make a loopback-only network namespace (needs root and unshare); "
@@ -102,7 +103,7 @@ def _raw_part(
     args: argparse.Namespace, run_dir: Path, tool_to_path: dict[str, str], pinning: Pinning,
     name_to_python: dict[str, Path], result: dict[str, object],
 ) -> str:
-    from gateway.bench.peers_raw import run_raw
+    from loadtest.bench.peers_raw import run_raw
 
     wanted = parse_list(args.peers, RAW_PEERS, "--peers")
     # A peer whose venv could not be set up is reported as skipped, not silently dropped.
@@ -136,7 +137,7 @@ def _raw_part(
 def _routing_part(
     args: argparse.Namespace, run_dir: Path, name_to_python: dict[str, Path], result: dict[str, object]
 ) -> str:
-    from gateway.bench.peers_routing import run_routing
+    from loadtest.bench.peers_routing import run_routing
 
     return run_routing(args, run_dir, name_to_python.get("sglang-router"), result, _say)
 
@@ -144,7 +145,7 @@ def _routing_part(
 def _bench_serving_part(
     args: argparse.Namespace, run_dir: Path, name_to_python: dict[str, Path], result: dict[str, object]
 ) -> str:
-    from gateway.bench.peers_clients import run_bench_serving
+    from loadtest.bench.peers_clients import run_bench_serving
 
     return run_bench_serving(args, run_dir, name_to_python.get("sglang"), result, _say)
 

@@ -20,9 +20,9 @@ from pathlib import Path
 
 import orjson
 
-from gateway.bench import payloads
-from gateway.bench.peers_setup import LITELLM
-from gateway.bench.processes import ProcessRegistry, free_port, wait_for_port
+from loadtest.bench.peers_setup import LITELLM
+from loadtest.demo_credentials import DEMO_API_KEY
+from loadtest.procs import ProcessRegistry, free_port, wait_for_port
 
 _MODEL = "llama-3.1-8b"
 _SHIPPED_TOKENIZER = "litellm/litellm_core_utils/tokenizers/anthropic_tokenizer.json"
@@ -89,7 +89,7 @@ def _run_tool(
         "--num-prompts", str(args.num_prompts), "--random-input-len", "256", "--random-output-len", "32",
         "--request-rate", "20", "--seed", str(args.seed), "--output-file", str(output),
     ]
-    env = {**os.environ, "OPENAI_API_KEY": payloads.DEMO_API_KEY, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
+    env = {**os.environ, "OPENAI_API_KEY": DEMO_API_KEY, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
     done = subprocess.run(argv, capture_output=True, text=True, env=env, timeout=600, check=False)
     if done.returncode != 0 or not output.exists():
         say(f"bench_serving failed ({done.returncode}): {(done.stdout + done.stderr)[-1500:]}")

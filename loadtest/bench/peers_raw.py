@@ -13,11 +13,12 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from gateway.bench import load, measure, payloads, report
-from gateway.bench.measure import Settings, median_of
-from gateway.bench.peers_stack import StartedPeer, start_peer
-from gateway.bench.processes import Pinning, ProcessRegistry, tree_rss_mb
-from gateway.bench.stack import start_backend
+from loadtest.bench import load, measure, payloads, report
+from loadtest.bench.measure import Settings, median_of
+from loadtest.bench.peers_stack import StartedPeer, start_peer
+from loadtest.bench.processes import Pinning, tree_rss_mb
+from loadtest.bench.stack import start_backend
+from loadtest.procs import ProcessRegistry
 
 _MIN_RATE_RPS = 10.0
 

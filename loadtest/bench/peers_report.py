@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import asdict
 
-from gateway.bench.peers_raw import PeerFigures
+from loadtest.bench.peers_raw import PeerFigures
 
 REFERENCE = "polymorph"
 # The targets, measured in the same run.

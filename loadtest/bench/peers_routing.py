@@ -5,7 +5,7 @@ Fleet: two H100 replicas compiled for short chat and two H200 replicas compiled 
 Routers: sglang-router ``round_robin`` and ``cache_aware`` (its defaults) over all four replicas;
 Polymorph with pools that declare no shapes (the router then balances on load with prefix affinity
 only); and Polymorph with the pools' shapes declared (classification picks the pool first). The
-workload (gateway/bench/data/peers-routing.yaml: interactive chat and code behind shared system
+workload (loadtest/bench/data/peers-routing.yaml: interactive chat and code behind shared system
 prompts, and long documents, with loadtest's fitted production lengths) is stretched by the speed,
 and the tier objectives too, so goodput, TTFT and TPOT are judged per tier in the emulated GPUs' own
 time; reported times are engine seconds. A speed below 1 emulates slower GPUs: the fleet is then busy
@@ -34,11 +34,11 @@ from typing import TYPE_CHECKING
 
 import orjson
 
-from gateway.bench import payloads
-from gateway.bench.measure import median_of, round_order
-from gateway.bench.peers_stack import sglang_router_argv
-from gateway.bench.processes import ProcessRegistry, free_port, wait_for_port
-from gateway.bench.stack import Target
+from loadtest.bench.measure import median_of, round_order
+from loadtest.bench.peers_stack import sglang_router_argv
+from loadtest.bench.stack import Target
+from loadtest.demo_credentials import DEMO_API_KEY
+from loadtest.procs import ProcessRegistry, free_port, wait_for_port
 
 if TYPE_CHECKING:
     from loadtest.spec import Workload
@@ -151,7 +151,7 @@ def write_polymorph_config(directory: Path, pool_to_urls: dict[str, list[str]], 
     tenants = directory / "tenants"
     tenants.mkdir(parents=True, exist_ok=True)
     tenant = {
-        "name": "bench", "api_key_sha256": [hashlib.sha256(payloads.DEMO_API_KEY.encode()).hexdigest()],
+        "name": "bench", "api_key_sha256": [hashlib.sha256(DEMO_API_KEY.encode()).hexdigest()],
         "rate_limits": {"requests_per_min": 10_000_000, "tokens_per_min": 10_000_000_000}, "max_concurrency": 100_000,
     }
     (tenants / "bench.yaml").write_bytes(orjson.dumps(tenant))
@@ -190,7 +190,7 @@ def _measure(
         for target in round_order(targets, round_index):
             _wait_for_idle(replica_urls, _DRAIN_TIMEOUT_S)
             config = RunnerConfig(
-                target_url=target.json_url, model=MODEL, api_key=payloads.DEMO_API_KEY, progress=False,
+                target_url=target.json_url, model=MODEL, api_key=DEMO_API_KEY, progress=False,
                 drain_timeout_s=60.0,
             )
             before = [_counters(url) for url in replica_urls]
@@ -318,7 +318,7 @@ def _median_split(splits: Sequence[Sequence[ReplicaShare]]) -> tuple[ReplicaShar
 
 
 def routing_summary(figures: Sequence[RoutingFigures], args: argparse.Namespace) -> dict[str, object]:
-    from gateway.bench.peers_report import MIN_GOODPUT_RATIO_VS_CACHE_AWARE
+    from loadtest.bench.peers_report import MIN_GOODPUT_RATIO_VS_CACHE_AWARE
 
     name_to_item = {item.router: item for item in figures}
     routers = {
@@ -382,7 +382,7 @@ def _cell(value: float | None, width: int) -> str:
 def _wait_for_models(base_url: str, timeout_s: float) -> None:
     """Until the router lists the model: its workers are registered and healthy."""
     deadline_at = time.monotonic() + timeout_s
-    headers = {"Authorization": f"Bearer {payloads.DEMO_API_KEY}"}
+    headers = {"Authorization": f"Bearer {DEMO_API_KEY}"}
     request = urllib.request.Request(base_url + "/v1/models", headers=headers)
     while time.monotonic() < deadline_at:
         try:

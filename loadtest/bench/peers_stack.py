@@ -14,15 +14,11 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from gateway.bench import nginx_conf, payloads
-from gateway.bench.processes import (
-    Pinning,
-    ProcessRegistry,
-    free_port,
-    pinned,
-    wait_for_port,
-)
-from gateway.bench.stack import Target, chat_url, probe_chat
+from loadtest.bench import nginx_conf, payloads
+from loadtest.bench.processes import Pinning, pinned
+from loadtest.bench.stack import Target, chat_url, probe_chat
+from loadtest.demo_credentials import DEMO_API_KEY
+from loadtest.procs import ProcessRegistry, free_port, wait_for_port
 
 RAW_PEERS = ("direct", "nginx", "sglang-router", "litellm", "polymorph", "polymorph-w2")
 _STARTUP_TIMEOUT_S = 180.0
@@ -104,7 +100,7 @@ def write_litellm_config(path: Path, api_base: str, model: str = payloads.MODEL_
                 "litellm_params": {"model": f"openai/{model}", "api_base": api_base, "api_key": "dummy"},
             }
         ],
-        "general_settings": {"master_key": payloads.DEMO_API_KEY},
+        "general_settings": {"master_key": DEMO_API_KEY},
         "litellm_settings": {"telemetry": False},
     }
     path.write_bytes(orjson.dumps(config))

@@ -27,14 +27,8 @@ import asyncio
 import hashlib
 import json
 import os
-import signal
-import socket
-import subprocess
 import sys
 import tempfile
-import time
-import urllib.error
-import urllib.request
 from collections.abc import Iterator, Sequence
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
@@ -42,6 +36,7 @@ from pathlib import Path
 
 import aiohttp
 
+from loadtest import procs
 from loadtest.client import PreparedRequest, prepare, send
 from loadtest.metrics import percentiles
 from loadtest.record import RequestRecord
@@ -60,43 +55,14 @@ def _say(line: str) -> None:
     print(line, file=sys.stderr, flush=True)
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
-def _wait_http(url: str, process: subprocess.Popen[bytes], timeout_s: float, log: Path) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if process.poll() is not None:
-            raise RuntimeError(f"{process.args!r} exited with {process.returncode}; its log ends:\n{log.read_text(errors='replace')[-2000:]}")
-        try:
-            with urllib.request.urlopen(url, timeout=1.0) as resp:
-                if resp.status == 200:
-                    return
-        except (urllib.error.URLError, OSError):
-            time.sleep(0.2)
-    raise TimeoutError(f"{url} did not answer within {timeout_s:g} s; see {log}")
-
-
 @contextmanager
 def _child(argv: Sequence[str], health_url: str, log: Path, timeout_s: float, env: dict[str, str] | None = None) -> Iterator[None]:
     """Run ``argv`` (its own process group) until the block ends; healthy when the block starts."""
-    with log.open("wb") as out:
-        process = subprocess.Popen(list(argv), stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                   start_new_session=True, env={**os.environ, **(env or {})})
+    process = procs.start_healthy(argv, health_url, log, timeout_s, env={**os.environ, **(env or {})}, new_session=True)
     try:
-        _wait_http(health_url, process, timeout_s, log)
         yield
     finally:
-        if process.poll() is None:
-            os.killpg(process.pid, signal.SIGTERM)
-            try:
-                process.wait(15)
-            except subprocess.TimeoutExpired:
-                os.killpg(process.pid, signal.SIGKILL)
-                process.wait(15)
+        procs.stop(process, grace_s=15.0, group=True)
 
 
 def _vllm_argv(python: Path, model_dir: Path, port: int, max_num_seqs: int) -> list[str]:
@@ -242,7 +208,7 @@ def main_bench(args: argparse.Namespace) -> int:
     with ExitStack() as stack:
         run_dir = Path(args.run_dir) if args.run_dir else Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="polymorph-bench-priority-")))
         run_dir.mkdir(parents=True, exist_ok=True)
-        vllm_port, gateway_port = _free_port(), _free_port()
+        vllm_port, gateway_port = procs.free_port(), procs.free_port()
         vllm_url, gateway_url = f"http://127.0.0.1:{vllm_port}", f"http://127.0.0.1:{gateway_port}"
         _say(f"bench priority: starting vLLM (--scheduling-policy priority --max-num-seqs {args.max_num_seqs}), about 40 s ...")
         stack.enter_context(_child(_vllm_argv(python, model_dir, vllm_port, args.max_num_seqs), vllm_url + "/health",

@@ -5,8 +5,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 
-from gateway.bench.load import WrkResult
-from gateway.bench.measure import SoakResult, median_of
+from loadtest.bench.load import WrkResult
+from loadtest.bench.measure import SoakResult, median_of
 
 # The targets for one gateway process on the 2-core machine.
 MIN_PEAK_RPS = 5000.0

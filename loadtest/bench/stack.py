@@ -14,14 +14,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from gateway.bench import nginx_conf, payloads
-from gateway.bench.processes import (
-    Pinning,
-    ProcessRegistry,
-    free_port,
-    pinned,
-    wait_for_port,
-)
+from loadtest.bench import nginx_conf, payloads
+from loadtest.bench.processes import Pinning, pinned
+from loadtest.demo_credentials import DEMO_API_KEY
+from loadtest.procs import ProcessRegistry, free_port, wait_for_port
 
 VARIANTS = ("direct", "passthrough", "nginx", "gateway")
 _STARTUP_TIMEOUT_S = 60.0
@@ -105,7 +101,7 @@ def _nginx_argv(nginx: str, conf: Path, conf_dir: Path) -> list[str]:
 
 def _python_proxy_argv(name: str, upstream_url: str, port: int, gateway_args: Sequence[str]) -> list[str]:
     if name == "passthrough":
-        return [sys.executable, "-m", "gateway.bench.passthrough", "--upstream", upstream_url, "--port", str(port)]
+        return [sys.executable, "-m", "loadtest.bench.passthrough", "--upstream", upstream_url, "--port", str(port)]
     if name == "gateway":
         return [
             sys.executable, "-m", "gateway.cli", "serve", "--upstream", upstream_url, "--port", str(port),
@@ -132,7 +128,7 @@ def _chat_request(url: str, stream: bool) -> urllib.request.Request:
     return urllib.request.Request(
         url,
         data=payloads.chat_request_body(stream),
-        headers={"Content-Type": "application/json", "Authorization": f"Bearer {payloads.DEMO_API_KEY}"},
+        headers={"Content-Type": "application/json", "Authorization": f"Bearer {DEMO_API_KEY}"},
     )
 
 

@@ -20,15 +20,15 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from gateway.chaos.fleet_faults import ControllerStack, FleetFaultSettings, load_until
-from gateway.chaos.load import OK, percentile
-from gateway.chaos.report import Check, ScenarioResult, summarize
-from gateway.chaos.stack import POLYMORPH
 from kernels.catalog import get_gpu, get_model
 from kernels.compiler.evaluators import Metrics
 from kernels.compiler.shape import get_shape
 from kernels.compiler.store import Fingerprints, StoreError, TrialStore
 from kernels.config import EngineConfig
+from loadtest.chaos.fleet_faults import ControllerStack, FleetFaultSettings, load_until
+from loadtest.chaos.load import OK, percentile
+from loadtest.chaos.report import Check, ScenarioResult, summarize
+from loadtest.chaos.stack import POLYMORPH
 
 _GOOD = json.dumps({"at_unix_s": 1.0, "kind": "plan", "evidence": {"reason": "written before the crash"}})
 _CORRUPT = (_GOOD, '{"at_unix_s": 2.0, "kind": "st', "\x00\x00\x00", "[]", _GOOD)  # a torn write, zeros, not a decision

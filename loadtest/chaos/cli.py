@@ -1,4 +1,4 @@
-"""The `polymorph bench chaos` entry; gateway/serve_cli.py's ``register_bench`` calls ``register_bench`` here."""
+"""The `polymorph bench chaos` entry; loadtest/cli.py's ``register_bench`` calls ``register_bench`` here."""
 
 from __future__ import annotations
 
@@ -46,6 +46,6 @@ def register_bench(benches: argparse._SubParsersAction) -> None:  # type: ignore
 def _run_bench_chaos(args: argparse.Namespace) -> int:
     if args.rate <= 0 or args.duration <= 0 or args.idle_streams < 0:
         raise SystemExit("bench chaos: --rate and --duration must be > 0, --idle-streams >= 0")
-    from gateway.chaos.runner import main_bench
+    from loadtest.chaos.runner import main_bench
 
     return main_bench(args)

@@ -22,11 +22,11 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Self
 
-from gateway.bench.processes import ProcessRegistry, free_port
-from gateway.chaos.fleet_faults import DEADLINE_S, FleetFaultSettings, fleet_request, write_fleet_config
-from gateway.chaos.load import OK, Answer, ChaosClient, open_loop, percentile
-from gateway.chaos.report import Check, ScenarioResult, summarize
-from gateway.chaos.stack import POLYMORPH, http_get, metric_sum, wait_http
+from loadtest.chaos.fleet_faults import DEADLINE_S, FleetFaultSettings, fleet_request, write_fleet_config
+from loadtest.chaos.load import OK, Answer, ChaosClient, open_loop, percentile
+from loadtest.chaos.report import Check, ScenarioResult, summarize
+from loadtest.chaos.stack import POLYMORPH, STARTUP_TIMEOUT_S, http_get, metric_sum
+from loadtest.procs import ProcessRegistry, free_port, wait_http
 
 NEW_POOL = "short-chat@H100-SXM"  # the pool the controller's first plan moves both replicas to
 NUM_GATEWAYS = 2
@@ -65,7 +65,7 @@ class ExternalControllerDeployment:
         return self.registry.start(name, argv, env={**os.environ, "PYTHONUNBUFFERED": "1"})
 
     def wait_leading(self, controller: subprocess.Popen[bytes]) -> None:
-        wait_http(self.url + "/healthz", controller)
+        wait_http(self.url + "/healthz", controller, STARTUP_TIMEOUT_S)
 
     def start_gateways(self) -> None:
         env = {**os.environ, "PYTHONUNBUFFERED": "1"}
@@ -75,7 +75,7 @@ class ExternalControllerDeployment:
             started.append((f"http://127.0.0.1:{port}", self.registry.start(
                 f"gateway-{i}", [*POLYMORPH, "serve", "--config", str(self.config), "--port", str(port)], env=env)))
         for url, gateway in started:
-            wait_http(url + "/readyz", gateway)
+            wait_http(url + "/readyz", gateway, STARTUP_TIMEOUT_S)
         self.gateway_urls = [url for url, _ in started]
 
     def log(self, name: str) -> str:

@@ -12,7 +12,7 @@ import asyncio
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from gateway.chaos.load import (
+from loadtest.chaos.load import (
     CLEAR,
     OK,
     ChaosClient,
@@ -21,8 +21,8 @@ from gateway.chaos.load import (
     open_loop,
     percentile,
 )
-from gateway.chaos.report import Check, ScenarioResult, summarize
-from gateway.chaos.stack import ChaosStack, PoolPlan, StackPlan, TenantPlan
+from loadtest.chaos.report import Check, ScenarioResult, summarize
+from loadtest.chaos.stack import ChaosStack, PoolPlan, StackPlan, TenantPlan
 
 MODEL, SOLO_MODEL = "Llama-3.1-8B", "Qwen3-8B"
 LOAD_KEY = "sk-chaos-load"

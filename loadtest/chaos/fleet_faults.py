@@ -23,10 +23,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from gateway.bench.processes import ProcessRegistry, free_port
-from gateway.chaos.load import OK, ChaosClient, Request, chat_request, open_loop, percentile
-from gateway.chaos.report import Check, ScenarioResult, summarize
-from gateway.chaos.stack import POLYMORPH, http_get, metric_sum, wait_http
+from loadtest.chaos.load import OK, ChaosClient, Request, chat_request, open_loop, percentile
+from loadtest.chaos.report import Check, ScenarioResult, summarize
+from loadtest.chaos.stack import POLYMORPH, STARTUP_TIMEOUT_S, http_get, metric_sum
+from loadtest.procs import ProcessRegistry, free_port, wait_http
 
 MODEL, GPU = "llama-3.1-8b", "H100-SXM"
 KEY, ADMIN = "sk-chaos-fleet", "chaos-fleet-admin"
@@ -84,7 +84,7 @@ class ControllerStack:
                                       env={**os.environ, "PYTHONUNBUFFERED": "1"})
         self.gateway_pid = gateway.pid
         try:
-            wait_http(self.url + "/readyz", gateway)
+            wait_http(self.url + "/readyz", gateway, STARTUP_TIMEOUT_S)
         except Exception:
             self.registry.stop_all()
             raise

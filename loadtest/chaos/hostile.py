@@ -21,8 +21,8 @@ from pathlib import Path
 
 import orjson
 
-from gateway.chaos.report import Check, ScenarioResult
-from gateway.chaos.stack import ChaosStack
+from loadtest.chaos.report import Check, ScenarioResult
+from loadtest.chaos.stack import ChaosStack
 
 SCHEMATHESIS_BIN = Path.home() / ".cache" / "polymorph" / "schemathesis-venv" / "bin" / "schemathesis"
 _PATHS = ("/v1/chat/completions", "/v1/completions", "/v1/models", "/admin/state", "/metrics", "/healthz", "/nope")

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 import orjson
 
-from gateway.chaos.load import (
+from loadtest.chaos.load import (
     OK,
     Answer,
     ChaosClient,
@@ -33,8 +33,8 @@ from gateway.chaos.load import (
     open_loop,
     percentile,
 )
-from gateway.chaos.report import Check, ScenarioResult, summarize
-from gateway.chaos.stack import ChaosStack, PoolPlan, StackPlan, TenantPlan
+from loadtest.chaos.report import Check, ScenarioResult, summarize
+from loadtest.chaos.stack import ChaosStack, PoolPlan, StackPlan, TenantPlan
 
 MODEL, PROBE_MODEL = "Llama-3.1-8B", "Qwen3-8B"
 OVERLOAD_KEY, IDLE_KEY, TIERED_KEY = "sk-chaos-overload", "sk-chaos-idle", "sk-chaos-tiered"

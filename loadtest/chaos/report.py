@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
-from gateway.chaos.load import CLEAR, LOST, OK, Answer
+from loadtest.chaos.load import CLEAR, LOST, OK, Answer
 
 
 @dataclass(frozen=True, slots=True)

@@ -15,9 +15,9 @@ import tempfile
 from collections.abc import Sequence
 from pathlib import Path
 
-from gateway.chaos.broken_files import broken_decision_log, broken_trial_store
-from gateway.chaos.controller_faults import CONTROLLER_SCENARIOS
-from gateway.chaos.faults import (
+from loadtest.chaos.broken_files import broken_decision_log, broken_trial_store
+from loadtest.chaos.controller_faults import CONTROLLER_SCENARIOS
+from loadtest.chaos.faults import (
     FAULT_SCENARIOS,
     LOAD_KEY,
     MODEL,
@@ -25,9 +25,9 @@ from gateway.chaos.faults import (
     FaultSettings,
     fault_plan,
 )
-from gateway.chaos.fleet_faults import FLEET_SCENARIOS, FleetFaultSettings
-from gateway.chaos.hostile import hostile_input, run_schemathesis
-from gateway.chaos.pressure import (
+from loadtest.chaos.fleet_faults import FLEET_SCENARIOS, FleetFaultSettings
+from loadtest.chaos.hostile import hostile_input, run_schemathesis
+from loadtest.chaos.pressure import (
     OverloadSettings,
     idle_plan,
     idle_streams,
@@ -37,14 +37,14 @@ from gateway.chaos.pressure import (
     tier_overload,
     tier_overload_plan,
 )
-from gateway.chaos.report import (
+from loadtest.chaos.report import (
     Check,
     ScenarioResult,
     json_summary,
     render_table,
     skipped,
 )
-from gateway.chaos.stack import ChaosStack
+from loadtest.chaos.stack import ChaosStack
 
 HOSTILE_SCENARIOS = ("hostile-input", "schemathesis")
 PRESSURE_SCENARIOS = ("overload-3x", "tier-overload-3x", "idle-streams")

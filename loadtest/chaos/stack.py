@@ -22,10 +22,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from gateway.bench.processes import ProcessRegistry, free_port, tree_rss_mb
+from loadtest.bench.processes import tree_rss_mb
+from loadtest.procs import ProcessRegistry, free_port, wait_http
 
 POLYMORPH = (sys.executable, "-m", "gateway.cli")
-_STARTUP_TIMEOUT_S = 60.0
+STARTUP_TIMEOUT_S = 60.0  # a gateway loads its classifier; replicas beside a busy test run start slowly
 
 
 @dataclass(frozen=True, slots=True)
@@ -85,20 +86,6 @@ def http_get(url: str, headers: Mapping[str, str] | None = None, timeout_s: floa
             return err.code, err.read()
 
 
-def wait_http(url: str, child: subprocess.Popen[bytes], timeout_s: float = _STARTUP_TIMEOUT_S) -> None:
-    deadline_at = time.monotonic() + timeout_s
-    while time.monotonic() < deadline_at:
-        if child.poll() is not None:
-            raise RuntimeError(f"{child.args!r} exited with {child.returncode} before {url} answered")
-        try:
-            if http_get(url, timeout_s=1.0)[0] == 200:
-                return
-        except OSError:
-            pass
-        time.sleep(0.05)
-    raise RuntimeError(f"{url} did not answer within {timeout_s:.0f} s")
-
-
 class ChaosStack:
     """Start with ``start()``; every process is ended by ``stop()`` (or leaving the ``with`` block)."""
 
@@ -130,13 +117,13 @@ class ChaosStack:
         for replicas in self.replicas.values():
             for replica in replicas:
                 assert replica.process is not None
-                wait_http(replica.url + "/health", replica.process)
+                wait_http(replica.url + "/health", replica.process, STARTUP_TIMEOUT_S)
         self.write_config()
         env = {**os.environ, "PYTHONUNBUFFERED": "1"}
         self.gateway = self.registry.start(
             "gateway", [*POLYMORPH, "serve", "--config", str(self.config_path), "--port", str(self.gateway_port)], env=env
         )
-        wait_http(self.url + "/readyz", self.gateway)
+        wait_http(self.url + "/readyz", self.gateway, STARTUP_TIMEOUT_S)
         return self
 
     def stop(self) -> None:
@@ -217,7 +204,7 @@ class ChaosStack:
             return
         self._launch(replica)
         assert replica.process is not None
-        wait_http(replica.url + "/health", replica.process)
+        wait_http(replica.url + "/health", replica.process, STARTUP_TIMEOUT_S)
 
     # -- observing the gateway ------------------------------------------------------------------
 

@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from gateway.chaos.garbage import GarbageReplica
-from gateway.chaos.stack import ChaosStack, PoolPlan, StackPlan, TenantPlan
+from loadtest.chaos.garbage import GarbageReplica
+from loadtest.chaos.stack import ChaosStack, PoolPlan, StackPlan, TenantPlan
 from tests.conftest import free_port
 
 MODEL = "Llama-3.1-8B"

@@ -11,8 +11,8 @@ from __future__ import annotations
 import asyncio
 from pathlib import Path
 
-from gateway.chaos.broken_files import broken_decision_log, broken_trial_store
-from gateway.chaos.fleet_faults import FleetFaultSettings
+from loadtest.chaos.broken_files import broken_decision_log, broken_trial_store
+from loadtest.chaos.fleet_faults import FleetFaultSettings
 
 
 def test_broken_decision_log_under_load(tmp_path: Path) -> None:

@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from gateway.chaos.faults import FAULT_SCENARIOS, FaultRunner, FaultSettings, fault_plan
-from gateway.chaos.stack import ChaosStack
+from loadtest.chaos.faults import FAULT_SCENARIOS, FaultRunner, FaultSettings, fault_plan
+from loadtest.chaos.stack import ChaosStack
 
 
 @pytest.fixture(scope="module")

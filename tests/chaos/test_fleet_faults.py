@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from gateway.chaos.fleet_faults import FLEET_SCENARIOS, FleetFaultSettings
+from loadtest.chaos.fleet_faults import FLEET_SCENARIOS, FleetFaultSettings
 
 
 @pytest.mark.parametrize("name", sorted(FLEET_SCENARIOS))

@@ -13,8 +13,8 @@ import orjson
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from gateway.chaos.hostile import hostile_corpus, judge, raw_request, send_raw, trickle
-from gateway.chaos.stack import ChaosStack
+from loadtest.chaos.hostile import hostile_corpus, judge, raw_request, send_raw, trickle
+from loadtest.chaos.stack import ChaosStack
 from tests.chaos.conftest import BETA_KEY, MODEL
 
 _PATHS = st.sampled_from(["/v1/chat/completions", "/v1/completions", "/v1/models", "/admin/state", "/metrics", "/healthz", "/readyz", "/openapi.json", "/x"])

@@ -7,8 +7,8 @@ import time
 
 import orjson
 
-from gateway.chaos.hostile import RawAnswer, has_envelope, raw_request, send_raw
-from gateway.chaos.stack import ChaosStack
+from loadtest.chaos.hostile import RawAnswer, has_envelope, raw_request, send_raw
+from loadtest.chaos.stack import ChaosStack
 from tests.chaos.conftest import ALPHA_KEY, ALPHA_RPM, BETA_KEY, MODEL
 
 _MARKER = "zebra-prompt-marker-4417"

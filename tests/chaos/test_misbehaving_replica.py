@@ -13,9 +13,9 @@ import asyncio
 import orjson
 import pytest
 
-from gateway.chaos.garbage import MODES
-from gateway.chaos.hostile import has_envelope, raw_request, send_raw
-from gateway.chaos.stack import ChaosStack
+from loadtest.chaos.garbage import MODES
+from loadtest.chaos.hostile import has_envelope, raw_request, send_raw
+from loadtest.chaos.stack import ChaosStack
 from tests.chaos.conftest import BETA_KEY
 
 

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from gateway.chaos.pressure import (
+from loadtest.chaos.pressure import (
     OverloadSettings,
     idle_plan,
     idle_streams,
@@ -18,7 +18,7 @@ from gateway.chaos.pressure import (
     tier_overload,
     tier_overload_plan,
 )
-from gateway.chaos.stack import ChaosStack
+from loadtest.chaos.stack import ChaosStack
 
 
 def test_3x_overload_is_shed_fast_and_recovers(tmp_path: Path) -> None:

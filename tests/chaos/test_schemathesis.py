@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from gateway.chaos.hostile import SCHEMATHESIS_BIN, run_schemathesis
-from gateway.chaos.stack import ChaosStack
+from loadtest.chaos.hostile import SCHEMATHESIS_BIN, run_schemathesis
+from loadtest.chaos.stack import ChaosStack
 from tests.chaos.conftest import BETA_KEY
 
 

@@ -20,7 +20,7 @@ from typing import Any
 
 import pytest
 
-from gateway.bench.peers_setup import netns_argv
+from loadtest.bench.peers_setup import netns_argv
 from tests.conftest import REPO
 
 MODEL = "llama-3.1-8b"

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from gateway.bench.dashboard_cost import RUNS, Round, run_order, summarize
-from gateway.bench.load import WrkResult
+from loadtest.bench.dashboard_cost import RUNS, Round, run_order, summarize
+from loadtest.bench.load import WrkResult
 
 
 def _wrk(p50_ms: float, p99_ms: float, errors: int = 0) -> WrkResult:

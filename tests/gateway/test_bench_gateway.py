@@ -7,8 +7,8 @@ import argparse
 import orjson
 import pytest
 
-from gateway.bench import cli
-from gateway.bench.tools import SetupError, ensure_tools
+from loadtest.bench import cli
+from loadtest.bench.tools import SetupError, ensure_tools
 
 
 def _bench_args(argv: list[str]) -> argparse.Namespace:

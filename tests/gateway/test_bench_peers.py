@@ -9,11 +9,12 @@ from pathlib import Path
 import orjson
 import pytest
 
-from gateway.bench import cli, peers_report
-from gateway.bench.load import WrkResult
-from gateway.bench.peers import parse_list
-from gateway.bench.peers_raw import PeerFigures, common_rate
-from gateway.bench.peers_routing import (
+from gateway.config import load_config
+from loadtest.bench import cli, peers_report
+from loadtest.bench.load import WrkResult
+from loadtest.bench.peers import parse_list
+from loadtest.bench.peers_raw import PeerFigures, common_rate
+from loadtest.bench.peers_routing import (
     ReplicaShare,
     RoutingFigures,
     format_routing_table,
@@ -24,8 +25,7 @@ from gateway.bench.peers_routing import (
     with_fresh_prefixes,
     write_polymorph_config,
 )
-from gateway.bench.peers_stack import RAW_PEERS, write_litellm_config
-from gateway.config import load_config
+from loadtest.bench.peers_stack import RAW_PEERS, write_litellm_config
 
 
 def _args(argv: list[str]) -> argparse.Namespace:

@@ -7,8 +7,9 @@ from pathlib import Path
 
 import pytest
 
-from gateway.config import DEMO_API_KEY, load_config, sha256_hex
+from gateway.config import load_config, sha256_hex
 from gateway.yamlsrc import ConfigError
+from loadtest.demo_credentials import DEMO_API_KEY
 from tests.conftest import REPO
 
 

@@ -18,14 +18,14 @@ from fleet.decisions import Move
 from fleet.planner import Plan
 from fleet.telemetry import PoolSlo, ShapeLoad, Telemetry, TrafficMix
 from fleet.telemetry_batch import TelemetryBatch, parse, replay
-from gateway.chaos.controller_faults import CONTROLLER_SCENARIOS
-from gateway.chaos.fleet_faults import FleetFaultSettings
+from loadtest.chaos.controller_faults import CONTROLLER_SCENARIOS
+from loadtest.chaos.fleet_faults import FleetFaultSettings
 
 
 @pytest.mark.parametrize("name", sorted(CONTROLLER_SCENARIOS))
 def test_controller_killed_or_partitioned_mid_rollout_repeats_no_move_and_fails_no_request(tmp_path: Path, name: str) -> None:
     """controller-dies: kill -9 mid-rollout, a standby finishes it, a restarted controller serves the same plan;
-    controller-partitioned: SIGSTOP mid-rollout, then SIGCONT. The checks are the scenario's (gateway/chaos)."""
+    controller-partitioned: SIGSTOP mid-rollout, then SIGCONT. The checks are the scenario's (loadtest/chaos)."""
     result = asyncio.run(CONTROLLER_SCENARIOS[name](tmp_path, FleetFaultSettings(rate_rps=20.0)))
     assert result.passed, result.failures()
     assert result.sent > 0 and result.succeeded == result.sent and result.figures["moves_repeated"] == 0

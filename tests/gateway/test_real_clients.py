@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from gateway.bench.peers_setup import LITELLM, env_ready
+from loadtest.bench.peers_setup import LITELLM, env_ready
 from tests.support.procs import Proc, start_emulator, start_gateway
 
 MODEL = "llama-3.1-8b"

@@ -13,7 +13,7 @@ from pathlib import Path
 import openai
 import pytest
 
-from gateway.config import DEMO_ADMIN_TOKEN, DEMO_API_KEY
+from loadtest.demo_credentials import DEMO_ADMIN_TOKEN, DEMO_API_KEY
 from tests.conftest import REPO
 from tests.support.procs import start_gateway
 

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from gateway.cli import build_parser
-from loadtest.bench_priority import PHASES, main_bench
+from loadtest.bench.priority import PHASES, main_bench
 
 
 def test_bench_priority_runs_its_three_phases_and_prints_ratios_last(

@@ -1,4 +1,8 @@
-"""Real processes for end-to-end tests: emulated replicas and gateways on loopback."""
+"""Real processes for end-to-end tests: emulated replicas and gateways on loopback.
+
+Starting, waiting and stopping are loadtest.procs's (the benchmarks and the chaos suite use the same);
+this module adds the tests' conveniences: a ``Proc`` with its URL and log, polymorph subcommands by name.
+"""
 
 from __future__ import annotations
 
@@ -8,7 +12,6 @@ import os
 import signal
 import subprocess
 import sys
-import time
 import urllib.error
 import urllib.request
 from collections.abc import Iterator, Mapping, Sequence
@@ -16,6 +19,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
+from loadtest import procs
 from tests.conftest import REPO, free_port
 
 POLYMORPH = (sys.executable, "-m", "gateway.cli")
@@ -36,42 +40,20 @@ class Proc:
             self.process.wait(10)
 
     def stop(self) -> None:
-        if self.process.poll() is None:
-            self.process.terminate()
-            try:
-                self.process.wait(10)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
-                self.process.wait(10)
-
-
-def wait_http(url: str, timeout_s: float = 30.0, process: subprocess.Popen[bytes] | None = None) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if process is not None and process.poll() is not None:
-            raise RuntimeError(f"process exited with {process.returncode} before {url} answered")
-        try:
-            with urllib.request.urlopen(url, timeout=1.0) as resp:
-                if resp.status == 200:
-                    return
-        except (urllib.error.URLError, OSError):
-            time.sleep(0.05)
-    raise TimeoutError(f"{url} did not answer within {timeout_s} s")
+        procs.stop(self.process)
 
 
 def start(argv: Sequence[str], port: int, log_path: Path, health: str, *, command: Sequence[str] = POLYMORPH,
           timeout_s: float = 30.0, env: Mapping[str, str] | None = None) -> Proc:
     """Run ``command + argv`` (a polymorph subcommand unless ``command`` names another program) until ``health`` answers."""
+    url = f"http://127.0.0.1:{port}"
     full_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
-    with open(log_path, "wb") as log:  # the child keeps its own descriptor
-        process = subprocess.Popen([*command, *argv], cwd=REPO, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=full_env)
-    proc = Proc(process, f"http://127.0.0.1:{port}", log_path)
+    log_path.unlink(missing_ok=True)  # procs.start appends: a reused name's log holds this run only
     try:
-        wait_http(proc.url + health, timeout_s, process=process)
-    except Exception:
-        proc.stop()
-        raise RuntimeError(f"{argv[0] if command is POLYMORPH else command[0]} failed to start:\n{proc.log()}") from None
-    return proc
+        process = procs.start_healthy([*command, *argv], url + health, log_path, timeout_s, env=full_env, cwd=REPO)
+    except RuntimeError as problem:
+        raise RuntimeError(f"{argv[0] if command is POLYMORPH else command[0]} failed to start: {problem}") from None
+    return Proc(process, url, log_path)
 
 
 def start_emulator(tmp: Path, name: str, gpu: str = "H100-SXM", speed: float = 20.0, model: str = "llama-3.1-8b", extra: Sequence[str] = ()) -> Proc:

@@ -15,7 +15,6 @@ from pathlib import Path
 
 import pytest
 
-from gateway.bench.peers_setup import SGLANG, env_ready
 from kernels.catalog import get_gpu, get_model
 from kernels.compiler import Budget, TrialStore, compile_config
 from kernels.compiler.evaluators import AnalyticEvaluator
@@ -23,6 +22,7 @@ from kernels.compiler.gates import SGLANG_PYTHON_ENV, GateResult, ParserGate, sg
 from kernels.compiler.search import render_sglang_args
 from kernels.compiler.space import engine_default
 from kernels.config import EngineConfig, SglangTarget
+from loadtest.bench.peers_setup import SGLANG, env_ready
 from tests.kernels.compiler.test_compiler_gates import _Scripted
 
 
