@@ -1,9 +1,11 @@
 """Set-up of `polymorph bench peers`: one cached virtual environment per peer, and a loopback-only network.
 
-Each peer is installed at a pinned version into its own venv under ``~/.cache/polymorph/peers/<name>``
-(reused when its marker names the same requirement), never into the project's environment. The
-measurements then run inside a fresh network namespace holding only loopback, so that no peer can
-reach out (LiteLLM's price list, sglang-router's tokenizer look-up) whatever its settings say.
+Each peer is installed at a pinned version into its own venv under ``<cache>/peers/<name>``, the cache
+of ``fleet.engines.install`` (``~/.cache/polymorph`` unless ``$POLYMORPH_CACHE`` says otherwise), by its
+``pip_venv`` (reused when its marker names the same requirement; two processes asking at once install it
+once), never into the project's environment. The measurements then run inside a fresh network namespace
+holding only loopback, so that no peer can reach out (LiteLLM's price list, sglang-router's tokenizer
+look-up) whatever its settings say.
 """
 
 from __future__ import annotations
@@ -11,15 +13,13 @@ from __future__ import annotations
 import os
 import shutil
 import subprocess
-import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-CACHE_DIR = Path(os.environ.get("POLYMORPH_PEERS_CACHE", Path.home() / ".cache" / "polymorph" / "peers"))
+from fleet.engines.install import InstallError, Progress, cache_dir, pip_venv, venv_ready
+
 NETNS_ENV = "POLYMORPH_BENCH_IN_NETNS"
-_MARKER = ".polymorph-requirement"
-_INSTALL_TIMEOUT_S = 1800.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -32,8 +32,12 @@ class PeerEnv:
     note: str
 
     @property
+    def folder(self) -> Path:
+        return cache_dir() / "peers" / self.name
+
+    @property
     def python(self) -> Path:
-        return CACHE_DIR / self.name / "bin" / "python"
+        return self.folder / "bin" / "python"
 
 
 # Known-good pins (checked on PyPI when written). LiteLLM 1.107.x was a compromised release and
@@ -45,17 +49,25 @@ PEER_ENVS = {env.name: env for env in (SGLANG_ROUTER, LITELLM, SGLANG)}
 
 
 def env_ready(env: PeerEnv) -> bool:
-    marker = CACHE_DIR / env.name / _MARKER
-    return env.python.exists() and marker.exists() and marker.read_text().strip() == env.requirement
+    return venv_ready(env.folder, (env.requirement,))
+
+
+def install_env(env: PeerEnv, progress: Progress | None = None) -> Path:
+    """The venv's python, installed on first use; raises ``InstallError`` when pip or the import check fails."""
+    return pip_venv(env.folder, (env.requirement,), env.check_module, progress)
 
 
 def ensure_env(env: PeerEnv, install: bool, say: Callable[[str], None]) -> Path | None:
     """The venv's python, installing it first when allowed; None when it is absent or broken."""
     if not env_ready(env):
         if not install:
-            say(f"set-up: {env.name} is not installed in {CACHE_DIR / env.name} (--no-install); skipping it")
+            say(f"set-up: {env.name} is not installed in {env.folder} (--no-install); skipping it")
             return None
-        if not _install(env, say):
+        say(f"set-up: installing {env.requirement} into {env.folder} ({env.note}; once, then reused)")
+        try:
+            install_env(env, say)
+        except InstallError as problem:
+            say(f"set-up: {problem}")
             return None
     done = subprocess.run(
         [str(env.python), "-c", f"import {env.check_module}"], capture_output=True, text=True, check=False,
@@ -65,35 +77,6 @@ def ensure_env(env: PeerEnv, install: bool, say: Callable[[str], None]) -> Path 
         say(f"set-up: {env.name} is installed but `import {env.check_module}` fails: {done.stderr.strip()[-400:]}")
         return None
     return env.python
-
-
-def _install(env: PeerEnv, say: Callable[[str], None]) -> bool:
-    venv_dir = CACHE_DIR / env.name
-    say(f"set-up: installing {env.requirement} into {venv_dir} ({env.note}; once, then reused)")
-    if venv_dir.exists() and not env.python.exists():
-        shutil.rmtree(venv_dir)
-    steps = [
-        _venv_argv(venv_dir),
-        [str(venv_dir / "bin" / "pip"), "install", "-q", env.requirement],
-    ]
-    for argv in steps:
-        try:
-            done = subprocess.run(argv, capture_output=True, text=True, check=False, timeout=_INSTALL_TIMEOUT_S)
-        except subprocess.TimeoutExpired:
-            say(f"set-up: `{' '.join(argv)}` took over {_INSTALL_TIMEOUT_S:.0f} s; giving up on {env.name}")
-            return False
-        if done.returncode != 0:
-            problems = [line for line in done.stderr.splitlines() if not line.startswith("WARNING")]
-            say(f"set-up: `{' '.join(argv)}` failed ({done.returncode}): {' '.join(problems)[-600:]}")
-            return False
-    (venv_dir / _MARKER).write_text(env.requirement + "\n")
-    return True
-
-
-def _venv_argv(venv_dir: Path) -> list[str]:
-    # The base interpreter, not the project's venv: a peer must not see the project's packages.
-    base = getattr(sys, "_base_executable", None) or sys.executable
-    return [base, "-m", "venv", "--clear", str(venv_dir)]
 
 
 def in_loopback_netns() -> bool:

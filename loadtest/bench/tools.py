@@ -1,19 +1,15 @@
-"""Set-up: find wrk and nginx, installing them from Debian's packages when they are missing."""
+"""Set-up: find system tools (wrk and nginx for the benchmarks), installing them from Debian's packages when they are missing."""
 
 from __future__ import annotations
 
 import os
 import shutil
 import subprocess
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 
 # wrk drives the load (its LuaJIT paces the constant-rate runs); nginx is both the fixed-cost
 # backend and the compiled-proxy reference.
 _TOOL_TO_PACKAGE = {"wrk": "wrk", "nginx": "nginx"}
-_INSTRUCTIONS = (
-    "install them and rerun: `sudo apt-get install -y wrk nginx` on Debian/Ubuntu "
-    "(or your system's packages for wrk and nginx)"
-)
 
 
 class SetupError(RuntimeError):
@@ -25,15 +21,17 @@ def find_tool(name: str) -> str | None:
     return shutil.which(name) or shutil.which(name, path="/usr/sbin:/sbin")
 
 
-def ensure_tools(install: bool, say: Callable[[str], None]) -> dict[str, str]:
+def ensure_tools(install: bool, say: Callable[[str], None], tool_to_package: Mapping[str, str] = _TOOL_TO_PACKAGE) -> dict[str, str]:
     """Map each needed tool to its path, installing the missing ones with apt-get when allowed."""
-    missing = [tool for tool in _TOOL_TO_PACKAGE if find_tool(tool) is None]
+    missing = [tool for tool in tool_to_package if find_tool(tool) is None]
     if missing and install:
-        _apt_install([_TOOL_TO_PACKAGE[tool] for tool in missing], say)
-    tool_to_path = {tool: find_tool(tool) for tool in _TOOL_TO_PACKAGE}
+        _apt_install([tool_to_package[tool] for tool in missing], say)
+    tool_to_path = {tool: find_tool(tool) for tool in tool_to_package}
     still_missing = sorted(tool for tool, path in tool_to_path.items() if path is None)
     if still_missing:
-        raise SetupError(f"{', '.join(still_missing)} not found; {_INSTRUCTIONS}")
+        packages = " ".join(tool_to_package[tool] for tool in still_missing)
+        raise SetupError(f"{', '.join(still_missing)} not found; install them and rerun: `sudo apt-get install -y {packages}` "
+                         "on Debian/Ubuntu (or your system's packages for them)")
     return {tool: path for tool, path in tool_to_path.items() if path is not None}
 
 

@@ -12,7 +12,7 @@ replica faults under load (refused connections, 5xx, hang before the first byte,
 mid-stream, crash-exit and SIGKILL with restart and readmission), a pool overflowing to a spare
 pool, a model's only pool down (503 + Retry-After), invalid config and tenant files under load,
 hostile input (malformed, oversized, nested, invalid UTF-8, header tricks, trickling bodies),
-schemathesis against GET /openapi.json (when installed in ~/.cache/polymorph/schemathesis-venv),
+schemathesis against GET /openapi.json (installed on first use into the cache's schemathesis-venv),
 with the fleet controller on: a step whose replica never becomes healthy (rolled back), a pool
 lost (overflow, then a plan for the GPUs left), `polymorph controller` SIGKILLed mid-rollout (a
 standby finishes it, a restart adopts the fleet) or SIGSTOPped (partitioned) beside 2 gateways; a

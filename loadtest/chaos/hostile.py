@@ -21,10 +21,12 @@ from pathlib import Path
 
 import orjson
 
+from fleet.engines.install import QUIET_ENV, InstallError, Progress, cache_dir, pip_venv
 from loadtest.chaos.report import Check, ScenarioResult
 from loadtest.chaos.stack import ChaosStack
 
-SCHEMATHESIS_BIN = Path.home() / ".cache" / "polymorph" / "schemathesis-venv" / "bin" / "schemathesis"
+# schemathesis 4's command line (--phases, --no-shrink, --workers, --request-timeout in seconds), pinned.
+SCHEMATHESIS_REQUIREMENT = "schemathesis==4.32.5"
 _PATHS = ("/v1/chat/completions", "/v1/completions", "/v1/models", "/admin/state", "/metrics", "/healthz", "/nope")
 
 
@@ -168,15 +170,23 @@ async def trickle(port: int, raw: bytes, hold_s: float) -> float:
     return time.monotonic() - started_at
 
 
+def schemathesis_bin(progress: Progress | None = None) -> Path:
+    """schemathesis in a venv of its own under the project's cache, installed on first use."""
+    python = pip_venv(cache_dir() / "schemathesis-venv", (SCHEMATHESIS_REQUIREMENT,), "schemathesis.cli", progress)
+    return python.parent / "schemathesis"
+
+
 def run_schemathesis(base_url: str, api_key: str, max_examples: int, seed: int, timeout_s: float) -> tuple[int | None, str]:
-    """(exit code, output tail) of schemathesis against GET /openapi.json; (None, why) if it is not installed."""
-    if not SCHEMATHESIS_BIN.exists():
-        return None, f"schemathesis is not installed at {SCHEMATHESIS_BIN} (python3 -m venv that dir's parent, then pip install schemathesis)"
-    argv = [str(SCHEMATHESIS_BIN), "run", f"{base_url}/openapi.json", "--max-examples", str(max_examples), "--seed", str(seed),
+    """(exit code, output tail) of schemathesis against GET /openapi.json; (None, why) if it cannot be installed."""
+    try:
+        binary = schemathesis_bin()
+    except InstallError as problem:
+        return None, str(problem)
+    argv = [str(binary), "run", f"{base_url}/openapi.json", "--max-examples", str(max_examples), "--seed", str(seed),
             "--checks", "not_a_server_error,status_code_conformance,content_type_conformance,response_schema_conformance",
             "--header", f"Authorization: Bearer {api_key}", "--phases", "examples,fuzzing", "--no-shrink",
             "--request-timeout", "10", "--workers", "2"]
-    env = {k: v for k, v in os.environ.items() if not k.startswith("PYTHON")}
+    env = {**{k: v for k, v in os.environ.items() if not k.startswith("PYTHON")}, **QUIET_ENV}
     for _ in range(2):  # hypothesis on CPython 3.11 can trip over its own lambda introspection (SystemError): once more
         try:
             done = subprocess.run(argv, capture_output=True, timeout=timeout_s, env=env, stdin=subprocess.DEVNULL)

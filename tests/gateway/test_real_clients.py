@@ -1,15 +1,15 @@
 """Tools people already use work unchanged against Polymorph: curl, and LiteLLM's SDK as a client.
 
 The openai SDK (sync, async, streaming, with_raw_response) is covered in test_gateway_e2e.py.
-LiteLLM is never a project dependency: its SDK runs from the venv that `polymorph bench peers`
-installs (~/.cache/polymorph/peers/litellm), in a subprocess, and the test skips without it.
+LiteLLM is never a project dependency: its SDK runs in a subprocess from the venv that `polymorph bench
+peers` uses (the same pin and folder under the project's cache), installed on first use, with the
+peers bench's environment (its local price list, no telemetry). It stays in this network namespace:
+it must reach the test's gateway on loopback, which a fresh namespace's own loopback cannot.
 """
 
 from __future__ import annotations
 
 import json
-import os
-import shutil
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from loadtest.bench.peers_setup import LITELLM, env_ready
+from loadtest.bench.peers_stack import litellm_env
 from tests.support.procs import Proc, start_emulator, start_gateway
 
 MODEL = "llama-3.1-8b"
@@ -38,10 +38,7 @@ def gateway(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Proc]:
     emulator.stop()
 
 
-def _curl(gateway: Proc, *extra: str, body: dict[str, object] | None = None) -> subprocess.CompletedProcess[str]:
-    curl = shutil.which("curl")
-    if curl is None:
-        pytest.skip("curl is not installed")
+def _curl(curl: str, gateway: Proc, *extra: str, body: dict[str, object] | None = None) -> subprocess.CompletedProcess[str]:
     argv = [curl, "-sS", "--max-time", "20", "-H", f"Authorization: Bearer {KEY}", *extra]
     if body is not None:
         argv += ["-H", "Content-Type: application/json", "-d", json.dumps(body), gateway.url + "/v1/chat/completions"]
@@ -53,8 +50,8 @@ def _chat(**fields: object) -> dict[str, object]:
     return {"model": MODEL, "messages": messages, "max_tokens": 6, "ignore_eos": True, **fields}
 
 
-def test_curl_chat_completion_with_headers(gateway: Proc, tmp_path: Path) -> None:
-    done = _curl(gateway, "--dump-header", str(tmp_path / "head"), body=_chat())
+def test_curl_chat_completion_with_headers(curl: str, gateway: Proc, tmp_path: Path) -> None:
+    done = _curl(curl, gateway, "--dump-header", str(tmp_path / "head"), body=_chat())
 
     head = (tmp_path / "head").read_text()
     assert done.returncode == 0, done.stderr
@@ -65,8 +62,8 @@ def test_curl_chat_completion_with_headers(gateway: Proc, tmp_path: Path) -> Non
     assert answer["usage"]["completion_tokens"] == 6
 
 
-def test_curl_streams_sse_to_done_with_usage(gateway: Proc) -> None:
-    done = _curl(gateway, "-N", body=_chat(stream=True, stream_options={"include_usage": True}))
+def test_curl_streams_sse_to_done_with_usage(curl: str, gateway: Proc) -> None:
+    done = _curl(curl, gateway, "-N", body=_chat(stream=True, stream_options={"include_usage": True}))
 
     events = [line[len("data: "):] for line in done.stdout.splitlines() if line.startswith("data: ")]
     assert done.returncode == 0, done.stderr
@@ -76,10 +73,8 @@ def test_curl_streams_sse_to_done_with_usage(gateway: Proc) -> None:
     assert chunks[-1]["usage"]["completion_tokens"] == 6
 
 
-def test_curl_lists_models_and_sees_a_401_without_a_key(gateway: Proc) -> None:
-    listed = _curl(gateway, gateway.url + "/v1/models")
-    curl = shutil.which("curl")
-    assert curl is not None
+def test_curl_lists_models_and_sees_a_401_without_a_key(curl: str, gateway: Proc) -> None:
+    listed = _curl(curl, gateway, gateway.url + "/v1/models")
     refused = subprocess.run(
         [curl, "-s", "-o", "/dev/null", "-w", "%{http_code}", gateway.url + "/v1/models"],
         capture_output=True, text=True, timeout=30, check=False,
@@ -104,13 +99,11 @@ print(json.dumps({"content": answer.choices[0].message.content, "usage": answer.
 
 
 @pytest.mark.slow
-def test_litellm_sdk_as_a_client(gateway: Proc) -> None:
-    if not env_ready(LITELLM):
-        pytest.skip(f"LiteLLM's venv is absent ({LITELLM.python}); `polymorph bench peers --parts raw` installs it")
-    env = {**os.environ, "LITELLM_LOCAL_MODEL_COST_MAP": "True", "LITELLM_TELEMETRY": "False"}
+def test_litellm_sdk_as_a_client(litellm_python: Path, gateway: Proc) -> None:
+    env = litellm_env()
     env.pop("PYTHONPATH", None)
     done = subprocess.run(
-        [str(LITELLM.python), "-c", _LITELLM_SCRIPT, gateway.url + "/v1", KEY, MODEL],
+        [str(litellm_python), "-c", _LITELLM_SCRIPT, gateway.url + "/v1", KEY, MODEL],
         capture_output=True, text=True, timeout=120, env=env, cwd=Path(sys.prefix), check=False,
     )
 

@@ -12,7 +12,7 @@ import tempfile
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, TypeVar
 
 import pytest
 
@@ -24,6 +24,7 @@ if TYPE_CHECKING:
     from tests.support.procs import Proc
 
 __all__ = [
+    "installing",
     "llama_server",
     "llama_server_bin",
     "start_llama_server",
@@ -34,12 +35,13 @@ __all__ = [
     "vllm_server",
 ]
 
+T = TypeVar("T")
 LLAMA_START_TIMEOUT_S = 60.0
 VLLM_START_TIMEOUT_S = 480.0  # about 40 s alone on two cores; 200 s seen beside other engines and a build
 VLLM_ENV = {**install.QUIET_ENV, "VLLM_CPU_KVCACHE_SPACE": "1"}  # GiB of KV cache: the tiny model needs little
 
 
-def _installing(config: pytest.Config, step: Callable[[], Path]) -> Path:
+def installing(config: pytest.Config, step: Callable[[], T]) -> T:
     """Run an install step with its progress lines (stderr) shown even though pytest captures output."""
     capture = config.pluginmanager.getplugin("capturemanager")
     with capture.global_and_fixture_disabled():
@@ -48,22 +50,22 @@ def _installing(config: pytest.Config, step: Callable[[], Path]) -> Path:
 
 @pytest.fixture(scope="session")
 def llama_server_bin(pytestconfig: pytest.Config) -> Path:
-    return _installing(pytestconfig, install.llamacpp_server)
+    return installing(pytestconfig, install.llamacpp_server)
 
 
 @pytest.fixture(scope="session")
 def tiny_gguf(pytestconfig: pytest.Config) -> Path:
-    return _installing(pytestconfig, install.tiny_model_gguf)
+    return installing(pytestconfig, install.tiny_model_gguf)
 
 
 @pytest.fixture(scope="session")
 def vllm_python(pytestconfig: pytest.Config) -> Path:
-    return _installing(pytestconfig, install.vllm_python)
+    return installing(pytestconfig, install.vllm_python)
 
 
 @pytest.fixture(scope="session")
 def tiny_hf(pytestconfig: pytest.Config) -> Path:
-    return _installing(pytestconfig, install.tiny_model_hf)
+    return installing(pytestconfig, install.tiny_model_hf)
 
 
 def _log_file(engine: str, log_path: Path | None) -> Path:
