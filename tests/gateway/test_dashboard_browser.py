@@ -7,9 +7,9 @@ token is refused first), waits for the pools, the traffic-mix chart, the control
 and the drift reaching the mix, opens the drift's evidence, and saves a full-page screenshot (set
 POLYMORPH_DASHBOARD_SCREENSHOT=path to keep a copy, e.g. docs/dashboard.png).
 
-Chromium, its driver and Selenium are test-only: Chromium comes from apt when missing, Selenium goes
-into its own venv under ~/.cache/polymorph, never the project's. Where they cannot be installed the
-test skips and says why.
+Chromium, its driver and Selenium are test-only: Chromium comes from apt when missing (where it cannot
+be installed, without root or apt-get, the test skips and says why); Selenium goes into its own venv
+under the project's cache on first use (the ``selenium_python`` fixture), never the project's.
 """
 
 from __future__ import annotations
@@ -19,7 +19,6 @@ import os
 import shutil
 import struct
 import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -31,8 +30,6 @@ from tests.conftest import REPO
 from tests.support.procs import POLYMORPH, start_gateway
 
 CHROMIUM, CHROMEDRIVER = Path("/usr/bin/chromium"), Path("/usr/bin/chromedriver")
-BROWSER_VENV = Path.home() / ".cache" / "polymorph" / "browser-venv"
-SELENIUM = "selenium==4.50.0"
 DRIVER_SCRIPT = Path(__file__).parent / "browser" / "drive_dashboard.py"
 TOKEN = "dashboard-browser-test-token"
 SPEED = 20.0  # emulated GPUs and the controller's clock: 30 s of wall time are 10 minutes of fleet time
@@ -58,18 +55,6 @@ def _ensure_chromium() -> None:
         done = _run(install, 900)
     if done.returncode != 0 or not (CHROMIUM.exists() and CHROMEDRIVER.exists()):
         pytest.skip(f"Chromium could not be installed with apt-get: {done.stderr.strip()[-500:]}")
-
-
-def _selenium_python() -> Path:
-    python = BROWSER_VENV / "bin" / "python"
-    if python.exists() and _run([str(python), "-c", "import selenium"], 60).returncode == 0:
-        return python
-    made = _run([sys.executable, "-m", "venv", "--clear", str(BROWSER_VENV)], 120)
-    if made.returncode == 0:
-        made = _run([str(python), "-m", "pip", "install", "-q", "--disable-pip-version-check", SELENIUM], 600)
-    if made.returncode != 0:
-        pytest.skip(f"Selenium could not be installed into {BROWSER_VENV}: {made.stderr.strip()[-500:]}")
-    return python
 
 
 def _deployment_config(tmp: Path) -> Path:
@@ -103,9 +88,8 @@ def _png_size(path: Path) -> tuple[int, int]:
     return width, height
 
 
-def test_dashboard_shows_a_live_drift_and_refuses_a_wrong_token(tmp_path: Path) -> None:
+def test_dashboard_shows_a_live_drift_and_refuses_a_wrong_token(selenium_python: Path, tmp_path: Path) -> None:
     _ensure_chromium()
-    python = _selenium_python()
     gateway = start_gateway(tmp_path, ["--config", str(_deployment_config(tmp_path))])
     screenshot = tmp_path / "dashboard.png"
     demo_out = tmp_path / "demo"
@@ -118,7 +102,7 @@ def test_dashboard_shows_a_live_drift_and_refuses_a_wrong_token(tmp_path: Path) 
             cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, stdin=subprocess.DEVNULL,
         )
         done = subprocess.run(
-            [str(python), str(DRIVER_SCRIPT), gateway.url, TOKEN, str(screenshot)],
+            [str(selenium_python), str(DRIVER_SCRIPT), gateway.url, TOKEN, str(screenshot)],
             check=False, capture_output=True, text=True, timeout=300, stdin=subprocess.DEVNULL, env={**os.environ, "SE_OFFLINE": "true"},
         )
         browser_s = time.monotonic() - started

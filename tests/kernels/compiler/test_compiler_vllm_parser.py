@@ -11,12 +11,11 @@ from pathlib import Path
 
 import pytest
 
+from fleet.engines import install
 from kernels.catalog import get_gpu, get_model
 from kernels.compiler.gates import GateResult, ParserGate, sglang_model_path
 from kernels.compiler.space import KNOBS, default_space, engine_default, with_knob
 from kernels.config import EngineConfig
-
-install = pytest.importorskip("fleet.engines.install", reason="fleet.engines.install (the vLLM CPU installer) is not there yet")
 
 LLAMA_8B, H100 = get_model("llama-3.1-8b"), get_gpu("H100")
 MODEL_PATH = sglang_model_path(LLAMA_8B)  # a hub id: the gate checks arguments, not where the model is
