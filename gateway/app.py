@@ -117,6 +117,7 @@ class Handlers:
         loop = asyncio.get_running_loop()
         started_at = loop.time()
         tenant_name, tier, model, outcome = _UNAUTHENTICATED, "-", "-", Outcome()
+        public = None  # the alias the client named, when it named one
         shape = None
         limiter = None
         try:
@@ -126,9 +127,14 @@ class Handlers:
             server = runtime.config.server
             raw, body = await _read_json(request, server.max_body_bytes, server.body_read_timeout_s)
             model, stream, max_tokens = validate_body(body, chat)
+            alias = runtime.config.aliases.get(model) if runtime.config.aliases else None
+            if alias is not None:  # resolved before anything else looks at the model; only aliased requests pay the re-encode
+                public, model = model, alias.model
+                body["model"] = model
+                raw = orjson.dumps(body)
             if not any(pool.serves(model) for pool in runtime.pools):
                 raise ApiError(404, f"The model {model[:200]!r} does not exist on this gateway.", "model_not_found", "model")
-            if not tenant.may_use_model(model):
+            if not (tenant.may_use_model(model) or (public is not None and tenant.may_use_model(public))):
                 raise ApiError(403, f"This key may not use model {model[:200]!r}.", "model_not_allowed", "model")
             shape = runtime.classifier.classify(body, chat=chat, tenant=tenant.name, tier=tier)  # type: ignore[arg-type]
             if state.live is not None:
@@ -153,10 +159,11 @@ class Handlers:
         finally:
             if limiter is not None:
                 limiter.release()
-        self._record(runtime, tenant_name, tier, model, shape, outcome, loop.time() - started_at)
+        self._record(runtime, tenant_name, tier, model, shape, outcome, loop.time() - started_at, public)
         return response
 
-    def _record(self, runtime: Runtime, tenant: str, tier: str, model: str, shape: Shape | None, outcome: Outcome, duration_s: float) -> None:
+    def _record(self, runtime: Runtime, tenant: str, tier: str, model: str, shape: Shape | None, outcome: Outcome, duration_s: float,
+                alias: str | None = None) -> None:
         metrics = self.state.metrics
         metrics.count_request(tenant, tier, outcome.pool, outcome.status)
         if outcome.pool != "-":
@@ -185,6 +192,7 @@ class Handlers:
                     "tenant": tenant,
                     "tier": tier,
                     "model": model[:200],
+                    "alias": alias,
                     "shape": getattr(shape, "name", None),
                     "domain": getattr(shape, "domain", None),
                     "pool": outcome.pool,
@@ -211,6 +219,12 @@ class Handlers:
             {"id": model, "object": "model", "created": 0, "owned_by": "polymorph"}
             for model in runtime.served_models()
             if tenant.may_use_model(model)
+        ]
+        served = set(runtime.served_models())
+        data += [
+            {"id": public, "object": "model", "created": 0, "owned_by": "polymorph", "root": alias.model}
+            for public, alias in runtime.config.aliases.items()
+            if alias.listed and alias.model in served and (tenant.may_use_model(public) or tenant.may_use_model(alias.model))
         ]
         return web.Response(body=orjson.dumps({"object": "list", "data": data}), content_type=_JSON)
 

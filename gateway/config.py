@@ -81,6 +81,14 @@ class ClassifierSettings:
 
 
 @dataclass(frozen=True, slots=True)
+class Alias:
+    """``aliases: {public-name: served-model}``: clients name ``public``, the pools serve ``model``."""
+
+    model: str
+    listed: bool = True  # shown in /v1/models (a hidden alias still answers)
+
+
+@dataclass(frozen=True, slots=True)
 class PoolSpec:
     name: str
     model: str
@@ -146,6 +154,7 @@ class GatewayConfig:
     # CUDA device ids on this host); empty: launched replicas get logical ids (emulated GPUs need none)
     devices: Mapping[str, tuple[str, ...]] = field(default_factory=dict)
     router: RouterSettings = field(default_factory=RouterSettings)  # `router:`: how pools and replicas are chosen
+    aliases: Mapping[str, Alias] = field(default_factory=dict)  # public model name -> the served one
     watched_files: tuple[Path, ...] = field(default=())
     tenants_dir: Path | None = None
 
@@ -386,6 +395,32 @@ def _check_engine(doc: YamlDoc, path: FieldPath, model: str | None, gpu: str | N
         raise doc.error((*path, "engine"), str(exc)) from None
 
 
+def _aliases(doc: YamlDoc, pools: tuple[PoolSpec, ...]) -> dict[str, Alias]:
+    """``aliases:``: ``public: served`` or ``public: {model: served, listed: false}``; a served model must
+    be one a pool declares (or any, when a pool discovers its models: ``model: "*"``)."""
+    r = _Reader(doc, ("aliases",), doc.data.get("aliases"), set((doc.data.get("aliases") or {}) if isinstance(doc.data.get("aliases"), dict) else ()))
+    declared = {p.model for p in pools}
+    out: dict[str, Alias] = {}
+    for public, body in r.data.items():
+        if not isinstance(public, str) or not public:
+            raise r.error(str(public), "an alias must be a non-empty model name")
+        if isinstance(body, str):
+            alias = Alias(body)
+        else:
+            a = _Reader(doc, ("aliases", public), body, {"model", "listed"})
+            alias = Alias(a.text("model", "") or "", a.flag("listed", True))
+        if not alias.model:
+            raise r.error(public, "names the served model it stands for: `public: served` or `{model: served, listed: false}`")
+        if alias.model == public or alias.model in r.data:
+            raise r.error(public, f"must name a served model, not itself or another alias ({alias.model!r})")
+        if public in declared:
+            raise r.error(public, f"{public!r} is a model a pool serves; an alias cannot hide it")
+        if "*" not in declared and alias.model not in declared:
+            raise r.error(public, f"no pool serves {alias.model!r} (pools serve: {', '.join(sorted(declared))})")
+        out[public] = alias
+    return out
+
+
 def _router(doc: YamlDoc) -> RouterSettings:
     """``router:``: the router's knobs (fleet.router.RouterSettings; its defaults are today's behaviour)."""
     d = RouterSettings()
@@ -587,7 +622,7 @@ def load_config(path: Path) -> GatewayConfig:
     doc = load_yaml(path)
     if not isinstance(doc.data, dict):
         raise doc.error((), "the config must be a YAML mapping")
-    known = {"server", "upstream", "tenants_dir", "tiers", "classifier", "shapes", "default_shape", "fleet", "router"}
+    known = {"server", "upstream", "tenants_dir", "tiers", "classifier", "shapes", "default_shape", "fleet", "router", "aliases"}
     _Reader(doc, (), doc.data, known)
     tiers = _tiers(doc)
     shapes = _shapes(doc)
@@ -608,6 +643,7 @@ def load_config(path: Path) -> GatewayConfig:
         ray=ray,
         devices=devices,
         router=_router(doc),
+        aliases=_aliases(doc, pools),
         watched_files=(path, *tenant_files),
         tenants_dir=tenants_dir,
     )
