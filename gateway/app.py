@@ -141,7 +141,9 @@ class Handlers:
                 state.live.telemetry.record_arrival(state.live.now(), shape.name, tier, shape.prompt_tokens)
             state.metrics.child(state.metrics.shapes, shape.name, shape.domain).inc()
             limiter = runtime.limiters[tenant.name]
-            refusal = limiter.admit(shape.prompt_tokens + (max_tokens or shape.predicted_output_p50), loop.time())
+            # every choice generated counts: n completions (best_of candidates) of up to max_tokens each
+            choices = max(body.get("n") or 1, body.get("best_of") or 1)
+            refusal = limiter.admit(shape.prompt_tokens + choices * (max_tokens or shape.predicted_output_p50), loop.time())
             if refusal is not None:
                 limiter = None
                 raise ApiError(429, refusal.message, refusal.code, retry_after_s=refusal.retry_after_s)

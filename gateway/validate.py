@@ -18,6 +18,7 @@ _RANGES: dict[str, tuple[float, float, bool]] = {
     "max_tokens": (1, _MAX_TOKENS_LIMIT, True),
     "max_completion_tokens": (1, _MAX_TOKENS_LIMIT, True),
     "n": (1, 128, True),
+    "best_of": (1, 128, True),
     "temperature": (0.0, 2.0, False),
     "top_p": (0.0, 1.0, False),
     "presence_penalty": (-2.0, 2.0, False),
@@ -56,6 +57,8 @@ def validate_body(body: Any, chat: bool) -> tuple[str, bool, int | None]:
             raise _bad(name, f"'{name}' must be {kind}, not {type(value).__name__}.")
         if not low <= value <= high:
             raise _bad(name, f"'{name}' must be between {low:g} and {high:g}; got {value}.")
+    if body.get("best_of") is not None and body["best_of"] < (body.get("n") or 1):
+        raise _bad("best_of", "'best_of' must be greater than or equal to 'n'.")
     stop = body.get("stop")
     if stop is not None and not isinstance(stop, str) and (not isinstance(stop, list) or not all(isinstance(s, str) for s in stop)):
         raise _bad("stop", "'stop' must be a string or a list of strings.")
