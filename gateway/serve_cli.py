@@ -34,7 +34,9 @@ def register(commands: argparse._SubParsersAction) -> None:  # type: ignore[type
         help="run the OpenAI-compatible gateway",
         description=(
             "Run the gateway. With --config it serves the pools, tenants and shapes of that file and starts "
-            "any emulated replicas it declares; with --upstream URL (repeatable) and no config it serves one "
+            "the replicas it declares (`replicas: {launch: N}`: emulated, or real sglang, vLLM or llama.cpp "
+            "engines on fleet.devices; the CPU engines are installed on first use, see `polymorph engines`); "
+            "with --upstream URL (repeatable) and no config it serves one "
             f"pool of those replicas (models discovered from their /v1/models) to the demo tenant "
             f"(API key {DEMO_API_KEY}, admin token {DEMO_ADMIN_TOKEN}: demo-only)."
         ),
@@ -47,7 +49,7 @@ def register(commands: argparse._SubParsersAction) -> None:  # type: ignore[type
     p.add_argument("--port", type=int, help="listen port (default: the config's server.port, else 8080)")
     p.add_argument("--workers", type=int, default=1, help="gateway processes sharing the port (SO_REUSEPORT)")
     p.add_argument("--no-access-log", action="store_true", help="do not write the JSON access log to stderr")
-    p.add_argument("--replica-logs", type=Path, help="where emulated replicas write their logs (default: a temp dir)")
+    p.add_argument("--replica-logs", type=Path, help="where launched replicas write their logs (default: a temp dir)")
     p.set_defaults(handler=_run_serve)
     controller_cli.register(commands)
 
