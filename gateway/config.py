@@ -328,8 +328,9 @@ def _pool(doc: YamlDoc, i: int, body: object, shape_names: tuple[str, ...]) -> P
     if (num_launched or "launch" in rr.data) and not gpu:
         raise r.error("gpu", "launched replicas need their device kind (a GPU kind, or cpu)")
     emulated = num_launched > 0 and launch.kind == "emulated"
-    # the catalog knows GPUs and models the performance model times; a real engine's device may be a CPU
-    _check_engine(doc, path, model if emulated else None, gpu if gpu != "cpu" else None, engine)
+    # the catalog knows the devices (GPU kinds, and `cpu`) and the models the performance model times;
+    # a real engine may serve a model it does not know (the controller then stays off, see serve_cli)
+    _check_engine(doc, path, model if emulated else None, gpu, engine)
     num_replicas = len(urls) + num_launched
     return PoolSpec(
         name=name,
