@@ -13,7 +13,6 @@ commands the edge applies before it takes the next snapshot.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
@@ -124,5 +123,5 @@ class OperatorMoves:
 
 
 def _round(end: float | None, start: float | None) -> float | None:
-    return round(end - start, 3) if end is not None and start is not None and math.isfinite(end - start) else None
+    return round(end - start, 3) if end is not None and start is not None else None
 

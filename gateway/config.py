@@ -14,6 +14,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import orjson
+
 from classifiers.config import ClassifierConfigError, rules_from_mapping
 from classifiers.shape import ShapeRules, default_shape_rules
 from fleet.engines.launch import EngineLaunch
@@ -107,6 +109,11 @@ class PoolSpec:
     @property
     def engine_kind(self) -> str:
         return self.launch.kind
+
+    @property
+    def config_json(self) -> str:
+        """The pool's engine configuration as the controller and the actuators carry it (sorted JSON)."""
+        return orjson.dumps(dict(self.engine), option=orjson.OPT_SORT_KEYS).decode()
 
 
 @dataclass(frozen=True, slots=True)

@@ -197,7 +197,7 @@ class ControllerService:
                 assert pool.gpu is not None
                 k = gpu_to_next.get(pool.gpu, 0)
                 gpu_to_next[pool.gpu] = k + 1
-                config_json = orjson.dumps(dict(pool.engine), option=orjson.OPT_SORT_KEYS).decode()
+                config_json = pool.config_json
                 record = SlotRecord(f"{pool.gpu}/{k}", pool.name, pool.gpu, config_json, "starting")
                 self.slots[record.slot] = self._launch(record, pool.name, config_json)
         deadline = time.monotonic() + 60.0

@@ -163,8 +163,7 @@ class LiveFleet:
     def replica_process(self, name: str) -> dict[str, object] | None:
         """What ``/admin/state`` shows of a replica this gateway launched: its engine's command line,
         devices and the pool its slot serves (None: not one of its slots)."""
-        slots = {s.slot: s for s in self.control.slot_states()}
-        found = slots.get(name)
+        found = self.control.slot_state(name)
         if found is None:
             return None
         return {"slot_pool": found.pool, "alive": found.alive, "healthy": found.healthy, "devices": list(self.control.devices(name)),
@@ -174,7 +173,7 @@ class LiveFleet:
     def _pool_config_json(self, pool: str) -> str | None:
         for spec in self.state.runtime.config.pools:
             if spec.name == pool:
-                return orjson.dumps(dict(spec.engine), option=orjson.OPT_SORT_KEYS).decode()
+                return spec.config_json
         options = self.controller.options if self.controller is not None else None
         return options.configs_json().get(pool) if options is not None else None
 
@@ -201,7 +200,7 @@ class LiveFleet:
 
     def activate(self, slot: str, now: float) -> None:
         url = self.control.url(slot)
-        found = next((s for s in self.control.slot_states() if s.slot == slot), None)
+        found = self.control.slot_state(slot)
         assert url is not None and found is not None, f"{slot} activated before it was started"
         pools = list(self.state.runtime.pools)
         pool = next((p for p in pools if p.name == found.pool), None)

@@ -36,7 +36,8 @@ class ReplicaControl(Protocol):
     """What ``LocalSlots`` and ``RayActuator`` share: their slots' processes and what came of them."""
 
     def add_slot(self, slot: str, gpu: str, pool: str, config_json: str, devices: tuple[str, ...] = ()) -> None: ...
-    def slot_states(self) -> list[SlotState]: ...  # alive and healthy filled in; in-flight counts are the router's
+    def slot_states(self) -> list[SlotState]: ...  # once a tick; alive and healthy filled in; in-flight counts are the router's
+    def slot_state(self, slot: str) -> SlotState | None: ...  # one slot's, without the tick's reaping
     def stop(self, slot: str, now: float) -> None: ...
     def start(self, slot: str, pool: str, config_json: str, now: float) -> None: ...
     def is_healthy(self, slot: str, now: float) -> bool: ...
@@ -134,7 +135,7 @@ def start_fleet(control: ReplicaControl, config: GatewayConfig) -> dict[str, lis
         for i in range(pool.num_launched):
             assert pool.gpu is not None
             slot = f"{pool.name}-{len(pool.urls) + i}"
-            config_json = orjson.dumps(dict(pool.engine), option=orjson.OPT_SORT_KEYS).decode()
+            config_json = pool.config_json
             held = free.get(pool.gpu, [])[:replica_devices(pool)]  # none declared: emulated, or every device visible
             del free.get(pool.gpu, [])[:len(held)]
             control.add_slot(slot, pool.gpu, pool.name, config_json, tuple(held))

@@ -67,9 +67,17 @@ class LocalSlots:
             self.stopping.remove(item)
             if process in self.local.replicas:
                 self.local.replicas.remove(process)
+        return [self._state(s) for s in self.slots.values()]
+
+    def slot_state(self, slot: str) -> SlotState | None:
+        found = self.slots.get(slot)
+        return self._state(found) if found is not None else None
+
+    @staticmethod
+    def _state(s: _Slot) -> SlotState:
         # a slot whose process has exited serves nothing: the controller takes its GPUs out of the budget
-        return [SlotState(s.name, s.pool, s.gpu, s.config_json, alive=s.process is not None and s.process.process.poll() is None,
-                          healthy=s.healthy) for s in self.slots.values()]
+        return SlotState(s.name, s.pool, s.gpu, s.config_json, alive=s.process is not None and s.process.process.poll() is None,
+                         healthy=s.healthy)
 
     # -- the process half of the commands ------------------------------------------------------
 

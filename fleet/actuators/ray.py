@@ -98,8 +98,16 @@ class RayActuator:
         self.slots[slot] = _Slot(slot, gpu, pool, config_json)
 
     def slot_states(self) -> list[SlotState]:
-        return [SlotState(s.name, s.pool, s.gpu, s.config_json, alive=s.replica is not None and s.replica.error is None,
-                          healthy=s.replica is not None and s.replica.healthy) for s in self.slots.values()]
+        return [self._state(s) for s in self.slots.values()]
+
+    def slot_state(self, slot: str) -> SlotState | None:
+        found = self.slots.get(slot)
+        return self._state(found) if found is not None else None
+
+    @staticmethod
+    def _state(s: _Slot) -> SlotState:
+        return SlotState(s.name, s.pool, s.gpu, s.config_json, alive=s.replica is not None and s.replica.error is None,
+                         healthy=s.replica is not None and s.replica.healthy)
 
     # -- the process half of the commands ------------------------------------------------------
 
