@@ -27,7 +27,8 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from fleet.capacity import length_points
-from fleet.decisions import Decision, decision
+from fleet.decisions import Decision
+from fleet.evidence import CompiledEvidence, CompileEvidence
 from fleet.telemetry import ShapeLoad
 from kernels.compiler.shape import TrafficShape
 from kernels.config import EngineConfig
@@ -129,17 +130,18 @@ def compile_submitted(now: float, pool: str, gpu: str, envelope: Envelope, previ
         why = "no compiled configuration for this envelope yet"
     else:
         why = "the shape's lengths or SLO left the envelope its configuration was compiled for"
-    return decision(now, "compile", pool=pool, gpu=gpu, envelope=envelope.to_json(),
-                    previous_envelope=None if previous is None else previous.to_json(), reason=why)
+    return Decision(now, CompileEvidence(pool=pool, gpu=gpu, envelope=envelope.to_json(),
+                                         previous_envelope=None if previous is None else previous.to_json(), reason=why))
 
 
 def compile_ready(now: float, pool: str, found: CompiledConfig, old_config: EngineConfig | None) -> Decision:
-    return decision(now, "compiled", pool=pool, gpu=found.gpu, envelope=found.envelope.to_json(),
-                    old_config=None if old_config is None else config_changes(old_config), new_config=config_changes(found.config),
-                    predicted_goodput_rps=round(found.predicted_goodput_rps, 3),
-                    baseline_goodput_rps=round(found.baseline_goodput_rps, 3), predicted_gain=round(found.predicted_gain, 3),
-                    evaluator=found.evaluator, trials=found.trials, warm_start=found.warm_start, run_id=found.run_id,
-                    trial_ids=list(found.trial_ids), submitted_at=found.submitted_at, reason=found.reason)
+    return Decision(now, CompiledEvidence(
+        pool=pool, gpu=found.gpu, envelope=found.envelope.to_json(),
+        old_config=None if old_config is None else config_changes(old_config), new_config=config_changes(found.config),
+        predicted_goodput_rps=round(found.predicted_goodput_rps, 3),
+        baseline_goodput_rps=round(found.baseline_goodput_rps, 3), predicted_gain=round(found.predicted_gain, 3),
+        evaluator=found.evaluator, trials=found.trials, warm_start=found.warm_start, run_id=found.run_id,
+        trial_ids=found.trial_ids, submitted_at=found.submitted_at, reason=found.reason))
 
 
 def config_changes(config: EngineConfig) -> dict[str, object]:

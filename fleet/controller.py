@@ -25,7 +25,8 @@ from dataclasses import dataclass, field
 from fleet.capacity import CapacityModel
 from fleet.commands import Command
 from fleet.compiled import ConfigSource, compile_ready, compile_submitted
-from fleet.decisions import Decision, Move, decision
+from fleet.decisions import Decision, Move
+from fleet.evidence import CapacityEvidence, DriftEvidence, PlanEvidence, RecompileEvidence, RollbackEvidence, StepEvidence, VerifyEvidence
 from fleet.drift import DriftDetector, DriftSettings
 from fleet.options import MoveCost, Options, pool_options, problem_for
 from fleet.planner import Plan, evaluate, fill_budget, plan
@@ -147,10 +148,10 @@ class Controller:
             if self._capacity_changed and (live.shapes or self.reference_mix.shapes):
                 return out + self._replan(now, live if live.shapes else self.reference_mix, slots)
             return out
-        out += [decision(now, "drift", reason=current.reason, score=round(current.score, 3),
+        out += [Decision(now, DriftEvidence(reason=current.reason, score=round(current.score, 3),
                         divergence=round(current.divergence, 4), rate_change=round(current.rate_change, 4),
                         profile_change=round(current.profile_change, 4), dwell_since=verdict.above_since,
-                        mix_before=self.reference_mix.to_json(), mix_after=live.to_json())]
+                        mix_before=self.reference_mix.to_json(), mix_after=live.to_json()))]
         # plan for the traffic since the change began, not the whole window (mostly the old mix)
         recent = self.telemetry.window(now, max(self.telemetry.bucket_s, now - verdict.above_since))
         return out + self._replan(now, recent if recent.shapes else live, slots)
@@ -177,9 +178,9 @@ class Controller:
         lost, back = sorted(dead.keys() - self._dead.keys()), sorted(self._dead.keys() - dead.keys())
         self._dead = dead
         self._capacity_changed = True
-        return [decision(now, "capacity", lost=lost, recovered=back, budget=self.budget(),
+        return [Decision(now, CapacityEvidence(lost=tuple(lost), recovered=tuple(back), budget=self.budget(),
                          reason="replica process gone or ejected: its GPUs leave the budget the planner allocates"
-                         if lost else "replicas are back: their GPUs return to the budget")]
+                         if lost else "replicas are back: their GPUs return to the budget"))]
 
     def _replan(self, now: float, live: TrafficMix, slots: list[SlotState]) -> list[Decision]:
         s = self.settings
@@ -199,22 +200,22 @@ class Controller:
         self.reference_mix = live
         self.detector.on_plan(now)
         if new_plan is None:
-            return asked + [decision(now, "plan", outcome="infeasible", budget=budget)]
+            return asked + [Decision(now, PlanEvidence(outcome="infeasible", budget=budget))]
         new_plan = fill_budget(problem, new_plan)
         before = evaluate(problem, counts)
         pool_to_gpu = {p.name: p.gpu for p in options.pools}
         moves = diff_moves(slots, new_plan.replicas(), pool_to_gpu, options.configs_json())
         # capacity goes where the demand moved first; in-place recompiles (a tuning) come last
         moves.sort(key=lambda m: m.from_pool == m.to_pool)
-        diff = {p: [counts.get(p, 0), n] for p, n in new_plan.pool_to_num_replicas if counts.get(p, 0) != n}
-        out = asked + [decision(now, "plan", outcome="apply" if moves else "keep", diff=diff, budget=budget,
+        diff = {p: (counts.get(p, 0), n) for p, n in new_plan.pool_to_num_replicas if counts.get(p, 0) != n}
+        out = asked + [Decision(now, PlanEvidence(outcome="apply" if moves else "keep", diff=diff, budget=budget,
                         predicted_goodput_before_rps=round(before.predicted_goodput_rps, 3),
                         predicted_goodput_after_rps=round(new_plan.predicted_goodput_rps, 3),
                         objective_before=round(before.objective, 4), objective_after=round(new_plan.objective, 4),
-                        configs=options.configs_json(), num_moves=len(moves))]
+                        configs=options.configs_json(), num_moves=len(moves)))]
         recompiled = [m for m in moves if m.from_pool == m.to_pool]
         if recompiled:
-            out.append(decision(now, "recompile", moves=tuple(recompiled), reason="the shape's length profile changed its best configuration"))
+            out.append(Decision(now, RecompileEvidence(reason="the shape's length profile changed its best configuration"), tuple(recompiled)))
             self.num_recompiles += len(recompiled)
         if not moves:
             return out
@@ -242,8 +243,8 @@ class Controller:
         rollout.mover = self._mover(rollout.current, now)
         rollout.step_done_at = None
         self._commands += rollout.mover.advance(now, self._slots)  # the drains
-        return [decision(now, "step", moves=rollout.current, num_steps_left=len(rollout.steps),
-                         goodput_before_rps=round(rollout.goodput_before_rps, 3))]
+        return [Decision(now, StepEvidence(num_steps_left=len(rollout.steps), goodput_before_rps=round(rollout.goodput_before_rps, 3)),
+                         rollout.current)]
 
     def _mover(self, moves: tuple[Move, ...], now: float) -> Mover:
         return Mover(moves, now, self.settings.drain_timeout_s, self.start_timeout_s)
@@ -256,7 +257,7 @@ class Controller:
         if not mover.done:
             return []
         if mover.failed and not rollout.rolling_back:
-            return self._roll_back(now, rollout, "replica never became healthy", never_healthy=[m.slot for m in mover.failed],
+            return self._roll_back(now, rollout, "replica never became healthy", never_healthy=tuple(m.slot for m in mover.failed),
                                    start_timeout_s=round(self.start_timeout_s, 3))
         if rollout.step_done_at is None:
             rollout.step_done_at = now
@@ -267,8 +268,8 @@ class Controller:
         if rollout.rolling_back:
             self._rollout = None
             if mover.failed:  # the slot is left out of service; the next plan sees it when it is reported dead
-                return [decision(now, "rollback", moves=mover.failed, outcome="failed",
-                                 reason="the previous configuration never became healthy either")]
+                return [Decision(now, RollbackEvidence(outcome="failed", reason="the previous configuration never became healthy either"),
+                                 mover.failed)]
             return []
         live = self.telemetry.window(now, self.settings.verify_after_s)
         options = rollout.options
@@ -283,10 +284,10 @@ class Controller:
         # the observed goodput down whatever the step did: rolling back would return to the failing
         # plan, so the step is judged inconclusive and the rollout goes on.
         ok = bool(observed >= floor) or not rollout.healthy_before
-        out = [decision(now, "verify", ok=ok, observed_goodput_rps=round(observed, 3),
+        out = [Decision(now, VerifyEvidence(ok=ok, observed_goodput_rps=round(observed, 3),
                         predicted_goodput_rps=round(predicted, 3), goodput_before_rps=round(rollout.goodput_before_rps, 3),
                         healthy_before=rollout.healthy_before, margin=self.settings.verify_margin,
-                        drain_deadline_stops=[list(f) for f in mover.forced_stops])]
+                        drain_deadline_stops=tuple(mover.forced_stops)))]
         if ok:
             self._num_failures = 0
             if rollout.steps:
@@ -295,7 +296,8 @@ class Controller:
             return out
         return out + self._roll_back(now, rollout, "observed goodput below prediction and below the goodput before the step")
 
-    def _roll_back(self, now: float, rollout: _Rollout, reason: str, **evidence: object) -> list[Decision]:
+    def _roll_back(self, now: float, rollout: _Rollout, reason: str, never_healthy: tuple[str, ...] | None = None,
+                   start_timeout_s: float | None = None) -> list[Decision]:
         """Every move of the current step goes back to its old pool and configuration; later steps are dropped."""
         self._num_failures += 1
         backoff = self.settings.backoff_s * 2 ** (self._num_failures - 1)
@@ -306,7 +308,8 @@ class Controller:
         rollout.mover = self._mover(undo, now)
         rollout.step_done_at = None
         self._commands += rollout.mover.advance(now, self._slots)  # the drains
-        return [decision(now, "rollback", moves=undo, reason=reason, backoff_s=backoff, plan_failed=True, **evidence)]
+        return [Decision(now, RollbackEvidence(reason=reason, backoff_s=backoff, plan_failed=True, never_healthy=never_healthy,
+                                               start_timeout_s=start_timeout_s), undo)]
 
 
 def initial_slots(plan_counts: Mapping[str, int], options: Options) -> list[SlotState]:

@@ -3,7 +3,8 @@
 One JSON object a line, ``{"at_unix_s": ..., "kind": ..., "evidence": {...}}`` (the keys that
 loadtest/events.py reads), appended to a file when one is given and kept in a bounded in-memory tail
 for ``GET /admin/decisions``. Evidence carries what a person needs to answer "why did pool X shrink
-at 14:02": the mix before and after, predicted and observed goodput, the plan diff, the reason.
+at 14:02": the mix before and after, predicted and observed goodput, the plan diff, the reason. It is
+one typed record per kind (fleet/evidence.py); ``read_decision`` reads a logged entry back into one.
 
 A broken file never stops the controller or the gateway, and nothing is dropped silently: a line
 that cannot be written (disk full, read-only, the path is a directory) stays queued, bounded, and is
@@ -17,13 +18,14 @@ from __future__ import annotations
 import json
 import sys
 from collections import deque
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import orjson
 
-KINDS = ("drift", "plan", "step", "verify", "rollback", "recompile", "capacity", "compile", "compiled")
+from fleet.evidence import Evidence, from_json
 
 
 @dataclass(frozen=True, slots=True)
@@ -42,22 +44,64 @@ class Move:
 @dataclass(frozen=True, slots=True)
 class Decision:
     at: float  # seconds on the controller's clock
-    kind: str
-    evidence: tuple[tuple[str, Any], ...]  # JSON-able values, in a fixed order
+    evidence: Evidence
     moves: tuple[Move, ...] = field(default=())
+
+    @property
+    def kind(self) -> str:
+        return self.evidence.kind
 
     def to_json(self, clock_offset_s: float = 0.0) -> dict[str, Any]:
         """``clock_offset_s`` maps the controller's clock to Unix time (0 when it already is)."""
-        evidence = dict(self.evidence)
+        evidence = self.evidence.to_json()
         if self.moves:
             evidence["moves"] = [[m.slot, m.from_pool, m.to_pool] for m in self.moves]
         return {"at_unix_s": round(self.at + clock_offset_s, 3), "kind": self.kind, "evidence": evidence}
 
 
-def decision(at: float, kind: str, moves: tuple[Move, ...] = (), **evidence: Any) -> Decision:
-    if kind not in KINDS:
-        raise ValueError(f"unknown decision kind {kind!r}")
-    return Decision(at, kind, tuple(evidence.items()), moves)
+@dataclass(frozen=True, slots=True)
+class LoggedMove:
+    """A move as the log keeps it (its engine configuration is in the plan's ``configs``, not here)."""
+
+    slot: str
+    from_pool: str
+    to_pool: str
+
+
+@dataclass(frozen=True, slots=True)
+class LoggedDecision:
+    """A decision read back from a log line or ``GET /admin/decisions``."""
+
+    at_unix_s: float
+    evidence: Evidence
+    moves: tuple[LoggedMove, ...] = ()
+
+    @property
+    def kind(self) -> str:
+        return self.evidence.kind
+
+
+def read_decision(entry: object) -> LoggedDecision | None:
+    """The decision a logged entry holds, or None for one that holds none: not an object, no time,
+    a kind that is not one of ``KINDS``, evidence that does not fit its record (see fleet/evidence.py)."""
+    if not isinstance(entry, Mapping):
+        return None
+    at_unix_s, raw = entry.get("at_unix_s"), entry.get("evidence")
+    if not isinstance(at_unix_s, (int, float)) or isinstance(at_unix_s, bool) or not isinstance(raw, Mapping):
+        return None
+    evidence = from_json(str(entry.get("kind")), raw)
+    moves = raw.get("moves") or []
+    # a move is [slot, from_pool, to_pool] (older lines may carry more after those)
+    if evidence is None or not isinstance(moves, list) or not all(
+        isinstance(m, list) and len(m) >= 3 and all(isinstance(part, str) for part in m[:3]) for m in moves
+    ):
+        return None
+    return LoggedDecision(float(at_unix_s), evidence, tuple(LoggedMove(m[0], m[1], m[2]) for m in moves))
+
+
+def read_decisions(entries: Iterable[object]) -> list[LoggedDecision]:
+    """The entries that hold a decision, in order; the others are skipped."""
+    return [found for found in map(read_decision, entries) if found is not None]
 
 
 class DecisionLog:

@@ -18,7 +18,8 @@ from dataclasses import dataclass, field
 
 from fleet.commands import Activate, Command, Stop
 from fleet.controller import TickOutput
-from fleet.decisions import Decision, Move, decision
+from fleet.decisions import Decision, Move
+from fleet.evidence import RollbackEvidence, StepEvidence, VerifyEvidence
 from fleet.rollout import Mover, SlotState
 
 
@@ -74,8 +75,8 @@ class OperatorMoves:
         move = Move(replica, found.pool, to_pool, config_json)
         mover = Mover((move,), now, self.drain_timeout_s, self.start_timeout_s)
         self._op = _Operation(move, found.config_json, mover, now, in_flight_at_drain=found.num_in_flight)
-        step = decision(now, "step", moves=(move,), source="operator", reason="operator move (POST /admin/move)",
-                        from_config=found.config_json, to_config=config_json, in_flight_at_drain=found.num_in_flight)
+        step = Decision(now, StepEvidence(source="operator", reason="operator move (POST /admin/move)", from_config=found.config_json,
+                                          to_config=config_json, in_flight_at_drain=found.num_in_flight), (move,))
         return TickOutput([step], self._advance(now, by_name))
 
     def tick(self, now: float, slots: list[SlotState]) -> TickOutput:
@@ -100,26 +101,26 @@ class OperatorMoves:
 
     def _finish(self, now: float, op: _Operation) -> list[Decision]:
         mover, move = op.mover, op.move
-        timings = {
-            "drain_s": _round(op.stopped_at, op.requested_at),
-            "start_to_healthy_s": _round(op.healthy_at, op.stopped_at),
-            "drain_deadline_stops": [list(f) for f in mover.forced_stops],
-        }
+        drain_s, start_to_healthy_s = _round(op.stopped_at, op.requested_at), _round(op.healthy_at, op.stopped_at)
+        forced = tuple(mover.forced_stops)
         if op.rolling_back:
             self._op = None
             outcome = "failed" if mover.failed else "restored"
-            return [decision(now, "rollback", moves=(move,), source="operator", outcome=outcome, **timings,
-                             reason="the previous configuration never became healthy either" if mover.failed
-                             else "the replica serves again in its previous pool with its previous configuration")]
+            return [Decision(now, RollbackEvidence(
+                source="operator", outcome=outcome, drain_s=drain_s, start_to_healthy_s=start_to_healthy_s, drain_deadline_stops=forced,
+                reason="the previous configuration never became healthy either" if mover.failed
+                else "the replica serves again in its previous pool with its previous configuration"), (move,))]
         if mover.failed:
             undo = move.reversed(op.old_config_json)
             self._op = _Operation(undo, move.config_json, Mover((undo,), now, self.drain_timeout_s, self.start_timeout_s), now,
                                   rolling_back=True)
-            return [decision(now, "rollback", moves=(undo,), source="operator", reason="replica never became healthy",
-                             start_timeout_s=self.start_timeout_s, never_healthy=[move.slot], **timings)]
+            return [Decision(now, RollbackEvidence(
+                source="operator", reason="replica never became healthy", start_timeout_s=self.start_timeout_s, never_healthy=(move.slot,),
+                drain_s=drain_s, start_to_healthy_s=start_to_healthy_s, drain_deadline_stops=forced), (undo,))]
         self._op = None
-        return [decision(now, "verify", moves=(move,), source="operator", ok=True, healthy=True, warmed_up=True, **timings,
-                         config=move.config_json)]
+        return [Decision(now, VerifyEvidence(source="operator", ok=True, healthy=True, warmed_up=True, drain_s=drain_s,
+                                             start_to_healthy_s=start_to_healthy_s, drain_deadline_stops=forced, config=move.config_json),
+                         (move,))]
 
 
 def _round(end: float | None, start: float | None) -> float | None:

@@ -33,6 +33,8 @@ from typing import Any
 import numpy as np
 import yaml
 
+from fleet.decisions import read_decisions
+from fleet.evidence import PlanEvidence, RecompileEvidence
 from fleet.rollout import SlotState
 from kernels.tiers import TierSlo, slo_for
 from loadtest.record import RequestRecord
@@ -88,14 +90,14 @@ def decision_counts(entries: Iterable[Mapping[str, Any]]) -> tuple[int, int]:
     ``num_repartitions`` also counts a plan that only recompiles; the live side has no such counter, so both
     sides are counted from their decision logs.)"""
     repartitions = recompiles = 0
-    for entry in entries:
-        evidence = entry.get("evidence") or {}
-        if entry.get("kind") == "plan" and evidence.get("outcome") == "apply" and any(
-            old != new for old, new in (evidence.get("diff") or {}).values()
+    for found in read_decisions(entries):
+        evidence = found.evidence
+        if isinstance(evidence, PlanEvidence) and evidence.outcome == "apply" and any(
+            old != new for old, new in (evidence.diff or {}).values()
         ):
             repartitions += 1
-        if entry.get("kind") == "recompile":
-            recompiles += len(evidence.get("moves") or ())
+        if isinstance(evidence, RecompileEvidence):
+            recompiles += len(found.moves)
     return repartitions, recompiles
 
 

@@ -31,6 +31,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Self
 
+from fleet.decisions import LoggedMove, read_decision
+from fleet.evidence import DriftEvidence, PlanEvidence, RecompileEvidence, RollbackEvidence, StepEvidence, VerifyEvidence
 from kernels.tiers import DEFAULT_TIERS, TierSlo
 from loadtest import procs
 from loadtest.demo_credentials import DEMO_ADMIN_TOKEN
@@ -78,35 +80,38 @@ def fleet_time_slos(tier_to_objectives: Mapping[str, Mapping[str, float]], speed
 
 def describe_decision(entry: Mapping[str, Any]) -> str:
     """One line a person can read; the dashboard and ``GET /admin/decisions`` hold the full evidence."""
-    kind = str(entry.get("kind", "decision"))
-    found = entry.get("evidence")
-    evidence: Mapping[str, Any] = found if isinstance(found, dict) else {}
-    if kind == "drift":
-        shapes = (evidence.get("mix_after") or {}).get("shapes") or {}
+    found = read_decision(entry)
+    if found is None:  # not a decision this version reads: the gateway's own summary, else its kind
+        return str(entry.get("summary") or entry.get("kind", "decision"))
+    evidence = found.evidence
+    if isinstance(evidence, DriftEvidence):
+        shapes = evidence.mix_after.get("shapes") or {}
         total = sum(float(s.get("rate_rps", 0.0)) for s in shapes.values()) or 1.0
         mix = ", ".join(f"{name} {float(s.get('rate_rps', 0.0)) / total:.0%}" for name, s in sorted(shapes.items()))
-        return f"drift detected ({evidence.get('reason', '?')}); mix now {mix or 'empty'}"
-    if kind == "plan":
-        diff = evidence.get("diff") or {}
-        changes = ", ".join(f"{pool} {old}->{new}" for pool, (old, new) in sorted(diff.items())) or "no change"
-        return (f"plan {evidence.get('outcome', '?')}: {changes}; predicted goodput "
-                f"{evidence.get('predicted_goodput_before_rps', '?')} -> {evidence.get('predicted_goodput_after_rps', '?')} req/s")
-    if kind in ("step", "recompile", "rollback"):
-        moves = "; ".join(_move(m) for m in evidence.get("moves") or ()) or "-"
-        extra = f" ({evidence['reason']})" if kind == "rollback" and evidence.get("reason") else ""
-        return f"{kind}: {moves}{extra}"
-    if kind == "verify":
-        verdict = "kept" if evidence.get("ok") else "worse than predicted"
-        return (f"verify: observed goodput {evidence.get('observed_goodput_rps', '?')} vs predicted "
-                f"{evidence.get('predicted_goodput_rps', '?')} req/s: {verdict}")
-    return str(entry.get("summary") or kind)
+        return f"drift detected ({evidence.reason}); mix now {mix or 'empty'}"
+    if isinstance(evidence, PlanEvidence):
+        changes = ", ".join(f"{pool} {old}->{new}" for pool, (old, new) in sorted((evidence.diff or {}).items())) or "no change"
+        return (f"plan {evidence.outcome}: {changes}; predicted goodput "
+                f"{_or_unknown(evidence.predicted_goodput_before_rps)} -> {_or_unknown(evidence.predicted_goodput_after_rps)} req/s")
+    if isinstance(evidence, (StepEvidence, RecompileEvidence, RollbackEvidence)):
+        moves = "; ".join(_move(m) for m in found.moves) or "-"
+        extra = f" ({evidence.reason})" if isinstance(evidence, RollbackEvidence) else ""
+        return f"{found.kind}: {moves}{extra}"
+    if isinstance(evidence, VerifyEvidence):
+        verdict = "kept" if evidence.ok else "worse than predicted"
+        return (f"verify: observed goodput {_or_unknown(evidence.observed_goodput_rps)} vs predicted "
+                f"{_or_unknown(evidence.predicted_goodput_rps)} req/s: {verdict}")
+    return str(entry.get("summary") or found.kind)
 
 
-def _move(move: object) -> str:
-    if isinstance(move, (list, tuple)) and len(move) >= 3:
-        slot, old, new = move[:3]
-        return f"{slot} {old} -> {new}" if old != new else f"{slot} recompiled in {old}"
-    return str(move)
+def _or_unknown(value: float | None) -> str:
+    return "?" if value is None else str(value)
+
+
+def _move(move: LoggedMove) -> str:
+    if move.from_pool != move.to_pool:
+        return f"{move.slot} {move.from_pool} -> {move.to_pool}"
+    return f"{move.slot} recompiled in {move.from_pool}"
 
 
 def decisions_since(entries: Iterable[Mapping[str, Any]], started_at_unix_s: float) -> list[Mapping[str, Any]]:

@@ -24,7 +24,8 @@ from fleet.commands import apply
 from fleet.compile_sources import VirtualTimeConfigSource
 from fleet.compiled import ConfigSource
 from fleet.controller import Controller, ControllerSettings, initial_slots
-from fleet.decisions import DecisionLog, decision
+from fleet.decisions import Decision, DecisionLog
+from fleet.evidence import PlanEvidence
 from fleet.lengths import length_bin
 from fleet.options import MoveCost, Options, pool_options, problem_for
 from fleet.planner import fill_budget, plan
@@ -156,10 +157,13 @@ def _hook_oracle(sim: FleetSim, budget: Mapping[str, int], capacity: CapacityMod
         options, counts = _plan_for((window,), profile, budget, capacity, tiers, configs)
         sim.set_pool_model(options, profile)
         pool_to_gpu = {p.name: p.gpu for p in options.pools}
-        moves = diff_moves(sim.slot_states(now), counts, pool_to_gpu, options.configs_json())
+        slots = sim.slot_states(now)
+        moves = diff_moves(slots, counts, pool_to_gpu, options.configs_json())
         if moves:
             state.num_repartitions += 1
-            log.append(decision(now, "plan", moves=tuple(moves), outcome="oracle", diff=counts))
+            before = {pool: sum(s.pool == pool for s in slots) for pool in {s.pool for s in slots} | set(counts)}
+            diff = {pool: (n, counts.get(pool, 0)) for pool, n in sorted(before.items()) if n != counts.get(pool, 0)}
+            log.append(Decision(now, PlanEvidence(outcome="oracle", diff=diff), tuple(moves)))
             for move in moves:
                 sim.swap(move.slot, move.to_pool, move.config_json, now)
 

@@ -13,6 +13,7 @@ from fleet.compiled import Envelope, envelope_for
 from fleet.controller import Controller, ControllerSettings
 from fleet.decisions import DecisionLog
 from fleet.drift import DriftSettings
+from fleet.evidence import CompiledEvidence, CompileEvidence, PlanEvidence
 from fleet.options import pool_options
 from fleet.rollout import SlotState
 from fleet.simulator.run import simulate
@@ -138,14 +139,16 @@ def test_a_drifted_shape_is_compiled_and_the_next_plan_adopts_it(tmp_path: Path)
         made = [d for now in range(405, 800, 5) for d in tick(controller, actuator, float(now), slots)]
     kinds = [d.kind for d in made]
     assert kinds.index("drift") < kinds.index("compile") < kinds.index("compiled") < kinds.index("recompile")
-    asked, done = (dict(next(d for d in made if d.kind == k).evidence) for k in ("compile", "compiled"))
-    assert asked["pool"] == f"long-context@{GPU}" and asked["previous_envelope"] is not None
-    assert "left the envelope" in asked["reason"] and asked["envelope"] != asked["previous_envelope"]
-    assert done["envelope"] == asked["envelope"] and done["trials"] > 0 and done["trial_ids"] and done["predicted_gain"] > 1.0
-    assert done["new_config"] != done["old_config"]
-    plans = [dict(d.evidence) for d in made if d.kind == "plan"]
-    adopted = plans[-1]["configs"][f"long-context@{GPU}"]
-    assert json.loads(adopted) == done["new_config"]
+    asked = next(d.evidence for d in made if isinstance(d.evidence, CompileEvidence))
+    done = next(d.evidence for d in made if isinstance(d.evidence, CompiledEvidence))
+    assert asked.pool == f"long-context@{GPU}" and asked.previous_envelope is not None
+    assert "left the envelope" in asked.reason and asked.envelope != asked.previous_envelope
+    assert done.envelope == asked.envelope and done.trials > 0 and done.trial_ids and done.predicted_gain > 1.0
+    assert done.new_config != done.old_config
+    plans = [d.evidence for d in made if isinstance(d.evidence, PlanEvidence)]
+    assert plans[-1].configs is not None
+    adopted = plans[-1].configs[f"long-context@{GPU}"]
+    assert json.loads(adopted) == done.new_config
     recompile = next(d for d in made if d.kind == "recompile")
     assert {m.config_json for m in recompile.moves} == {adopted} and len(recompile.moves) == 4
 

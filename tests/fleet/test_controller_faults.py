@@ -6,6 +6,7 @@ from __future__ import annotations
 from fleet.controller import Controller, ControllerSettings
 from fleet.decisions import Decision
 from fleet.drift import DriftSettings
+from fleet.evidence import CapacityEvidence, PlanEvidence, RollbackEvidence
 from fleet.rollout import SlotState
 from fleet.telemetry import Telemetry
 from tests.fleet.test_controller_sim import TableCapacity, _feed
@@ -45,15 +46,15 @@ def test_a_step_whose_replica_never_becomes_healthy_is_rolled_back_to_the_previo
     kinds = [d.kind for d in made]
     assert kinds[:3] == ["drift", "plan", "step"] and "rollback" in kinds, kinds
     step, rollback = made[2], made[kinds.index("rollback")]
-    evidence = dict(rollback.evidence)
-    assert evidence["reason"] == "replica never became healthy" and evidence["plan_failed"] is True
-    assert sorted(evidence["never_healthy"]) == sorted(m.slot for m in step.moves)
+    evidence = rollback.evidence
+    assert isinstance(evidence, RollbackEvidence) and evidence.reason == "replica never became healthy" and evidence.plan_failed is True
+    assert sorted(evidence.never_healthy or ()) == sorted(m.slot for m in step.moves)
     assert rollback.at - step.at >= 60.0  # the start deadline, not before
     assert {m.to_pool for m in rollback.moves} == {OLD}
     # back to the previous plan: every slot serves in its old pool with its old configuration, nothing left mid-move
     assert not controller.busy and {pool for pool, _ in (actuator.slot_to_pool[m.slot] for m in step.moves)} == {OLD}
     assert [s.pool for s in _slots(actuator)] == [OLD] * 4
-    assert evidence["backoff_s"] == 300.0 and "plan" not in kinds[3:]  # no new plan during the back-off
+    assert evidence.backoff_s == 300.0 and "plan" not in kinds[3:]  # no new plan during the back-off
 
 
 def test_lost_slots_leave_the_budget_and_the_next_plan_uses_what_is_left() -> None:
@@ -64,11 +65,11 @@ def test_lost_slots_leave_the_budget_and_the_next_plan_uses_what_is_left() -> No
     # the lost GPUs alone call for a plan (the mix has not been judged drifted yet)
     assert [d.kind for d in made] == ["capacity", "plan", "step"]
     capacity, plan, step = made
-    assert dict(capacity.evidence)["lost"] == ["G/2", "G/3"] and dict(capacity.evidence)["budget"] == {GPU: 2}
-    assert dict(plan.evidence)["budget"] == {GPU: 2}
+    assert capacity.evidence == CapacityEvidence(lost=("G/2", "G/3"), recovered=(), budget={GPU: 2}, reason=capacity.evidence.reason)
+    assert isinstance(plan.evidence, PlanEvidence) and plan.evidence.budget == {GPU: 2}
     assert not {m.slot for m in step.moves} & dead  # a dead slot is never moved
     made = _run(controller, actuator, 210, 215)  # they come back
-    assert made[0].kind == "capacity" and dict(made[0].evidence)["recovered"] == ["G/2", "G/3"]
+    assert isinstance(made[0].evidence, CapacityEvidence) and made[0].evidence.recovered == ("G/2", "G/3")
 
 
 def test_a_pool_that_disappears_during_a_repartition_is_rolled_back_and_planned_around() -> None:
@@ -82,9 +83,10 @@ def test_a_pool_that_disappears_during_a_repartition_is_rolled_back_and_planned_
     actuator.broken |= gone  # the hosts of the moving slots vanish mid-step: they never come back up
     made = _run(controller, actuator, now, now + 300, dead=gone)
     kinds = [d.kind for d in made]
-    assert kinds[0] == "capacity" and dict(made[0].evidence)["budget"] == {GPU: 4 - len(gone)}
+    assert isinstance(made[0].evidence, CapacityEvidence) and made[0].evidence.budget == {GPU: 4 - len(gone)}
     rollbacks = [d for d in made if d.kind == "rollback"]
-    assert dict(rollbacks[0].evidence)["reason"] == "replica never became healthy"
-    assert dict(rollbacks[1].evidence)["outcome"] == "failed"  # their old configuration cannot start either
+    assert rollbacks[0].evidence == RollbackEvidence(reason="replica never became healthy", backoff_s=50.0, plan_failed=True,
+                                                     never_healthy=tuple(sorted(gone)), start_timeout_s=rollbacks[0].evidence.start_timeout_s)
+    assert rollbacks[1].evidence == RollbackEvidence(outcome="failed", reason="the previous configuration never became healthy either")
     replan = next(d for d in made if d.kind == "plan")  # after the back-off: a plan for the GPUs that are left
-    assert dict(replan.evidence)["budget"] == {GPU: 4 - len(gone)} and replan.at > rollbacks[0].at
+    assert isinstance(replan.evidence, PlanEvidence) and replan.evidence.budget == {GPU: 4 - len(gone)} and replan.at > rollbacks[0].at

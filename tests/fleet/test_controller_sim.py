@@ -9,6 +9,7 @@ import pytest
 from fleet.capacity import Capacity
 from fleet.controller import Controller, ControllerSettings
 from fleet.drift import DriftSettings
+from fleet.evidence import RollbackEvidence, VerifyEvidence
 from fleet.rollout import SlotState
 from fleet.simulator.events import EventLoop
 from fleet.simulator.run import simulate
@@ -80,8 +81,9 @@ def test_a_step_that_makes_things_worse_is_rolled_back_with_backoff() -> None:
         decisions += tick(controller, actuator, float(later), slots)
     assert [d.kind for d in decisions] == ["verify", "rollback"]
     verify, rollback = decisions
-    assert dict(verify.evidence)["ok"] is False
-    assert all(m.to_pool.startswith("a@") for m in rollback.moves) and dict(rollback.evidence)["backoff_s"] == 300.0
+    assert isinstance(verify.evidence, VerifyEvidence) and verify.evidence.ok is False
+    assert all(m.to_pool.startswith("a@") for m in rollback.moves) and rollback.evidence == RollbackEvidence(
+        reason="observed goodput below prediction and below the goodput before the step", backoff_s=300.0, plan_failed=True)
 
 
 def test_simulator_adaptive_repartitions_without_dropping_requests() -> None:

@@ -9,7 +9,8 @@ from pathlib import Path
 
 from fleet.commands import Activate, Drain, Start, Stop, apply
 from fleet.controller import Controller
-from fleet.decisions import Decision, DecisionLog, Move, decision
+from fleet.decisions import Decision, DecisionLog, Move
+from fleet.evidence import DriftEvidence, RecompileEvidence, StepEvidence
 from fleet.planner import PlanProblem, PoolOption, brute_force, plan
 from fleet.rollout import Mover, SlotState, batch_moves, diff_moves
 
@@ -150,7 +151,7 @@ def test_decision_log_writes_json_lines_with_a_bounded_tail(tmp_path: Path) -> N
     path = tmp_path / "decisions.jsonl"
     log = DecisionLog(path, max_tail=2, clock_offset_s=1000.0)
     for k in range(3):
-        log.append(decision(float(k), "step", moves=(Move("G/0", "a", "b", "{}"),), reason=f"r{k}"))
+        log.append(Decision(float(k), StepEvidence(reason=f"r{k}"), (Move("G/0", "a", "b", "{}"),)))
     lines = [json.loads(line) for line in path.read_text().splitlines()]
     assert [line["at_unix_s"] for line in lines] == [1000.0, 1001.0, 1002.0]
     assert lines[0] == {"at_unix_s": 1000.0, "kind": "step", "evidence": {"reason": "r0", "moves": [["G/0", "a", "b"]]}}
@@ -162,12 +163,12 @@ def test_a_decision_log_that_refuses_writes_queues_lines_and_writes_them_once_it
     path.mkdir()  # a directory where the file should be: every write fails
     log = DecisionLog(path, max_unwritten=2)
     for k in range(3):
-        log.append(decision(float(k), "plan", reason=f"r{k}"))
+        log.append(Decision(float(k), RecompileEvidence(reason=f"r{k}")))
     assert [e["evidence"]["reason"] for e in log.tail()] == ["r0", "r1", "r2"]  # the tail still serves them
     health = log.health()
     assert "Is a directory" in health["write_error"] and health["unwritten"] == 2 and health["dropped"] == 1
     path.rmdir()
-    log.append(decision(3.0, "plan", reason="r3"))
+    log.append(Decision(3.0, RecompileEvidence(reason="r3")))
     written = [json.loads(line)["evidence"]["reason"] for line in path.read_text().splitlines()]
     assert written == ["r1", "r2", "r3"] and log.health()["write_error"] is None and log.num_unwritten == 0
 
@@ -179,14 +180,15 @@ def test_opening_a_corrupted_decision_log_skips_bad_lines_and_counts_them(tmp_pa
     log = DecisionLog()
     log.open(path)
     assert [e["evidence"]["reason"] for e in log.tail()] == ["kept", "kept"] and log.health()["skipped_lines"] == 3
-    log.append(decision(5.0, "step", reason="new"))
+    log.append(Decision(5.0, StepEvidence(reason="new")))
     assert json.loads(path.read_bytes().splitlines()[-1])["evidence"]["reason"] == "new"
 
 
 def test_decision_log_lines_are_strict_json(tmp_path: Path) -> None:
     """Regression: a drift score of inf was written as ``Infinity``, which strict JSON readers reject."""
     path = tmp_path / "decisions.jsonl"
-    DecisionLog(path).append(decision(0.0, "drift", score=float("inf")))
+    DecisionLog(path).append(Decision(0.0, DriftEvidence(reason="rate change", score=float("inf"), divergence=0.0, rate_change=float("inf"),
+                                                      dwell_since=0.0, mix_before={}, mix_after={})))
 
     def strict(name: str) -> None:
         raise ValueError(f"non-standard JSON constant {name}")

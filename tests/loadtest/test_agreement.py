@@ -42,11 +42,12 @@ def test_the_live_config_deploys_the_simulators_starting_partition(tmp_path: Pat
 
 def test_decisions_count_like_the_controllers_counters() -> None:
     entries = [
-        {"kind": "plan", "evidence": {"outcome": "keep", "diff": {}}},
-        {"kind": "plan", "evidence": {"outcome": "apply", "diff": {"a@H200": [2, 1], "b@H200": [0, 1]}}},
-        {"kind": "recompile", "evidence": {"moves": [["H200/0", "a@H200", "a@H200", "{}"], ["H200/1", "a@H200", "a@H200", "{}"]]}},
-        {"kind": "plan", "evidence": {"outcome": "apply", "diff": {}}},  # recompiles only: not a repartition
-        {"kind": "step", "evidence": {"moves": [["H200/1", "a@H200", "b@H200", "{}"]]}},
+        {"at_unix_s": 1.0, "kind": "plan", "evidence": {"outcome": "keep", "diff": {}}},
+        {"at_unix_s": 2.0, "kind": "plan", "evidence": {"outcome": "apply", "diff": {"a@H200": [2, 1], "b@H200": [0, 1]}}},
+        {"at_unix_s": 2.0, "kind": "recompile", "evidence": {"reason": "lengths changed",
+                                                             "moves": [["H200/0", "a@H200", "a@H200"], ["H200/1", "a@H200", "a@H200"]]}},
+        {"at_unix_s": 3.0, "kind": "plan", "evidence": {"outcome": "apply", "diff": {}}},  # recompiles only: not a repartition
+        {"at_unix_s": 3.0, "kind": "step", "evidence": {"moves": [["H200/1", "a@H200", "b@H200"]]}},
     ]
     assert decision_counts(entries) == (1, 2)
     assert decision_counts([]) == (0, 0)

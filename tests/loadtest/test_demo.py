@@ -24,8 +24,10 @@ from tests.support.procs import running, start_emulator, start_gateway
 SHORT_DRIFT = REPO / "tests" / "loadtest" / "fixtures" / "short-drift.yaml"
 MIX_AFTER = {"shapes": {"long-context": {"rate_rps": 1.5}, "short-chat": {"rate_rps": 0.5}}, "window_s": 120.0}
 DECISIONS = [
-    {"at_unix_s": 90.0, "kind": "drift", "evidence": {"reason": "rate change", "mix_before": {"shapes": {}}, "mix_after": {"shapes": {}}}},
-    {"at_unix_s": 1000.0, "kind": "drift", "evidence": {"reason": "mix divergence", "mix_after": MIX_AFTER}},
+    {"at_unix_s": 90.0, "kind": "drift", "evidence": {"reason": "rate change", "score": None, "divergence": 0.0, "rate_change": None,
+                                                      "dwell_since": 60.0, "mix_before": {"shapes": {}}, "mix_after": {"shapes": {}}}},
+    {"at_unix_s": 1000.0, "kind": "drift", "evidence": {"reason": "mix divergence", "score": 2.1, "divergence": 0.4, "rate_change": 0.1,
+                                                        "dwell_since": 970.0, "mix_before": {"shapes": {}}, "mix_after": MIX_AFTER}},
     {"at_unix_s": 1000.0, "kind": "plan", "evidence": {"outcome": "apply", "diff": {"long-context@H200": [0, 2], "short-chat@H200": [2, 0]},
                                                         "predicted_goodput_before_rps": 0.8, "predicted_goodput_after_rps": 2.9}},
     {"at_unix_s": 1000.0, "kind": "step", "evidence": {"moves": [["long-h200-0", "short-chat@H200", "long-context@H200", "{}"]]}},
