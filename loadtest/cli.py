@@ -221,6 +221,33 @@ def register_bench(benches: argparse._SubParsersAction) -> None:  # type: ignore
     register_bench_adapt(benches)
     register_bench_agreement(benches)
     _register_bench_priority(benches)
+    _register_bench_instructions(benches)
+
+
+def _register_bench_instructions(benches: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+    p = benches.add_parser(
+        "instructions",
+        help="the gateway's CPU instructions per request, counted by callgrind (optionally against another checkout)",
+        description=(
+            "Run a gateway under valgrind's callgrind in front of four stub backends in two pools, send a fixed request "
+            "mix (shared-prefix chats, unique chats, long prompts, streams) one at a time, and report instructions per "
+            "request: the median over rounds. With --baseline-tree, another checkout of this repository is measured in "
+            "the same run (rounds alternate) and the JSON line gives current/baseline. Needs valgrind."
+        ),
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    p.add_argument("--requests", type=int, default=200, help="requests counted per round")
+    p.add_argument("--rounds", type=int, default=3, help="rounds per tree (the figure is the median)")
+    p.add_argument("--warmup", type=int, default=40, help="requests sent before counting starts")
+    p.add_argument("--baseline-tree", metavar="DIR", help="another checkout to compare with (e.g. `git worktree add DIR main`)")
+    p.add_argument("--run-dir", help="keep the logs and callgrind dumps here (default: a temporary folder)")
+    p.set_defaults(handler=_run_bench_instructions)
+
+
+def _run_bench_instructions(args: argparse.Namespace) -> int:
+    from loadtest.bench.instructions import main_bench
+
+    return main_bench(args)
 
 
 def _register_bench_priority(benches: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
