@@ -8,6 +8,8 @@ import time
 import orjson
 from aiohttp import web
 
+from fleet.decisions import read_decision
+from fleet.evidence import PlanEvidence, VerifyEvidence
 from fleet.operator import MoveRefused
 from fleet.pool import ReplicaState
 from gateway.dashboard import is_admin_request
@@ -20,14 +22,21 @@ _JSON = "application/json"
 
 def _summary(entry: dict[str, object]) -> str:
     """A one-line reading of a decision-log entry for people (the evidence holds the details)."""
-    evidence = entry.get("evidence")
-    reason = evidence.get("reason") if isinstance(evidence, dict) else None
-    moves = evidence.get("moves") if isinstance(evidence, dict) else None
-    text = str(entry.get("kind", "decision"))
-    if moves:
-        text += f": {len(moves)} replica move(s)"
-    if reason:
-        text += f" ({reason})"
+    found = read_decision(entry)
+    if found is None:  # a line this version does not read (hand-written, or of a kind it does not know)
+        return str(entry.get("kind", "decision"))
+    text = found.kind
+    if found.moves:
+        text += f": {len(found.moves)} replica move(s)"
+    evidence = found.evidence
+    if isinstance(evidence, PlanEvidence):
+        detail: str | None = evidence.outcome
+    elif isinstance(evidence, VerifyEvidence):
+        detail = "kept" if evidence.ok else "worse than predicted"
+    else:
+        detail = evidence.reason
+    if detail:
+        text += f" ({detail})"
     return text
 
 

@@ -22,6 +22,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Self
 
+from fleet.decisions import LoggedDecision, read_decisions
 from loadtest.chaos.fleet_faults import DEADLINE_S, FleetFaultSettings, fleet_request, write_fleet_config
 from loadtest.chaos.load import OK, Answer, ChaosClient, open_loop, percentile
 from loadtest.chaos.report import Check, ScenarioResult, summarize
@@ -93,9 +94,9 @@ class ExternalControllerDeployment:
         pools = {p["name"]: p for p in self.plan()["pools"]}
         return [r["url"] for r in pools.get(NEW_POOL, {"replicas": []})["replicas"] if not r["draining"]]
 
-    def decisions(self) -> list[dict[str, Any]]:
+    def decisions(self) -> list[LoggedDecision]:
         text = self.decision_log.read_text() if self.decision_log.exists() else ""
-        return [json.loads(line) for line in text.splitlines()]
+        return read_decisions(json.loads(line) for line in text.splitlines())
 
     def retries(self) -> float:
         return sum(metric_sum(url, "polymorph_upstream_retries_total") for url in self.gateway_urls)
@@ -111,9 +112,9 @@ def wait_until(what: str, check: Callable[[], bool], timeout_s: float = 60.0) ->
     raise TimeoutError(f"timed out waiting for {what}")
 
 
-def moves_repeated(decisions: list[dict[str, Any]]) -> int:
+def moves_repeated(decisions: list[LoggedDecision]) -> int:
     """Slots named by more than one step: a move applied again."""
-    slots = [m[0] for d in decisions if d["kind"] == "step" for m in d["evidence"]["moves"]]
+    slots = [m.slot for d in decisions if d.kind == "step" for m in d.moves]
     return len(slots) - len(set(slots))
 
 
@@ -145,14 +146,14 @@ async def _under_load(deployment: ExternalControllerDeployment, settings: FleetF
 def _common_checks(deployment: ExternalControllerDeployment, answers: list[Answer], error: str | None,
                    moved: list[str]) -> list[Check]:
     decisions = deployment.decisions()
-    kinds = [str(d["kind"]) for d in decisions]
-    steps = [d for d in decisions if d["kind"] == "step"]
+    kinds = [d.kind for d in decisions]
+    steps = [d for d in decisions if d.kind == "step"]
     failed = [a for a in answers if a.verdict != OK]
     final = set(deployment.new_pool_urls()) if error is None else set()
     return [
         Check("the scenario ran to the end", error is None, str(error)),
         Check("one plan, two steps, no rollback", kinds.count("plan") == 1 and len(steps) == 2 and "rollback" not in kinds, f"decisions {kinds}"),
-        Check("no applied move was repeated", moves_repeated(decisions) == 0, f"steps {[d['evidence']['moves'] for d in steps]}"),
+        Check("no applied move was repeated", moves_repeated(decisions) == 0, f"steps {[d.moves for d in steps]}"),
         Check("the replica moved first stayed moved", bool(moved) and set(moved) <= final, f"{moved} then {sorted(final)}"),
         Check("the gateways noticed the controller was gone",
               any("unreachable" in deployment.log(f"gateway-{i}") for i in range(NUM_GATEWAYS)), "no gateway logged it"),
@@ -184,7 +185,7 @@ async def controller_dies(run_dir: Path, settings: FleetFaultSettings) -> Scenar
             takeover_s = time.monotonic() - killed_at
             wait_until("the rollout to finish", lambda: len(deployment.new_pool_urls()) == 2)
             plan = deployment.plan()
-            wait_until("the last verification", lambda: deployment.decisions()[-1]["kind"] == "verify")
+            wait_until("the last verification", lambda: deployment.decisions()[-1].kind == "verify")
             standby.send_signal(signal.SIGKILL)
             restarted = deployment.start_controller("controller-c")
             deployment.wait_leading(restarted)
@@ -221,7 +222,7 @@ async def controller_partitioned(run_dir: Path, settings: FleetFaultSettings) ->
             wait_until("the gateways to reach it again",
                        lambda: all("answers again" in deployment.log(f"gateway-{i}") for i in range(NUM_GATEWAYS)))
             wait_until("the rollout to finish", lambda: len(deployment.new_pool_urls()) == 2)
-            wait_until("the last verification", lambda: deployment.decisions()[-1]["kind"] == "verify")
+            wait_until("the last verification", lambda: deployment.decisions()[-1].kind == "verify")
             return {"moved": moved}
 
         answers, retried, seen, error = await _under_load(deployment, settings, faults)

@@ -23,6 +23,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from fleet.decisions import LoggedDecision, read_decisions
+from fleet.evidence import CapacityEvidence, PlanEvidence, RollbackEvidence
 from loadtest.chaos.load import OK, ChaosClient, Request, chat_request, open_loop, percentile
 from loadtest.chaos.report import Check, ScenarioResult, summarize
 from loadtest.chaos.stack import POLYMORPH, STARTUP_TIMEOUT_S, http_get, metric_sum
@@ -99,8 +101,8 @@ class ControllerStack:
             raise RuntimeError(f"{path} answered {status}: {body[:200]!r}")
         return json.loads(body)  # type: ignore[no-any-return]
 
-    def decisions(self) -> list[dict[str, Any]]:
-        return self.admin("/admin/decisions?limit=10000")["decisions"]  # type: ignore[no-any-return]
+    def decisions(self) -> list[LoggedDecision]:
+        return read_decisions(self.admin("/admin/decisions?limit=10000")["decisions"])
 
     def pool_sizes(self) -> dict[str, int]:
         """Routable replicas per pool, from the gateway's own state."""
@@ -190,8 +192,8 @@ async def load_until(stack: ControllerStack, settings: FleetFaultSettings, done:
     return answers, settled_s, metric_sum(stack.url, "polymorph_upstream_retries_total") - retries_before
 
 
-def _kinds(decisions: list[dict[str, Any]]) -> list[str]:
-    return [str(d["kind"]) for d in decisions]
+def _kinds(decisions: list[LoggedDecision]) -> list[str]:
+    return [d.kind for d in decisions]
 
 
 async def step_never_healthy(run_dir: Path, settings: FleetFaultSettings) -> ScenarioResult:
@@ -204,7 +206,7 @@ async def step_never_healthy(run_dir: Path, settings: FleetFaultSettings) -> Sce
 
         def rolled_back_and_settled() -> bool:
             decisions = stack.decisions()
-            rollback = [d for d in decisions if d["kind"] == "rollback"]
+            rollback = [d for d in decisions if d.kind == "rollback"]
             if not rollback:
                 return False
             hang.release()
@@ -215,8 +217,8 @@ async def step_never_healthy(run_dir: Path, settings: FleetFaultSettings) -> Sce
         finally:
             hang.release()
         decisions, after = stack.decisions(), stack.pool_sizes()
-    rollbacks = [d for d in decisions if d["kind"] == "rollback"]
-    reason = rollbacks[0]["evidence"].get("reason") if rollbacks else None
+    rollbacks = [d.evidence for d in decisions if isinstance(d.evidence, RollbackEvidence)]
+    reason = rollbacks[0].reason if rollbacks else None
     failed = [a for a in answers if a.verdict != OK]
     ok = [a.latency_s for a in answers if a.verdict == OK]
     checks = [
@@ -242,17 +244,18 @@ async def pool_lost_replan(run_dir: Path, settings: FleetFaultSettings) -> Scena
 
         answers, settled_s, retried = await load_until(stack, settings, replanned)
         decisions = stack.decisions()
-    capacity = next((d["evidence"] for d in decisions if d["kind"] == "capacity"), {})
+    capacity = next((d.evidence for d in decisions if isinstance(d.evidence, CapacityEvidence)), None)
     after = decisions[_kinds(decisions).index("capacity"):] if capacity else []
-    plan = next((d["evidence"] for d in after if d["kind"] == "plan"), {})
-    moved = {m[0] for d in after if d["kind"] == "step" for m in d["evidence"].get("moves", [])}
+    plan = next((d.evidence for d in after if isinstance(d.evidence, PlanEvidence)), None)
+    moved = {m.slot for d in after if d.kind == "step" for m in d.moves}
     by_rest = sum(a.verdict == OK and a.detail == "rest" for a in answers)
     failed = [a for a in answers if a.verdict != OK]
     ok = [a.latency_s for a in answers if a.verdict == OK]
     checks = [
-        Check("capacity decision names the lost slot", capacity.get("lost") == ["chat-0"] and capacity.get("budget") == {GPU: 2},
+        Check("capacity decision names the lost slot", capacity is not None and capacity.lost == ("chat-0",) and capacity.budget == {GPU: 2},
               f"capacity evidence {capacity}"),
-        Check("the next plan is for the GPUs left", plan.get("budget") == {GPU: 2}, f"decisions {_kinds(decisions)}; plan {plan.get('budget')}"),
+        Check("the next plan is for the GPUs left", plan is not None and plan.budget == {GPU: 2},
+              f"decisions {_kinds(decisions)}; plan {plan and plan.budget}"),
         Check("the lost slot is never moved", "chat-0" not in moved, f"moved {sorted(moved)}"),
         Check("short-chat overflowed to pool rest", by_rest > 0, "no request was served by pool rest"),
         Check("every request succeeded", not failed, f"{len(failed)} failed: {sorted({a.detail for a in failed})[:3]}"),

@@ -83,7 +83,7 @@ def test_a_pool_that_disappears_during_a_repartition_is_rolled_back_and_planned_
     actuator.broken |= gone  # the hosts of the moving slots vanish mid-step: they never come back up
     made = _run(controller, actuator, now, now + 300, dead=gone)
     kinds = [d.kind for d in made]
-    assert isinstance(made[0].evidence, CapacityEvidence) and made[0].evidence.budget == {GPU: 4 - len(gone)}
+    assert kinds[0] == "capacity" and isinstance(made[0].evidence, CapacityEvidence) and made[0].evidence.budget == {GPU: 4 - len(gone)}
     rollbacks = [d for d in made if d.kind == "rollback"]
     assert rollbacks[0].evidence == RollbackEvidence(reason="replica never became healthy", backoff_s=50.0, plan_failed=True,
                                                      never_healthy=tuple(sorted(gone)), start_timeout_s=rollbacks[0].evidence.start_timeout_s)
