@@ -489,13 +489,28 @@ function renderTiers() {
 
 // ---------- decision log ----------
 
+// Per kind, the evidence fields (fleet/README.md, "Decision log") that say what was decided, for the
+// one-line summary when the gateway sent none; a kind not listed shows its first plain fields.
+const SUMMARY_FIELDS = {
+  drift: ["reason", "score"],
+  capacity: ["reason"],
+  plan: ["outcome", "num_moves", "predicted_goodput_after_rps"],
+  recompile: ["reason"],
+  step: ["source", "reason", "num_steps_left"],
+  verify: ["source", "ok", "observed_goodput_rps", "predicted_goodput_rps"],
+  rollback: ["source", "outcome", "reason"],
+  compile: ["pool", "reason"],
+  compiled: ["pool", "predicted_gain"],
+};
+
 function decisionSummary(decision) {
   if (decision.summary) return decision.summary;
   const evidence = decision.evidence || {};
-  const parts = Object.entries(evidence)
-    .filter(([, v]) => v == null || typeof v !== "object")
+  const keys = SUMMARY_FIELDS[decision.kind] || Object.keys(evidence);
+  const parts = keys
+    .filter((k) => k in evidence && (evidence[k] == null || typeof evidence[k] !== "object"))
     .slice(0, 3)
-    .map(([k, v]) => `${k.replace(/_/g, " ")} ${typeof v === "number" ? fmtNum(v) : v}`);
+    .map((k) => `${k.replace(/_/g, " ")} ${typeof evidence[k] === "number" ? fmtNum(evidence[k]) : evidence[k]}`);
   return parts.join(" · ") || decision.kind;
 }
 
