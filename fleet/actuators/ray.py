@@ -32,7 +32,7 @@ import ray
 from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from fleet.actuators.local import LaunchSpec, LocalActuator, answers_health
+from fleet.actuators.local import LaunchSpec, LocalActuator, answers_health, warm_up
 from fleet.actuators.local_slots import LaunchFor
 from fleet.rollout import SlotState
 from kernels.config import EngineConfig
@@ -53,6 +53,10 @@ class _ReplicaHost:
     def gpu_ids(self) -> list[Any]:
         return list(ray.get_gpu_ids())
 
+    def exit_code(self) -> int | None:
+        """The replica process's exit code; None while it runs."""
+        return self._replica.process.poll()
+
     def shutdown(self, grace_s: float) -> None:
         self._local.stop(self._replica, grace_s)
 
@@ -67,6 +71,7 @@ class _Replica:
     group: PlacementGroup
     actor: Any  # ray.actor.ActorHandle
     url_ref: Any  # ray.ObjectRef of the actor's URL
+    warmup_model: str | None  # a real engine's first request compiles and allocates: one is sent before it is healthy
     url: str | None = None
     healthy: bool = False
     error: str | None = None  # why it will never be healthy (actor died, never placed)
@@ -121,6 +126,7 @@ class RayActuator:
         found = self.slots[slot]
         num_gpus = EngineConfig.from_dict(orjson.loads(config_json)).num_gpus
         name = f"polymorph-{slot.replace('/', '-')}-{time.time_ns()}"  # also its log file's name: no '/' (slots like H100-SXM/0)
+        spec = self._spec(found, pool, config_json)
         group = placement_group([{"GPU": num_gpus}], strategy="STRICT_PACK", name=name)
         actor = _RemoteHost.options(
             name=name,
@@ -128,16 +134,15 @@ class RayActuator:
             num_gpus=num_gpus,
             scheduling_strategy=PlacementGroupSchedulingStrategy(group, placement_group_bundle_index=0),
             max_restarts=0,
-        ).remote(name, *self._argv_env(found, pool, config_json), str(self.log_dir))
+        ).remote(name, spec.argv, dict(spec.env), str(self.log_dir))
         # Ray's stubs type an actor's method as the plain function; the handle's method has .remote
-        replica = _Replica(group, actor, actor.url.remote())  # type: ignore[union-attr]
+        replica = _Replica(group, actor, actor.url.remote(), spec.warmup_model)  # type: ignore[union-attr]
         found.replica, found.pool, found.config_json = replica, pool, config_json
         self._workers.submit(self._wait_healthy, found, replica)
 
-    def _argv_env(self, found: _Slot, pool: str, config_json: str) -> tuple[tuple[str, ...], dict[str, str]]:
+    def _spec(self, found: _Slot, pool: str, config_json: str) -> LaunchSpec:
         # Ray sets the actor's CUDA_VISIBLE_DEVICES to its GPUs: the slot holds no device ids of its own
-        spec = self.launch_for(found.gpu, pool, config_json, ())
-        return spec.argv, dict(spec.env)
+        return self.launch_for(found.gpu, pool, config_json, ())
 
     def is_healthy(self, slot: str, now: float) -> bool:
         replica = self.slots[slot].replica
@@ -150,7 +155,7 @@ class RayActuator:
 
     def argv(self, slot: str) -> tuple[str, ...] | None:
         found = self.slots[slot]
-        return self._argv_env(found, found.pool, found.config_json)[0] if found.replica is not None else None
+        return self._spec(found, found.pool, found.config_json).argv if found.replica is not None else None
 
     def url(self, slot: str) -> str | None:
         replica = self.slots[slot].replica
@@ -187,7 +192,15 @@ class RayActuator:
                     replica.error = f"replica actor failed: {exc}"
                     return
             if answers_health(replica.url):
-                replica.healthy = True
+                model = replica.warmup_model
+                replica.healthy = model is None or warm_up(replica.url, model, max(1.0, deadline - time.monotonic()))
+                if not replica.healthy:
+                    replica.error = f"the warm-up request to {replica.url} failed"
+                return
+            # an engine that refused its arguments exits at once: say so now, not at the start timeout
+            code = ray.get(replica.actor.exit_code.remote(), timeout=30)
+            if code is not None:
+                replica.error = f"the replica process exited with code {code} (see its log under {self.log_dir})"
                 return
             time.sleep(0.2)
         if found.replica is replica:

@@ -152,8 +152,12 @@ def test_an_emulated_replica_moves_between_pools_under_load_without_failing_a_re
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("actuator", ["local", "ray"])
 def test_a_real_llamacpp_replica_moves_to_other_arguments_and_a_failed_start_rolls_back(
-        tmp_path: Path, llama_server_bin: Path, tiny_gguf: Path) -> None:
+        tmp_path: Path, llama_server_bin: Path, tiny_gguf: Path, actuator: str) -> None:
+    """The same moves through either actuator: local processes, or Ray actors on a local cluster (one logical GPU a replica)."""
+    if actuator == "ray":
+        pytest.importorskip("ray", reason="Ray is not installed: pip install -e '.[ray]' (make test installs it)")
     llama = {"kind": "llamacpp", "threads": 1}
     pools = [
         {"name": "chat-cpu", "model": "tiny-llama", "gpu": "cpu", "shapes": ["short-chat"],
@@ -164,8 +168,8 @@ def test_a_real_llamacpp_replica_moves_to_other_arguments_and_a_failed_start_rol
         {"name": "broken-cpu", "model": "tiny-llama", "gpu": "cpu", "shapes": ["batch"],
          "engine": {**llama, "args": ["--no-such-flag"]}, "replicas": {"launch": 0}},
     ]
-    config = _config(tmp_path, pools, devices={"cpu": {"count": 2}})
-    gateway = start_gateway(tmp_path, ["--config", str(config)], timeout_s=120)
+    config = _config(tmp_path, pools, devices={"cpu": {"count": 2}}, actuator=actuator)
+    gateway = start_gateway(tmp_path, ["--config", str(config), "--replica-logs", str(tmp_path / "replicas")], timeout_s=180)
     try:
         before = _replica(_admin(gateway.url, "/admin/state")[1], "chat-cpu-0")
         load, decisions = _move_and_watch(gateway, "chat-cpu-0", "long-cpu", "tiny-llama", 8, 120)
