@@ -21,6 +21,7 @@ from classifiers.shape import ShapeRules, default_shape_rules
 from fleet.engines.launch import EngineLaunch
 from fleet.engines.load import ENGINE_KINDS
 from fleet.router import RouterSettings
+from fleet.router_steps import STEPS
 from gateway.yamlsrc import ConfigError, FieldPath, YamlDoc, load_yaml
 from kernels.tiers import DEFAULT_TIERS, TierSlo
 from loadtest.demo_credentials import DEMO_ADMIN_TOKEN, DEMO_API_KEY
@@ -430,10 +431,18 @@ def _aliases(doc: YamlDoc, pools: tuple[PoolSpec, ...]) -> dict[str, Alias]:
 
 
 def _router(doc: YamlDoc) -> RouterSettings:
-    """``router:``: the router's knobs (fleet.router.RouterSettings; its defaults are today's behaviour)."""
+    """``router:``: the router's knobs and named steps (fleet.router.RouterSettings, fleet.router_steps.STEPS;
+    the defaults are today's behaviour). Building the settings composes the steps: once per load."""
     d = RouterSettings()
     r = _Reader(doc, ("router",), doc.data.get("router"), {"affinity_slack", "shed_priority", "shed_load_fraction",
-                                                            "shed_retry_after_s", "good_chance", "shed_chance", "wait_share"})
+                                                            "shed_retry_after_s", "good_chance", "shed_chance", "wait_share", *STEPS})
+
+    def step(stage: str, default: str) -> str:
+        name = r.text(stage, default)
+        if name is None or name not in STEPS[stage]:
+            raise r.error(stage, f"unknown step {name!r} (known: {', '.join(STEPS[stage])})")
+        return name
+
     return RouterSettings(
         affinity_slack=r.number("affinity_slack", d.affinity_slack, lo=1.0, hi=100.0),
         shed_priority=r.number("shed_priority", d.shed_priority, lo=0, hi=100, integer=True),
@@ -442,6 +451,11 @@ def _router(doc: YamlDoc) -> RouterSettings:
         good_chance=r.number("good_chance", d.good_chance, lo=0.0, hi=1.0),
         shed_chance=r.number("shed_chance", d.shed_chance, lo=0.0, hi=1.0),
         wait_share=r.number("wait_share", d.wait_share, lo=0.01, hi=1.0),
+        pool_filter=step("pool_filter", d.pool_filter),
+        pool_scorer=step("pool_scorer", d.pool_scorer),
+        admission=step("admission", d.admission),
+        replica_filter=step("replica_filter", d.replica_filter),
+        replica_picker=step("replica_picker", d.replica_picker),
     )
 
 
