@@ -21,6 +21,14 @@ def _add_sim_args(p: argparse.ArgumentParser, fleet: str, rate: float | None, st
     p.add_argument("--no-cache", action="store_true", help="do not read or write --capacity-cache")
 
 
+def _add_capacity_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--slo-threshold", type=float, default=0.90,
+                   help="capacity: the SLO attainment (overall, every tier, every scenario phase or 5-minute trace window) a rate must keep")
+    p.add_argument("--resolution", type=float, default=0.02,
+                   help="capacity: stop bisecting when the failing multiplier is within this fraction of the passing one")
+    p.add_argument("--max-points", type=int, default=16, help="capacity: at most this many runs per search")
+
+
 def register_simulate(commands: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     p = commands.add_parser(
         "simulate",
@@ -39,10 +47,18 @@ def register_simulate(commands: argparse._SubParsersAction) -> None:  # type: ig
     source.add_argument("--scenario", help="a built-in scenario name (e.g. drift-step) or a scenario YAML path")
     source.add_argument("--trace", help="a trace file (see --format)")
     p.add_argument("--format", default="native", help="trace format: azure, burstgpt, mooncake, native")
+    p.add_argument("--speedup", type=float, default=None,
+                   help="replay the trace this many times faster (inter-arrival gaps divided: bursts and mix kept); "
+                   "or give a trace --rate")
     p.add_argument("--policy", default="adaptive", choices=POLICY_NAMES, help="fleet policy")
     p.add_argument("--duration", type=float, default=None, help="seconds of traffic (default: the scenario's, times --stretch)")
     p.add_argument("--decisions", default=None, help="append the decision log (JSON lines) to this file")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
+    p.add_argument("--capacity", action="store_true",
+                   help="find the capacity at SLO instead: the highest load multiplier whose run keeps --slo-threshold "
+                   "(bracket by doubling and halving, then bisect to --resolution; the same seed at every point); prints "
+                   "the attainment curve")
+    _add_capacity_args(p)
     p.add_argument("--compile", default="off", choices=("off", "analytic", "perf-model"),
                    help="run compiled engine configurations (kernels.compiler) searched with this evaluator; a compile "
                    "is computed at once but released to the adaptive controller --compile-s-per-trial virtual seconds "
@@ -73,6 +89,16 @@ def register_bench_adapt(benches: argparse._SubParsersAction) -> None:  # type: 
     p.add_argument("--policies", default=None, help="comma-separated subset of the policies")
     p.add_argument("--duration", type=float, default=1800.0, help="seconds of traffic per scenario")
     p.add_argument("--quick", action="store_true", help="two scenarios, 240 s each (for tests)")
+    p.add_argument("--metric", default="goodput", choices=("goodput", "capacity"),
+                   help="goodput: at the offered --rate; capacity: each policy's capacity at SLO (see `polymorph simulate "
+                   "--capacity`) and the smallest fleet that sustains the nominal rate")
+    p.add_argument("--trace", action="append", default=[], help="capacity: also this trace file (repeatable; --format, --speedup)")
+    p.add_argument("--format", default="native", help="trace format of --trace")
+    p.add_argument("--speedup", type=float, default=None, help="replay --trace this many times faster (default: as recorded)")
+    p.add_argument("--no-fleet-search", action="store_true", help="capacity: skip the smallest-fleet search (GPUs saved)")
+    p.add_argument("--json", action="store_true", help="capacity: print only the JSON object")
+    p.add_argument("--no-progress", action="store_true", help="no progress line on stderr")
+    _add_capacity_args(p)
     _add_sim_args(p, "H100-SXM:4,H200:4", 30.0, 2.0)
     p.set_defaults(handler=_run_bench_adapt)
 

@@ -9,14 +9,30 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import TextIO
 
-from fleet.capacity import PerfCapacity
+import numpy as np
+
+from fleet.capacity import CapacityModel, PerfCapacity
 from fleet.compile_sources import CompileSettings, VirtualTimeConfigSource
 from fleet.decisions import DecisionLog
-from fleet.simulator.run import simulate
+from fleet.simulator.run import simulate, simulate_outcomes
 from kernels.compiler import Budget, StoreError, TrialStore
+from loadtest.capacity import (
+    DEFAULT_MAX_POINTS,
+    DEFAULT_RESOLUTION,
+    DEFAULT_THRESHOLD,
+    Attainment,
+    CapacityResult,
+    CurvePoint,
+    attainment_of,
+    phase_bounds_s,
+    search_capacity,
+    window_bounds_s,
+)
 from loadtest.spec import Workload
 
 DEFAULT_FLEET = "H100-SXM:8,H200:8"
@@ -64,22 +80,159 @@ def stretched_workload(scenario: str, duration_s: float | None, rate_rps: float 
     return workload if stretch == 1 else speed_up(workload, 1 / stretch)
 
 
-def load_workload(args: argparse.Namespace) -> Workload:
-    from loadtest.traces import read_trace
+def scenario_rate_rps(scenario: str, duration_s: float | None, rate_rps: float | None, stretch: float) -> float:
+    """The mean rate ``stretched_workload`` aims at (fleet req/s): ``rate_rps``, or the scenario's own
+    rate spread over its stretched time axis."""
+    from loadtest.scenario import load_scenario
 
+    if rate_rps is not None:
+        return rate_rps
+    loaded = load_scenario(scenario)
+    duration = loaded.duration_s * stretch if duration_s is None else duration_s
+    return loaded.mean_rate_rps(duration / stretch) / stretch
+
+
+def trace_workload(path: str, trace_format: str, speedup: float | None, rate_rps: float | None) -> Workload:
+    """A trace, time-compressed ``speedup`` times or to a mean of ``rate_rps`` (loadtest.transform, as the
+    load tester replays it): the same requests in the same order, inter-arrival gaps scaled, so its
+    burstiness and mix are kept."""
+    from loadtest.traces import read_trace
+    from loadtest.transform import scale_to_rate, speed_up
+
+    if speedup is not None and rate_rps is not None:
+        raise ValueError("give a trace --speedup or --rate, not both")
+    workload = read_trace(path, trace_format)
+    if speedup is not None:
+        return speed_up(workload, speedup)
+    return workload if rate_rps is None else scale_to_rate(workload, rate_rps)
+
+
+@dataclass(frozen=True, slots=True)
+class WorkloadSource:
+    """A scenario or trace at any load multiplier: ``build(multiplier, seed)``; 1 is ``nominal_rate_rps``.
+
+    A scenario is generated again at the multiplied rate over the same duration (its phases stay put);
+    a trace is time-compressed by the multiplier (the same requests, closer together)."""
+
+    name: str
+    nominal_rate_rps: float
+    seed: int
+    is_trace: bool
+    build: Callable[[float, int], Workload]
+
+
+def scenario_source(scenario: str, duration_s: float | None, rate_rps: float | None, stretch: float, seed: int | None) -> WorkloadSource:
+    from loadtest.scenario import load_scenario
+
+    nominal = scenario_rate_rps(scenario, duration_s, rate_rps, stretch)
+    seed = load_scenario(scenario).seed if seed is None else seed
+    return WorkloadSource(Path(scenario).stem, nominal, seed, False,
+                          # at 1 the rate as given (None: the scenario's own), so plain runs repeat earlier figures
+                          lambda multiplier, s: stretched_workload(scenario, duration_s, rate_rps if multiplier == 1 else nominal * multiplier, stretch, s))
+
+
+def trace_source(path: str, trace_format: str, speedup: float | None, rate_rps: float | None) -> WorkloadSource:
+    from loadtest.transform import speed_up
+
+    base = trace_workload(path, trace_format, speedup, rate_rps)
+    return WorkloadSource(Path(path).name, base.target_rate_rps, 0, True,
+                          lambda multiplier, _: base if multiplier == 1 else speed_up(base, multiplier))
+
+
+def source_from_args(args: argparse.Namespace) -> WorkloadSource:
     if args.trace:
-        return read_trace(args.trace, args.format)
-    return stretched_workload(args.scenario, args.duration, args.rate, args.stretch, args.seed)
+        return trace_source(args.trace, args.format, args.speedup, args.rate)
+    if args.speedup is not None:
+        raise ValueError("--speedup applies to traces; scale a scenario with --rate or --stretch")
+    return scenario_source(args.scenario, args.duration, args.rate, args.stretch, args.seed)
+
+
+def load_workload(args: argparse.Namespace) -> Workload:
+    source = source_from_args(args)
+    return source.build(1.0, source.seed)
+
+
+def run_attainment(workload: Workload, is_trace: bool, policy: str, budget: Mapping[str, int],
+                   capacity: CapacityModel, model: str) -> Attainment:
+    """One simulated run judged overall, per tier, and per scenario phase or per 5-minute trace window."""
+    _, outcomes = simulate_outcomes(workload, policy, budget, capacity, model)
+    arrivals = np.array([spec.arrival_s for spec in workload.specs])
+    if is_trace:
+        bounds, kind = window_bounds_s(workload.duration_s), "window"
+    else:
+        bounds, kind = phase_bounds_s(workload.duration_s, workload.drift_onsets_s), "phase"
+    judged = attainment_of(arrivals, [spec.tier for spec in workload.specs], outcomes.met_slo, bounds, kind)
+    return replace(judged, num_dropped=outcomes.num_dropped)
+
+
+@dataclass(frozen=True, slots=True)
+class CapacitySettings:
+    threshold: float = DEFAULT_THRESHOLD
+    resolution: float = DEFAULT_RESOLUTION
+    max_points: int = DEFAULT_MAX_POINTS
+
+
+def capacity_settings(args: argparse.Namespace) -> CapacitySettings:
+    if not 0 < args.slo_threshold <= 1 or not args.resolution > 0 or args.max_points < 1:
+        raise ValueError("--slo-threshold must be in (0, 1], --resolution > 0 and --max-points >= 1")
+    return CapacitySettings(args.slo_threshold, args.resolution, args.max_points)
+
+
+def capacity_of(source: WorkloadSource, policy: str, budget: Mapping[str, int], capacity: CapacityModel, model: str,
+                settings: CapacitySettings, on_point: Callable[[CurvePoint], None] = lambda point: None) -> CapacityResult:
+    """The policy's capacity at SLO on ``budget``: every point the same seed, only the load differs."""
+    return search_capacity(
+        lambda multiplier, seed: run_attainment(source.build(multiplier, seed), source.is_trace, policy, budget, capacity, model),
+        source.nominal_rate_rps, source.seed, settings.threshold, settings.resolution, max_points=settings.max_points,
+        on_point=on_point,
+    )
+
+
+def print_curve(result: CapacityResult, out: TextIO = sys.stdout) -> None:
+    print(f"{'multiplier':>10} {'req/s':>8} {'overall %':>9} {'worst %':>8}  {'pass':<4}  binding", file=out)
+    for point in result.curve:
+        a = point.attainment
+        print(f"{point.multiplier:10.4g} {point.rate_rps:8.2f} {100 * a.overall:9.1f} {100 * a.worst:8.1f}  "
+              f"{'yes' if point.passed else 'no':<4}  {a.binding}", file=out)
+    print(f"capacity at SLO >= {result.threshold:g}: {result.multiplier:.4g}x = {result.rate_rps:.2f} req/s "
+          f"(nominal {result.nominal_rate_rps:.2f} req/s, resolution {result.resolution:g})"
+          + (f"; {result.note}" if result.note else ""), file=out)
+
+
+def _main_capacity(args: argparse.Namespace, budget: Mapping[str, int], capacity: CapacityModel) -> int:
+    try:
+        settings = capacity_settings(args)
+        source = source_from_args(args)
+    except (ValueError, OSError) as exc:
+        print(f"polymorph simulate: {exc}", file=sys.stderr)
+        return 2
+
+    def progress(point: CurvePoint) -> None:
+        print(f"polymorph simulate: x{point.multiplier:.4g} ({point.rate_rps:.2f} req/s): worst attainment "
+              f"{100 * point.attainment.worst:.1f}% ({point.attainment.binding}) {'pass' if point.passed else 'fail'}",
+              file=sys.stderr, flush=True)
+
+    result = capacity_of(source, args.policy, budget, capacity, args.model, settings, progress)
+    if args.json:
+        print(json.dumps({"workload": source.name, "policy": args.policy, "fleet": dict(budget), **result.to_json()}, sort_keys=True))
+    else:
+        print_curve(result)
+    return 0
 
 
 def main_simulate(args: argparse.Namespace) -> int:
+    if args.capacity and (args.compile != "off" or args.decisions):
+        print("polymorph simulate: --capacity runs without --compile and --decisions", file=sys.stderr)
+        return 2
     try:
         budget = budget_from_args(args)
-        workload = load_workload(args)
+        workload = None if args.capacity else load_workload(args)
     except (ValueError, OSError) as exc:
         print(f"polymorph simulate: {exc}", file=sys.stderr)
         return 2
     capacity = PerfCapacity(args.model, None if args.no_cache else Path(args.capacity_cache))
+    if workload is None:
+        return _main_capacity(args, budget, capacity)
     log = DecisionLog(Path(args.decisions) if args.decisions else None)
     if args.compile == "off":
         result = simulate(workload, args.policy, budget, capacity, args.model, log)

@@ -15,7 +15,7 @@ from fleet.decisions import DecisionLog
 from fleet.options import MoveCost
 from fleet.simulator.policies import setup
 from fleet.simulator.traffic import Traffic
-from fleet.simulator.world import FleetSim, SimSettings, nan_percentile
+from fleet.simulator.world import FleetSim, Outcomes, SimSettings, nan_percentile
 from fleet.telemetry import Telemetry
 from kernels.tiers import DEFAULT_TIERS
 
@@ -58,12 +58,27 @@ def simulate(
     move_cost: MoveCost | None = None,
     configs: VirtualTimeConfigSource | None = None,
 ) -> SimResult:
+    return simulate_outcomes(workload, policy, budget, capacity, model, log, move_cost, configs)[0]
+
+
+def simulate_outcomes(
+    workload: Traffic,
+    policy: str,
+    budget: Mapping[str, int],
+    capacity: CapacityModel,
+    model: str = DEFAULT_MODEL,
+    log: DecisionLog | None = None,
+    move_cost: MoveCost | None = None,
+    configs: VirtualTimeConfigSource | None = None,
+) -> tuple[SimResult, Outcomes]:
+    """``simulate`` plus the per-request outcomes (index-aligned with ``workload.specs``), for callers
+    that judge attainment per tier or per window (loadtest/capacity.py)."""
     started = time.perf_counter()
     log = log if log is not None else DecisionLog()
     sim = FleetSim(SimSettings(model), workload, Telemetry())
     controller = setup(policy, sim, budget, capacity, dict(DEFAULT_TIERS), log, move_cost or MoveCost(), configs)
     sim.run(workload.duration_s)
-    return _summarise(sim, policy, budget, log, controller, time.perf_counter() - started)
+    return _summarise(sim, policy, budget, log, controller, time.perf_counter() - started), sim.outcomes
 
 
 def _summarise(sim: FleetSim, policy: str, budget: Mapping[str, int], log: DecisionLog, controller: object, wall_s: float) -> SimResult:

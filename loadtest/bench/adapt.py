@@ -33,6 +33,10 @@ def main_bench(args: argparse.Namespace) -> int:
         print(f"polymorph bench adapt: unknown scenarios {unknown}")
         return 2
     policies = tuple(args.policies.split(",")) if args.policies else POLICIES
+    if args.metric == "capacity":
+        from loadtest.bench.adapt_capacity import main_capacity
+
+        return main_capacity(args, scenarios, policies)
     budget = budget_from_args(args)
     duration = 240.0 if args.quick else args.duration
     scenarios = scenarios[:2] if args.quick else scenarios

@@ -1,0 +1,183 @@
+"""Capacity at SLO: the bracketing + bisection search, its per-window minimum, trace speed-up for the
+simulator, and one small `polymorph simulate --capacity --json` end to end."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from gateway.cli import main
+from loadtest.capacity import Attainment, attainment_of, phase_bounds_s, search_capacity, smallest_passing, window_bounds_s
+from loadtest.simulate import trace_source, trace_workload
+from loadtest.spec import RequestSpec, Workload, make_workload
+from loadtest.traces import write_native
+
+
+def step_curve(capacity: float) -> Callable[[float, int], Attainment]:
+    return lambda multiplier, seed: Attainment(0.99 if multiplier <= capacity else 0.5, 1000)
+
+
+@pytest.mark.parametrize("true_capacity", [0.03, 0.37, 1.0, 1.7, 5.3, 40.0])
+@pytest.mark.parametrize("resolution", [0.02, 0.1])
+def test_bisection_finds_a_step_threshold_within_the_resolution(true_capacity: float, resolution: float) -> None:
+    result = search_capacity(step_curve(true_capacity), 10.0, seed=7, resolution=resolution, max_points=40)
+    assert result.note == ""
+    assert result.multiplier <= true_capacity <= result.multiplier * (1 + resolution)
+    assert result.rate_rps == pytest.approx(10.0 * result.multiplier)
+    multipliers = [p.multiplier for p in result.curve]
+    assert multipliers == sorted(multipliers) and len(set(multipliers)) == len(multipliers)
+    # the curve is the one we gave: passes below the capacity, fails above
+    assert all(p.passed == (p.multiplier <= true_capacity) for p in result.curve)
+
+
+def test_bisection_on_a_smooth_curve_stops_at_its_threshold_crossing() -> None:
+    # attainment falls linearly with load: 0.90 is reached at multiplier 2.5
+    result = search_capacity(lambda m, seed: Attainment(1.0 - 0.04 * m, 500), 4.0, seed=1, threshold=0.9, resolution=0.02)
+    assert result.multiplier <= 2.5 <= result.multiplier * 1.02
+    assert result.rate_rps == pytest.approx(4.0 * result.multiplier)
+
+
+def test_every_point_sees_the_same_seed() -> None:
+    seen: list[tuple[float, int]] = []
+
+    def attainment_at(multiplier: float, seed: int) -> Attainment:
+        seen.append((multiplier, seed))
+        return step_curve(3.1)(multiplier, seed)
+
+    result = search_capacity(attainment_at, 1.0, seed=1234)
+    assert len(seen) == len(result.curve) > 3
+    assert {seed for _, seed in seen} == {1234}
+    assert len({m for m, _ in seen}) == len(seen)  # no point run twice
+
+
+def test_a_workload_failing_at_the_smallest_multiplier_has_capacity_zero() -> None:
+    result = search_capacity(lambda m, seed: Attainment(0.2, 100), 30.0, seed=0, min_multiplier=1 / 8)
+    assert result.multiplier == 0.0 and result.rate_rps == 0.0
+    assert "capacity 0" in result.note
+    assert [p.multiplier for p in result.curve] == [0.125, 0.25, 0.5, 1.0]
+    assert not any(p.passed for p in result.curve)
+
+
+def test_the_point_cap_bounds_the_runs_and_says_so() -> None:
+    result = search_capacity(step_curve(1.37), 1.0, seed=0, resolution=0.001, max_points=5)
+    assert len(result.curve) == 5
+    assert "5 points" in result.note
+    assert result.multiplier <= 1.37  # still a passing point
+
+
+def test_passing_at_the_largest_multiplier_reports_a_lower_bound() -> None:
+    result = search_capacity(step_curve(1e9), 1.0, seed=0, max_multiplier=8.0)
+    assert result.multiplier == 8.0 and "at least" in result.note
+
+
+def two_phase_run(second_half_miss_rate: float) -> Attainment:
+    """200 requests over 600 s with a drift at 300 s: the first half all meet their SLO, the second
+    half misses ``second_half_miss_rate`` of them."""
+    arrivals = np.linspace(0.0, 599.0, 200)
+    met = np.ones(200, dtype=bool)
+    second = np.flatnonzero(arrivals >= 300.0)
+    met[second[: int(round(second_half_miss_rate * second.size))]] = False
+    return attainment_of(arrivals, ["standard"] * 200, met, phase_bounds_s(600.0, (300.0,)))
+
+
+def test_a_good_first_half_cannot_hide_a_failing_second_half() -> None:
+    run = two_phase_run(0.15)
+    assert run.overall >= 0.90  # overall it would pass
+    assert run.worst == pytest.approx(0.85)
+    assert run.binding == "phase 300-600 s"
+    # in the search: the second half's misses grow with load; overall alone would allow 2x
+    result = search_capacity(lambda m, seed: two_phase_run(min(1.0, 0.1 * m)), 1.0, seed=0, resolution=0.02)
+    assert 0.95 <= result.multiplier < 1.1  # 1.0 give or take one request of 100; overall alone passes to ~2
+    assert all(p.attainment.overall > p.attainment.worst for p in result.curve if p.multiplier > 0.5)
+
+
+def test_per_tier_minimum_and_small_slices_do_not_gate() -> None:
+    tiers = ["interactive"] * 100 + ["batch"] * 100 + ["standard"] * 5
+    met = np.array([True] * 100 + [True] * 80 + [False] * 20 + [False] * 5)
+    run = attainment_of(np.zeros(205), tiers, met, window_bounds_s(10.0))
+    assert run.worst == pytest.approx(0.80)  # batch; the 5 standard requests (0%) are too few to gate
+    assert run.binding == "tier batch"
+    standard = next(p for p in run.parts if p.name == "standard")
+    assert standard.attainment == 0.0 and not standard.gates
+
+
+def test_trace_windows_are_five_minutes() -> None:
+    assert window_bounds_s(1000.0) == (0.0, 300.0, 600.0, 900.0, 1000.0)
+    assert phase_bounds_s(1800.0, (600.0, 600.0, 0.0)) == (0.0, 600.0, 1800.0)
+
+
+def test_smallest_passing_finds_the_fewest_gpus() -> None:
+    asked: list[int] = []
+
+    def passes(n: int) -> bool:
+        asked.append(n)
+        return n >= 11
+
+    assert smallest_passing(passes, 2, 16) == 11
+    assert len(asked) <= 6
+    assert smallest_passing(lambda n: False, 2, 16) is None
+
+
+@pytest.fixture
+def bursty_trace(tmp_path: Path) -> Path:
+    """Bursts of 20 requests 0.1 s apart, every 30 s, with a mix of tiers and lengths."""
+    rng = np.random.default_rng(3)
+    specs = []
+    for burst in range(6):
+        for k in range(20):
+            specs.append(RequestSpec(arrival_s=30.0 * burst + 0.1 * k, input_tokens=int(rng.integers(100, 8000)),
+                                     output_tokens=int(rng.integers(10, 600)), domain=("chat", "code")[k % 2],
+                                     tier=("interactive", "standard", "batch")[k % 3]))
+    path = tmp_path / "bursty.jsonl"
+    write_native(make_workload("bursty", specs), path)
+    return path
+
+
+def test_trace_speedup_keeps_the_mix_and_compresses_the_gaps(bursty_trace: Path) -> None:
+    original = trace_workload(str(bursty_trace), "native", None, None)
+    fast = trace_workload(str(bursty_trace), "native", 4.0, None)
+    assert fast.target_rate_rps == pytest.approx(4 * original.target_rate_rps)
+    def mix(workload: Workload) -> list[tuple[int, int, str, str]]:
+        return [(s.input_tokens, s.output_tokens, s.domain, s.tier) for s in workload.specs]
+
+    assert mix(fast) == mix(original)  # same requests, same order
+    gaps = np.diff([s.arrival_s for s in original.specs])
+    fast_gaps = np.diff([s.arrival_s for s in fast.specs])
+    np.testing.assert_allclose(fast_gaps, gaps / 4, atol=1e-5)  # the burst pattern, not a Poisson redraw
+    assert np.std(fast_gaps) / np.mean(fast_gaps) == pytest.approx(np.std(gaps) / np.mean(gaps), rel=1e-3)
+
+
+def test_trace_rate_and_multipliers_scale_the_same_requests(bursty_trace: Path) -> None:
+    at_rate = trace_workload(str(bursty_trace), "native", None, 10.0)
+    assert at_rate.target_rate_rps == pytest.approx(10.0)
+    source = trace_source(str(bursty_trace), "native", None, 10.0)
+    assert source.is_trace and source.nominal_rate_rps == pytest.approx(10.0)
+    doubled = source.build(2.0, source.seed)
+    assert doubled.target_rate_rps == pytest.approx(20.0)
+    assert sorted(s.tier for s in doubled.specs) == sorted(s.tier for s in at_rate.specs)
+    with pytest.raises(ValueError, match="not both"):
+        trace_workload(str(bursty_trace), "native", 2.0, 10.0)
+
+
+def test_simulate_capacity_json_end_to_end(bursty_trace: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    code = main(["simulate", "--trace", str(bursty_trace), "--format", "native", "--fleet", "H100-SXM:1",
+                 "--policy", "round-robin", "--capacity", "--json", "--resolution", "0.25", "--max-points", "10",
+                 "--no-cache"])
+    assert code == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["workload"] == "bursty.jsonl" and out["policy"] == "round-robin" and out["fleet"] == {"H100-SXM": 1}
+    assert out["threshold"] == 0.9 and out["resolution"] == 0.25
+    curve = out["curve"]
+    assert [p["multiplier"] for p in curve] == sorted(p["multiplier"] for p in curve)
+    passing = [p["multiplier"] for p in curve if p["passed"]]
+    failing = [p["multiplier"] for p in curve if not p["passed"]]
+    if out["capacity_multiplier"] > 0:
+        assert out["capacity_multiplier"] == max(passing)
+        assert out["capacity_rps"] == pytest.approx(out["capacity_multiplier"] * out["nominal_rate_rps"], rel=1e-3)
+    assert not failing or min(failing) > out["capacity_multiplier"]
+    assert all(p["worst"] <= p["overall"] for p in curve)
+    assert {part["kind"] for p in curve for part in p["parts"]} == {"tier", "window"}
