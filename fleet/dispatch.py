@@ -3,8 +3,9 @@
 The gateway (gateway/pool_wait.py, on its event loop) and the simulator (fleet/simulator/world.py, in
 virtual time) both run ``pump``: most urgent first, while a routable replica of the pool carries less
 than ``max_running_per_replica`` work, the next waiter is taken from the queue (those whose deadline
-passed meanwhile are shed) and placed on a replica by the router's ``pick_replica``, avoiding replicas
-that already failed it while another has room. Placing it is the caller's ``admit``, called at once:
+passed meanwhile are shed) and placed on a replica by the router's ``pick_replica`` (the replica filter
+and picker ``settings`` composed: the steps ``route`` uses), avoiding replicas that already failed it
+while another has room. Placing it is the caller's ``admit``, called at once:
 it takes the slot (``ReplicaState.begin``), so the next pick sees it taken.
 """
 
