@@ -14,9 +14,10 @@ from fleet.health import CircuitBreaker
 from fleet.pool import PoolState, ReplicaState
 from fleet.queueing import PoolQueue, Shed
 from fleet.router import Reject, Route, RouterSettings, Wait, pick_replica, route
-from fleet.router_steps import STEPS, least_work, prefix_affinity
+from fleet.router_steps import STEPS, least_load_score, least_work, prefix_affinity
+from gateway.config import load_config
 from kernels.tiers import DEFAULT_TIERS
-from tests.gateway.test_config import _error_for, _line_of
+from tests.gateway.test_config import _copy_example, _error_for, _line_of
 
 CHAT = Shape("short-chat", "chat", 0.9, 100, 50, 120, "standard", "demo", 0, None, False)
 LONG = Shape("long-context", "long", 0.9, 6000, 200, 400, "standard", "demo", 0, None, False)
@@ -190,3 +191,15 @@ def test_an_unknown_step_in_a_config_file_names_its_file_and_line(tmp_path: Path
     assert err.field == "router.pool_scorer" and "unknown step 'fastest'" in err.reason and "slo_chance, least_load" in err.reason
     err = _error_for(tmp_path, "  replica_picker: prefix_affinity", "  replica_picker: [least_work]")
     assert err.field == "router.replica_picker" and err.line == _line_of(Path(err.file), "replica_picker: [least_work]")
+
+
+def test_a_config_file_names_the_steps_the_router_runs(tmp_path: Path) -> None:
+    path = _copy_example(tmp_path)
+    text = path.read_text()
+    for old, new in (("replica_picker: prefix_affinity", "replica_picker: least_work"), ("pool_scorer: slo_chance", "pool_scorer: least_load")):
+        assert old in text
+        text = text.replace(old, new)
+    path.write_text(text)
+    router = load_config(path).router
+    assert (router.replica_picker, router.pool_scorer) == ("least_work", "least_load")
+    assert router.steps.replica_picker is least_work and router.steps.pool_scorer is least_load_score
