@@ -18,7 +18,7 @@ def test_the_mix_reaches_both_pools_and_streams_a_quarter() -> None:
     assert request_body(5) == request_body(5)  # every tree and round sends the same bytes
 
 
-def test_read_instructions_takes_the_summary_line(tmp_path: Path) -> None:
+def test_read_instructions_takes_the_totals_line_not_a_wrapped_summary(tmp_path: Path) -> None:
     dump = tmp_path / "callgrind.out.1"
-    dump.write_text("# callgrind format\nversion: 1\nevents: Ir\nfn=(1) main\n0 12\nsummary: 1234567\ntotals: 1234567\n")
+    dump.write_text("# callgrind format\nversion: 1\nevents: Ir\nsummary: 18446744073435145848\nfn=(1) main\n0 12\ntotals: 1234567\n")
     assert read_instructions(dump) == 1234567
