@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Sequence
 from concurrent.futures import Executor
 from dataclasses import dataclass
 from pathlib import Path
@@ -145,6 +146,18 @@ def config_candidates(compiled: EngineConfig | None = None, incumbent: EngineCon
     return candidates
 
 
+def mix_capacity(parts: Sequence[tuple[float, Capacity]]) -> Capacity:
+    """One replica time-sharing shapes, ``share`` of its requests each (shares sum to 1): a request of
+    shape s takes 1 / rate_s of a replica-second, so it serves 1 / sum_s(share_s / rate_s) requests a
+    second, and holds each shape's concurrency at capacity for the share of time that shape takes.
+    A shape it cannot serve within its SLO (rate 0) makes the mix unservable (rate 0)."""
+    parts = [(share, found) for share, found in parts if share > 0]
+    if not parts or any(found.rate_rps <= 0 for _, found in parts):
+        return Capacity(0.0, 0.0)
+    rate = 1.0 / sum(share / found.rate_rps for share, found in parts)
+    return Capacity(rate, sum(rate * share / found.rate_rps * found.concurrency for share, found in parts))
+
+
 def choose_config(
     capacity: CapacityModel, gpu: str, load: ShapeLoad, slo: TierSlo, compiled: EngineConfig | None = None,
     incumbent: EngineConfig | None = None,
@@ -157,10 +170,26 @@ def choose_config(
     tie, and a compile judged on a cruder evaluator (the simulator's analytic screen) cannot cost
     capacity. Without either, sglang's defaults win unless another config really helps.
     """
+    config, (found,) = choose_mix_config(capacity, gpu, ((load, slo, 1.0),), compiled, incumbent)
+    return config, found
+
+
+def choose_mix_config(
+    capacity: CapacityModel, gpu: str, mix: Sequence[tuple[ShapeLoad, TierSlo, float]], compiled: EngineConfig | None = None,
+    incumbent: EngineConfig | None = None,
+) -> tuple[EngineConfig, tuple[Capacity, ...]]:
+    """``choose_config`` for a pool that serves several shapes, ``(load, its strictest tier's SLO, share
+    of the pool's requests)`` each: candidates are judged by the mix's rate (``mix_capacity``), with the
+    same order and 2% margin. Returns the configuration and each shape's capacity under it alone."""
     candidates = config_candidates(compiled, incumbent)
-    best = (candidates[0], capacity.estimate(gpu, candidates[0], load, slo))
+
+    def judged(config: EngineConfig) -> tuple[tuple[Capacity, ...], float]:
+        found = tuple(capacity.estimate(gpu, config, load, slo) for load, slo, _ in mix)
+        return found, mix_capacity([(share, f) for (_, _, share), f in zip(mix, found, strict=True)]).rate_rps
+
+    best_config, (best, best_rate) = candidates[0], judged(candidates[0])
     for config in candidates[1:]:
-        found = capacity.estimate(gpu, config, load, slo)
-        if found.rate_rps > best[1].rate_rps * 1.02:
-            best = (config, found)
-    return best
+        found, rate = judged(config)
+        if rate > best_rate * 1.02:
+            best_config, best, best_rate = config, found, rate
+    return best_config, best

@@ -5,7 +5,9 @@ replica serves, whether it is alive, healthy, and how many requests it holds) an
 ``TickOutput``, the decisions to log and the commands (fleet.commands) for the edge to apply before
 it takes the next snapshot. Each tick reads the telemetry window. With no rollout in progress it asks the drift detector whether
 the live mix has left the mix the current plan was made for; on drift it re-plans (pool options from
-the capacity model for the live mix, the planner with the move cost) and turns the diff into steps.
+the capacity model for the live mix: the operator's declared pools under their own names, and a
+``<shape>@<gpu>`` pool only for a shape no declared pool on that GPU kind serves; the planner with the
+move cost) and turns the diff into steps, so a mix the declared pools fit keeps them.
 A step is planned by a ``Mover``, whose commands the edge applies; ``verify_after_s`` after its last move
 is routable, the observed goodput is compared with the plan's prediction and with the goodput before
 the step, and a step that is worse than both beyond ``verify_margin`` is rolled back (moves reversed)
@@ -28,7 +30,7 @@ from fleet.compiled import ConfigSource, compile_ready, compile_submitted
 from fleet.decisions import Decision, Move
 from fleet.drift import DriftDetector, DriftSettings
 from fleet.evidence import CapacityEvidence, DriftEvidence, PlanEvidence, RecompileEvidence, RollbackEvidence, StepEvidence, VerifyEvidence
-from fleet.options import MoveCost, Options, pool_options, problem_for
+from fleet.options import DeclaredPool, MoveCost, Options, pool_options, problem_for
 from fleet.planner import Plan, evaluate, fill_budget, plan
 from fleet.rollout import Mover, SlotState, batch_moves, diff_moves
 from fleet.telemetry import Telemetry, TrafficMix
@@ -41,6 +43,8 @@ class ControllerSettings:
     model: str
     gpu_to_budget: Mapping[str, int]
     tiers: Mapping[str, TierSlo] = field(default_factory=lambda: dict(DEFAULT_TIERS))
+    # the operator's pools: the starting plan, kept under their own names while they fit the mix
+    declared: tuple[DeclaredPool, ...] = ()
     drift: DriftSettings = field(default_factory=DriftSettings)
     move_cost: MoveCost = field(default_factory=MoveCost)
     plan_horizon_s: float = 900.0  # how long a plan is expected to hold (amortises move cost)
@@ -188,7 +192,7 @@ class Controller:
         slots = [slot for slot in slots if slot.alive]  # a dead slot can neither serve nor move
         budget = self.budget()
         gpus = tuple(sorted(budget))
-        options = pool_options(live.shapes, gpus, self.capacity, s.tiers, self.configs, now, self.options)
+        options = pool_options(live.shapes, gpus, self.capacity, s.tiers, self.configs, now, self.options, s.declared)
         self.options = options
         asked = [compile_submitted(now, a.pool, a.gpu, a.envelope, a.previous) for a in options.submitted if a.new]
         counts: dict[str, int] = {}

@@ -1,9 +1,12 @@
-"""Pool options for the planner: one per (traffic shape, GPU kind), configured and sized by the model.
+"""Pool options for the planner: the operator's declared pools, and one per (traffic shape, GPU kind) they leave uncovered.
 
-A pool is named ``<shape>@<gpu>``. Its engine configuration is the one ``choose_config`` picks for the
-shape's current length profile and strictest tier; its capacity per replica comes from the capacity
-model. The controller, and the simulator's static and oracle policies, all plan through here, so every
-policy is judged by the same model.
+A pool the operator declared (``DeclaredPool``: the gateway config's pools) keeps its name and its
+shapes, and starts from its declared engine configuration: ``choose_mix_config`` replaces it only
+when another candidate is clearly faster for the pool's mix of shapes. A shape with load on a GPU kind
+no declared pool serves it on gets a pool of its own, named ``<shape>@<gpu>``, with the configuration
+``choose_config`` picks for the shape's current length profile and strictest tier. Capacity per
+replica comes from the capacity model. The controller, and the simulator's static and oracle
+policies, all plan through here, so every policy is judged by the same model.
 
 With a ``ConfigSource`` (fleet.compiled), each pool also gets an envelope, and the compiler's best known
 configuration for it joins the candidates (first, so it wins ties); an envelope the source does not
@@ -18,9 +21,9 @@ import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from fleet.capacity import CapacityModel, PerfCapacity, choose_config, config_candidates
+from fleet.capacity import Capacity, CapacityModel, PerfCapacity, choose_config, choose_mix_config, config_candidates, mix_capacity
 from fleet.compiled import CompiledConfig, ConfigSource, Envelope, config_changes, envelope_for, tier_name
-from fleet.planner import PlanProblem, PoolOption
+from fleet.planner import PlanProblem, PoolOption, ShapeRate
 from fleet.pool import PoolState
 from fleet.telemetry import ShapeLoad, TrafficMix
 from fleet.tiers import strictest, tier_weight
@@ -69,6 +72,20 @@ def config_json(config: EngineConfig) -> str:
 
 
 @dataclass(frozen=True, slots=True)
+class DeclaredPool:
+    """A pool the operator declared (the gateway config's ``fleet.pools``), the controller's starting
+    plan: its name, GPU kind, the shapes it serves and the engine configuration its replicas start
+    with. ``config_json`` is that configuration exactly as its slots carry it, so a plan that keeps
+    it restarts nothing."""
+
+    name: str
+    gpu: str
+    shapes: tuple[str, ...]
+    config: EngineConfig
+    config_json: str
+
+
+@dataclass(frozen=True, slots=True)
 class Submitted:
     """A compile ``pool_options`` waits for: the pool's envelope and the one it left (None: first plan).
     ``new`` is False when the previous options already waited for it (nothing new to log)."""
@@ -89,9 +106,13 @@ class Options:
     pool_to_envelope: tuple[tuple[str, Envelope], ...] = ()
     pool_to_compiled: tuple[tuple[str, CompiledConfig], ...] = ()
     submitted: tuple[Submitted, ...] = ()
+    declared: tuple[DeclaredPool, ...] = ()  # the operator's pools among ``pools``
 
     def configs_json(self) -> dict[str, str]:
-        return {name: config_json(c) for name, c in self.pool_to_config}
+        """Each pool's configuration as a slot carries it; a declared pool that keeps its declared
+        configuration keeps the operator's spelling of it."""
+        kept = {d.name: d.config_json for d in self.declared if d.config == dict(self.pool_to_config).get(d.name)}
+        return {name: kept.get(name) or config_json(c) for name, c in self.pool_to_config}
 
     def envelope(self, pool: str) -> Envelope | None:
         return dict(self.pool_to_envelope).get(pool)
@@ -101,7 +122,9 @@ class Options:
 
     def pools_for(self, gpu: str, envelope: Envelope) -> list[str]:
         """The pools (planned or awaiting a compile) on ``gpu`` whose envelope is ``envelope``."""
-        return [name for name, found in self.pool_to_envelope if found == envelope and name.endswith("@" + gpu)]
+        declared = {d.name: d.gpu for d in self.declared}
+        return [name for name, found in self.pool_to_envelope
+                if found == envelope and declared.get(name, name.rsplit("@", 1)[-1]) == gpu]
 
 
 def pool_options(
@@ -112,48 +135,92 @@ def pool_options(
     configs: ConfigSource | None = None,
     now: float = 0.0,
     previous: Options | None = None,
+    declared: tuple[DeclaredPool, ...] = (),
 ) -> Options:
     """Pool options for ``loads``. With ``configs``, a pool keeps its envelope of ``previous`` while
-    its traffic stays inside it (so a wobble neither recompiles nor changes the configuration)."""
+    its traffic stays inside it (so a wobble neither recompiles nor changes the configuration).
+
+    Each ``declared`` pool on a GPU kind of ``gpus`` is an option under its own name, serving those of
+    its shapes that have load (none: it may still keep its replicas), with the configuration it runs
+    as the incumbent (the declared one until a plan changes it). A (shape, GPU kind) pair no declared
+    pool covers gets a pool of its own, ``<shape>@<gpu>``."""
     pools: list[PoolOption] = []
     chosen: list[tuple[str, EngineConfig]] = []
     concurrency: list[tuple[str, float]] = []
     envelopes: list[tuple[str, Envelope]] = []
     compiled_for: list[tuple[str, CompiledConfig]] = []
     submitted: list[Submitted] = []
+    declared = tuple(d for d in declared if d.gpu in gpus)
+    covered = {(shape, d.gpu) for d in declared for shape in d.shapes}
+    ran = {} if previous is None else dict(previous.pool_to_config)
+    incumbents = {d.name: ran.get(d.name, d.config) for d in declared}
     if isinstance(capacity, PerfCapacity):  # the fixed candidates of every pool at once (most of a re-plan's work)
         capacity.prefetch([(gpu, config, load, strictest(load.tier_shares(), tiers))
-                           for load in loads for gpu in gpus for config in config_candidates()])
+                           for load in loads for gpu in gpus if (load.name, gpu) not in covered for config in config_candidates()]
+                          + [(d.gpu, config, load, strictest(load.tier_shares(), tiers))
+                             for d in declared for load in loads if load.name in d.shapes
+                             for config in config_candidates(None, incumbents[d.name])])
+
+    def compiled_config(name: str, gpu: str, load: ShapeLoad, slo: TierSlo) -> CompiledConfig | None:
+        """The compiler's configuration for the pool's envelope (submitting it when unknown)."""
+        if configs is None:
+            return None
+        before = None if previous is None else previous.envelope(name)
+        envelope = envelope_for(load, slo, tier_name(slo, tiers), before)
+        envelopes.append((name, envelope))
+        compiled = configs.best(gpu, envelope, now)
+        if compiled is None:
+            configs.submit(gpu, envelope, load.name, now)
+            compiled = configs.best(gpu, envelope, now)  # found in the trial store: no search
+        if compiled is None:
+            awaited = previous is not None and previous.awaiting(name) and before == envelope
+            submitted.append(Submitted(name, gpu, envelope, before, new=not awaited))
+            # until it is done, the configuration compiled for the envelope the pool left stands in
+            compiled = None if previous is None else dict(previous.pool_to_compiled).get(name)
+        return compiled
+
+    for pool in declared:
+        mine = [load for load in loads if load.name in pool.shapes]
+        slos = [strictest(load.tier_shares(), tiers) for load in mine]
+        # the compiler tunes one shape's envelope: a pool that serves several gets the fixed candidates
+        compiled = compiled_config(pool.name, pool.gpu, mine[0], slos[0]) if len(mine) == 1 else None
+        total_rps = sum(load.rate_rps for load in mine)
+        mix = [(load, slo, load.rate_rps / total_rps) for load, slo in zip(mine, slos, strict=True)]
+        config, caps = (choose_mix_config(capacity, pool.gpu, mix, None if compiled is None else compiled.config,
+                                          incumbents[pool.name]) if mine else (incumbents[pool.name], ()))
+        served = [(load, cap) for load, cap in zip(mine, caps, strict=True) if cap.rate_rps > 0]
+        served_rps = sum(load.rate_rps for load, _ in served)
+        pools.append(PoolOption(pool.name, pool.gpu, config.num_gpus,
+                                tuple(ShapeRate(load.name, cap.rate_rps, tier_weight(load.tier_shares(), tiers)) for load, cap in served)))
+        chosen.append((pool.name, config))
+        concurrency.append((pool.name, mix_capacity([(load.rate_rps / served_rps, cap) for load, cap in served]).concurrency))
+        if compiled is not None and compiled.config == config:
+            compiled_for.append((pool.name, compiled))
     for load in loads:
         slo = strictest(load.tier_shares(), tiers)
         weight = tier_weight(load.tier_shares(), tiers)
         for gpu in gpus:
+            if (load.name, gpu) in covered:
+                continue
             name = pool_name(load.name, gpu)
-            compiled = None
-            if configs is not None:
-                before = None if previous is None else previous.envelope(name)
-                envelope = envelope_for(load, slo, tier_name(slo, tiers), before)
-                envelopes.append((name, envelope))
-                compiled = configs.best(gpu, envelope, now)
-                if compiled is None:
-                    configs.submit(gpu, envelope, load.name, now)
-                    compiled = configs.best(gpu, envelope, now)  # found in the trial store: no search
-                if compiled is None:
-                    awaited = previous is not None and previous.awaiting(name) and before == envelope
-                    submitted.append(Submitted(name, gpu, envelope, before, new=not awaited))
-                    # until it is done, the configuration compiled for the envelope the pool left stands in
-                    compiled = None if previous is None else dict(previous.pool_to_compiled).get(name)
+            compiled = compiled_config(name, gpu, load, slo)
             # with compiled configurations the running one is the incumbent: a restart needs a real gain
-            incumbent = None if configs is None or previous is None else dict(previous.pool_to_config).get(name)
+            incumbent = None if configs is None else ran.get(name)
             config, cap = choose_config(capacity, gpu, load, slo, None if compiled is None else compiled.config, incumbent)
             if cap.rate_rps <= 0:
                 continue
-            pools.append(PoolOption(name, gpu, load.name, config.num_gpus, cap.rate_rps, weight))
+            pools.append(PoolOption.one(name, gpu, load.name, config.num_gpus, cap.rate_rps, weight))
             chosen.append((name, config))
             concurrency.append((name, cap.concurrency))
             if compiled is not None and compiled.config == config:
                 compiled_for.append((name, compiled))
-    return Options(tuple(pools), tuple(chosen), tuple(concurrency), tuple(envelopes), tuple(compiled_for), tuple(submitted))
+    return Options(tuple(pools), tuple(chosen), tuple(concurrency), tuple(envelopes), tuple(compiled_for), tuple(submitted), declared)
+
+
+def _shares(option: PoolOption, shape_to_rps: Mapping[str, float]) -> list[tuple[float, ShapeRate]]:
+    """The option's shapes with their shares of its requests under ``shape_to_rps`` (equal when none has load)."""
+    total = sum(shape_to_rps.get(s.shape, 0.0) for s in option.serves)
+    return [(shape_to_rps.get(s.shape, 0.0) / total if total > 0 else 1.0 / len(option.serves), s) for s in option.serves]
 
 
 def problem_for(
@@ -165,14 +232,21 @@ def problem_for(
     horizon_s: float = 600.0,
 ) -> PlanProblem:
     """A planning problem over ``mixes`` (equally weighted); a replica change costs its pool's
-    weighted capacity for ``move_cost_s`` out of ``horizon_s`` (halved: each move changes two pools)."""
+    weighted capacity (for a pool of several shapes: under their mix) for ``move_cost_s`` out of
+    ``horizon_s`` (halved: each move changes two pools)."""
     demands = tuple(tuple((s.name, s.rate_rps) for s in mix.shapes) for mix in mixes)
-    costs = tuple(
-        (p.name, p.weight * p.rate_per_replica_rps * move_cost_s / horizon_s / 2) for p in options.pools
-    ) if move_cost_s > 0 else ()
+    shape_to_rps: dict[str, float] = {}
+    for mix in mixes:
+        for load in mix.shapes:
+            shape_to_rps[load.name] = shape_to_rps.get(load.name, 0.0) + load.rate_rps
+    costs = []
+    for option in options.pools if move_cost_s > 0 else ():
+        shares = _shares(option, shape_to_rps)
+        rate = mix_capacity([(share, Capacity(s.rate_per_replica_rps, 0.0)) for share, s in shares]).rate_rps
+        costs.append((option.name, sum(share * s.weight for share, s in shares) * rate * move_cost_s / horizon_s / 2))
     return PlanProblem(
         options.pools, tuple(sorted(gpu_to_budget.items())), demands, tuple(1.0 for _ in mixes),
-        tuple(sorted((current or {}).items())), costs,
+        tuple(sorted((current or {}).items())), tuple(costs),
     )
 
 
@@ -193,12 +267,21 @@ class PoolModel:
 
 
 def pool_models(options: Options, mix: TrafficMix) -> dict[str, PoolModel]:
-    """Each planned pool's router model, from ``options`` planned for ``mix``; the simulator and the
-    live gateway both hand these to their pools after a plan."""
+    """Each planned pool's router model, from ``options`` planned for ``mix`` (a pool of several shapes:
+    its rate under their mix, their mean lengths weighted by their shares); the simulator and the live
+    gateway both hand these to their pools after a plan. A declared pool that serves no shape with
+    load has none (the router keeps what it knew)."""
     out = {}
     for option, (name, concurrency) in zip(options.pools, options.pool_to_concurrency, strict=True):
-        load = mix.shape(option.shape)
-        out[name] = PoolModel(max(1, math.ceil(concurrency)), option.rate_per_replica_rps,
-                              get_gpu(option.gpu).price_per_gpu_hour * option.gpus_per_replica,
-                              load.mean_prompt_tokens if load else 0.0, load.mean_output_tokens if load else 0.0)
+        if not option.serves:
+            continue
+        shares = _shares(option, {load.name: load.rate_rps for load in mix.shapes})
+        rate = mix_capacity([(share, Capacity(s.rate_per_replica_rps, 0.0)) for share, s in shares]).rate_rps
+        prompt = output = 0.0
+        for share, served in shares:
+            load = mix.shape(served.shape)
+            if load is not None:
+                prompt, output = prompt + share * load.mean_prompt_tokens, output + share * load.mean_output_tokens
+        out[name] = PoolModel(max(1, math.ceil(concurrency)), rate, get_gpu(option.gpu).price_per_gpu_hour * option.gpus_per_replica,
+                              prompt, output)
     return out

@@ -35,12 +35,13 @@ from fleet.controller import Controller, ControllerSettings, TickOutput
 from fleet.decisions import Decision
 from fleet.health import CircuitBreaker, HealthState
 from fleet.operator import MoveRefused, OperatorMoves
-from fleet.options import Options, PoolModel, pool_models
+from fleet.options import DeclaredPool, Options, PoolModel, pool_models
 from fleet.pool import PoolState, ReplicaState
 from fleet.rollout import SlotState
 from fleet.telemetry import Telemetry
 from gateway.background import BackgroundTask
 from gateway.config import ControllerSettingsFile, GatewayConfig
+from kernels.config import EngineConfig
 from kernels.compiler.worker import background_process_pool, terminate_process_pool
 
 if TYPE_CHECKING:
@@ -52,12 +53,17 @@ _DEFAULT_MAX_RUNNING = 256
 
 
 def controller_settings(config: GatewayConfig, model: str, gpu_to_budget: dict[str, int]) -> ControllerSettings:
-    """The controller's settings for ``config``'s tiers and a budget of replica slots per GPU kind."""
-    return ControllerSettings(model=model, gpu_to_budget=gpu_to_budget, tiers=dict(config.tiers))
+    """The controller's settings for ``config``'s tiers and a budget of replica slots per GPU kind; its
+    starting plan is ``config``'s pools of ``model`` whose replicas the actuator starts (their slots
+    already serve in them), which it keeps while they fit the mix."""
+    declared = tuple(DeclaredPool(p.name, p.gpu, p.shapes, EngineConfig.from_dict(p.engine), p.config_json)
+                     for p in config.pools if p.model == model and p.gpu in gpu_to_budget and not p.urls)
+    return ControllerSettings(model=model, gpu_to_budget=gpu_to_budget, tiers=dict(config.tiers), declared=declared)
 
 
 def new_pool(name: str, model: str, gpu: str, config_json: str) -> PoolState:
-    """A pool the controller made (named ``<shape>@<gpu>``), sized by its engine configuration."""
+    """A pool the controller made (named ``<shape>@<gpu>``: no declared pool served its shape on that
+    GPU kind), sized by its engine configuration."""
     engine = orjson.loads(config_json)
     max_running = engine.get("max_running_requests") or _DEFAULT_MAX_RUNNING
     return PoolState(name, frozenset({model}), frozenset({name.split("@", 1)[0]}), gpu, int(max_running))
@@ -134,7 +140,8 @@ class LiveFleet:
         self.operator = OperatorMoves()
 
     def adopt(self) -> None:
-        """The actuator's slots are the controller's budget (when ``fleet.controller`` is on)."""
+        """The actuator's slots are the controller's budget, and the config's launched pools its starting
+        plan (when ``fleet.controller`` is on)."""
         if not self.settings.enabled:
             return
         gpu_to_budget: dict[str, int] = {}

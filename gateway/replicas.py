@@ -77,8 +77,10 @@ def connect_ray(settings: RaySettings, num_gpus: int) -> None:
 
 def launcher(config: GatewayConfig, command: tuple[str, ...]) -> LaunchFor:
     """What a slot starts for a pool: its declared engine rendered with the configuration it moves
-    with, on the slot's devices. A pool the controller made (``<shape>@<gpu>``) runs the engine of the
-    first declared pool on the same device kind; emulated replicas run ``command`` (``polymorph emulate``)."""
+    with, on the slot's devices. The controller plans with the declared pools under their own names;
+    a pool it made for a shape no declared pool serves on that device kind (``<shape>@<gpu>``) runs the
+    engine of the first declared pool on the same device kind; emulated replicas run ``command``
+    (``polymorph emulate``)."""
     declared = {p.name: p for p in config.pools}
     by_device = {p.gpu: p for p in reversed(config.pools) if p.num_launched}
 

@@ -111,7 +111,7 @@ def test_stretched_workload_moves_the_drift_onset_and_keeps_the_rate() -> None:
 def test_fill_budget_deploys_every_gpu_and_prefers_undoing_a_shrink() -> None:
     from fleet.planner import PlanProblem, PoolOption, fill_budget, plan
 
-    pools = (PoolOption("a@G", "G", "a", 1, 100.0, 1.0), PoolOption("b@G", "G", "b", 1, 100.0, 1.0))
+    pools = (PoolOption.one("a@G", "G", "a", 1, 100.0, 1.0), PoolOption.one("b@G", "G", "b", 1, 100.0, 1.0))
     fresh = PlanProblem(pools, (("G", 6),), ((("a", 10.0), ("b", 30.0)),), (1.0,))
     found = plan(fresh)
     assert found is not None and sum(found.replicas().values()) < 6  # headroom is capped: GPUs left idle

@@ -18,7 +18,7 @@ from fleet.rollout import Mover, SlotState, batch_moves, diff_moves
 def _problem(rng: random.Random) -> PlanProblem:
     weight = {s: rng.choice([1.0, 2.0, 4.0]) for s in "abc"}
     pools = tuple(
-        PoolOption(f"{s}@{g}", g, s, rng.choice([1, 1, 2]), rng.uniform(1, 10), weight[s])
+        PoolOption.one(f"{s}@{g}", g, s, rng.choice([1, 1, 2]), rng.uniform(1, 10), weight[s])
         for s in "abc" for g in ("H100", "H200")
     )
     windows = (tuple((s, rng.uniform(0, 20)) for s in "ab"), tuple((s, rng.uniform(0, 20)) for s in "bc"))
@@ -39,7 +39,7 @@ def test_milp_matches_brute_force_on_small_instances() -> None:
 
 
 def test_move_cost_keeps_a_plan_whose_gain_is_small() -> None:
-    pools = (PoolOption("a@G", "G", "a", 1, 10.0, 1.0), PoolOption("b@G", "G", "b", 1, 10.0, 1.0))
+    pools = (PoolOption.one("a@G", "G", "a", 1, 10.0, 1.0), PoolOption.one("b@G", "G", "b", 1, 10.0, 1.0))
     demand = ((("a", 10.5), ("b", 9.5)),)
     base = PlanProblem(pools, (("G", 2),), demand, (1.0,), current=(("a@G", 0), ("b@G", 2)))
     assert plan(base).replicas() == {"a@G": 1, "b@G": 1}  # free moves: follow the demand
