@@ -20,6 +20,7 @@ from classifiers.config import ClassifierConfigError, rules_from_mapping
 from classifiers.shape import ShapeRules, default_shape_rules
 from fleet.engines.launch import EngineLaunch
 from fleet.engines.load import ENGINE_KINDS
+from fleet.kubernetes_manifests import KubernetesSettings
 from fleet.router import RouterSettings
 from fleet.router_steps import STEPS
 from gateway.yamlsrc import ConfigError, FieldPath, YamlDoc, load_yaml
@@ -156,8 +157,9 @@ class GatewayConfig:
     pools: tuple[PoolSpec, ...]
     emulator_speed: float = 1.0
     controller: ControllerSettingsFile = field(default_factory=ControllerSettingsFile)
-    actuator: str = "local"  # how launched replicas run: "local" processes, or "ray" actors (fleet.ray)
+    actuator: str = "local"  # how launched replicas run: "local" processes, "ray" actors (fleet.ray), or "kubernetes" Deployments
     ray: RaySettings = field(default_factory=RaySettings)
+    kubernetes: KubernetesSettings = field(default_factory=KubernetesSettings)  # `fleet.kubernetes` (gateway.kubernetes_config)
     # ``fleet.devices``: what the actuator may hand out, device kind -> ids ("cpu" slots or a GPU kind's
     # CUDA device ids on this host); empty: launched replicas get logical ids (emulated GPUs need none)
     devices: Mapping[str, tuple[str, ...]] = field(default_factory=dict)
@@ -534,8 +536,11 @@ def replica_devices(pool: PoolSpec) -> int:
     return 1 if pool.gpu == "cpu" else EngineConfig.from_dict(pool.engine).num_gpus
 
 
-def _fleet(doc: YamlDoc, shapes: ShapeRules, base: Path) -> tuple[tuple[PoolSpec, ...], float, ControllerSettingsFile, str, RaySettings, dict[str, tuple[str, ...]]]:
-    r = _Reader(doc, ("fleet",), doc.data.get("fleet"), {"pools", "emulator_speed", "controller", "actuator", "ray", "devices"})
+def _fleet(doc: YamlDoc, shapes: ShapeRules, base: Path) -> tuple[tuple[PoolSpec, ...], float, ControllerSettingsFile, str, RaySettings,
+                                                                  dict[str, tuple[str, ...]], KubernetesSettings]:
+    from gateway.kubernetes_config import parse_kubernetes  # here: it reads with this module's _Reader
+
+    r = _Reader(doc, ("fleet",), doc.data.get("fleet"), {"pools", "emulator_speed", "controller", "actuator", "ray", "devices", "kubernetes"})
     raw = r.data.get("pools")
     if not isinstance(raw, list) or not raw:
         raise doc.error(("fleet", "pools"), "must be a non-empty list of pools")
@@ -547,10 +552,12 @@ def _fleet(doc: YamlDoc, shapes: ShapeRules, base: Path) -> tuple[tuple[PoolSpec
         seen.add(pool.name)
     speed = r.number("emulator_speed", 1.0, lo=0.01, hi=10000)
     actuator = r.text("actuator", "local")
-    if actuator not in ("local", "ray"):
-        raise r.error("actuator", f"must be 'local' (replica processes on this host) or 'ray' (Ray actors), not {actuator!r}")
+    if actuator not in ("local", "ray", "kubernetes"):
+        raise r.error("actuator", f"must be 'local' (replica processes on this host), 'ray' (Ray actors) or 'kubernetes' "
+                                  f"(the pools' Deployments, fleet.kubernetes), not {actuator!r}")
     devices = _devices(doc, r.data.get("devices"), pools)
-    return pools, speed, _controller(doc, base, r.data.get("controller")), actuator, _ray(doc, r.data.get("ray")), devices
+    kubernetes = parse_kubernetes(doc, r.data.get("kubernetes"), base)
+    return pools, speed, _controller(doc, base, r.data.get("controller")), actuator, _ray(doc, r.data.get("ray")), devices, kubernetes
 
 
 # --- tenants -------------------------------------------------------------------------------------
@@ -649,7 +656,7 @@ def load_config(path: Path) -> GatewayConfig:
     tiers = _tiers(doc)
     shapes = _shapes(doc)
     tenants, tenant_files, tenants_dir = _tenants(doc, path.parent, tiers)
-    pools, speed, controller, actuator, ray, devices = _fleet(doc, shapes, path.parent)
+    pools, speed, controller, actuator, ray, devices, kubernetes = _fleet(doc, shapes, path.parent)
     return GatewayConfig(
         source=str(path),
         server=_server(doc),
@@ -663,6 +670,7 @@ def load_config(path: Path) -> GatewayConfig:
         controller=controller,
         actuator=actuator,
         ray=ray,
+        kubernetes=kubernetes,
         devices=devices,
         router=_router(doc),
         aliases=_aliases(doc, pools),

@@ -46,10 +46,12 @@ class EngineLaunch:
     env: tuple[tuple[str, str], ...] = ()
 
 
-def launch_argv(launch: EngineLaunch, config: EngineConfig, device_kind: str) -> tuple[str, ...]:
+def launch_argv(launch: EngineLaunch, config: EngineConfig, device_kind: str, *, probe: bool = True) -> tuple[str, ...]:
     """The replica's full command line, without ``--host``/``--port``. Installs the default engine
-    and tiny model on first use; ValueError for the emulated kind or an sglang pool without a model."""
-    command, engine_args = _command_and_args(launch, config, device_kind)
+    and tiny model on first use; ValueError for the emulated kind or an sglang pool without a model.
+    ``probe`` False renders for another host (a container image: give ``command`` and ``model_path``)
+    without running anything here; llama-server's optional ``--no-webui`` is then left out."""
+    command, engine_args = _command_and_args(launch, config, device_kind, probe=probe)
     return (*command, *engine_args)
 
 
@@ -86,14 +88,14 @@ def argument_problems(launch: EngineLaunch, config: EngineConfig, device_kind: s
     return [result.reason] if result.rejected else []
 
 
-def _command_and_args(launch: EngineLaunch, config: EngineConfig, device_kind: str) -> tuple[tuple[str, ...], list[str]]:
+def _command_and_args(launch: EngineLaunch, config: EngineConfig, device_kind: str, *, probe: bool = True) -> tuple[tuple[str, ...], list[str]]:
     """(what runs: binary, or interpreter and module; the arguments its parser reads)."""
     name = launch.served_model_name
     if launch.kind == "llamacpp":
         command = launch.command or (str(install.llamacpp_server()),)
         args = config.to_llamacpp_args(launch.model_path or str(install.tiny_model_gguf()))
         args += ["-t", str(launch.threads or 1), "--metrics", *(["--alias", name] if name else [])]
-        if "--no-webui" in LlamacppFlagGate(command[0]).option_strings():  # not in builds before the flag existed
+        if probe and "--no-webui" in LlamacppFlagGate(command[0]).option_strings():  # not in builds before the flag existed
             args.append("--no-webui")
         device = () if device_kind == "cpu" else _LLAMACPP_GPU_ARGS
     elif launch.kind == "vllm":
