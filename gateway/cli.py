@@ -14,11 +14,11 @@ from collections.abc import Sequence
 from classifiers import cli as classifiers_cli
 from fleet import cli as fleet_cli
 from fleet.engines import cli as engines_cli
-from gateway import serve_cli
+from gateway import deploy_cli, serve_cli
 from kernels import cli as kernels_cli
 from loadtest import cli as loadtest_cli
 
-_PACKAGES = (serve_cli, classifiers_cli, kernels_cli, fleet_cli, engines_cli, loadtest_cli)
+_PACKAGES = (serve_cli, deploy_cli, classifiers_cli, kernels_cli, fleet_cli, engines_cli, loadtest_cli)
 
 
 def build_parser() -> argparse.ArgumentParser:
