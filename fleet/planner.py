@@ -215,7 +215,7 @@ def evaluate(problem: PlanProblem, pool_to_num: Mapping[str, int]) -> Plan:
     else:
         found = _solve(problem, pool_to_num)
         assert found is not None, "a routing split always exists (g = 0)"
-        x, pairs = found
+        x, pairs = (found[0].tolist(), found[1])  # Python floats: plans go into JSON decision records
         num_w, g0 = len(problem.window_demands), len(problem.pools)
         for k, (_, served) in enumerate(pairs):
             for w, omega in enumerate(problem.window_weights):
