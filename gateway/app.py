@@ -22,12 +22,14 @@ from classifiers.shape import Shape
 from gateway.admin import AdminHandlers
 from gateway.config import GatewayConfig, Tenant
 from gateway.dashboard import add_dashboard_routes, is_admin_request
+from gateway.endpoints import CHAT_METER, COMPLETIONS_METER, EMBEDDINGS, RERANK, RERANK_PATHS, RESPONSES, SCORE, SCORE_PATHS, Endpoint, Meter
 from gateway.engine_scrape import EngineScraper
 from gateway.errors import ApiError, error_response
 from gateway.live_fleet import LiveFleet
 from gateway.openapi import DOCUMENT_BYTES
 from gateway.probes import HealthProber
 from gateway.proxy import Outcome, Proxy
+from gateway.response_ids import ResponseIds
 from gateway.runtime import Runtime
 from gateway.state import GatewayState
 from gateway.upstream import UpstreamPool
@@ -99,9 +101,26 @@ def _met_slo(runtime: Runtime, tier: str, outcome: Outcome) -> bool:
     return objectives.met(None if outcome.ttft_s is None else outcome.ttft_s * scale, None if outcome.tpot_s is None else outcome.tpot_s * scale)
 
 
+def _resolve_model(runtime: Runtime, tenant: Tenant, body: dict[str, object], model: str, raw: bytes) -> tuple[str | None, str, bytes]:
+    """(the alias the client named or None, the served model, the body to send) of a request naming
+    ``model``; raises 404 for a model no pool serves and 403 for one the tenant may not use."""
+    public = None
+    alias = runtime.config.aliases.get(model) if runtime.config.aliases else None
+    if alias is not None:  # resolved before anything else looks at the model; only aliased requests pay the re-encode
+        public, model = model, alias.model
+        body["model"] = model
+        raw = orjson.dumps(body)
+    if not any(pool.serves(model) for pool in runtime.pools):
+        raise ApiError(404, f"The model {model[:200]!r} does not exist on this gateway.", "model_not_found", "model")
+    if not (tenant.may_use_model(model) or (public is not None and tenant.may_use_model(public))):
+        raise ApiError(403, f"This key may not use model {model[:200]!r}.", "model_not_allowed", "model")
+    return public, model, raw
+
+
 class Handlers:
     def __init__(self, state: GatewayState) -> None:
         self.state = state
+        self.response_ids = ResponseIds()  # Responses ids this process proxied -> the replica holding each
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
         return await self._complete(request, chat=False)
@@ -127,15 +146,7 @@ class Handlers:
             server = runtime.config.server
             raw, body = await _read_json(request, server.max_body_bytes, server.body_read_timeout_s)
             model, stream, max_tokens = validate_body(body, chat)
-            alias = runtime.config.aliases.get(model) if runtime.config.aliases else None
-            if alias is not None:  # resolved before anything else looks at the model; only aliased requests pay the re-encode
-                public, model = model, alias.model
-                body["model"] = model
-                raw = orjson.dumps(body)
-            if not any(pool.serves(model) for pool in runtime.pools):
-                raise ApiError(404, f"The model {model[:200]!r} does not exist on this gateway.", "model_not_found", "model")
-            if not (tenant.may_use_model(model) or (public is not None and tenant.may_use_model(public))):
-                raise ApiError(403, f"This key may not use model {model[:200]!r}.", "model_not_allowed", "model")
+            public, model, raw = _resolve_model(runtime, tenant, body, model, raw)  # type: ignore[arg-type]
             shape = runtime.classifier.classify(body, chat=chat, tenant=tenant.name, tier=tier)  # type: ignore[arg-type]
             if state.live is not None:
                 state.live.telemetry.record_arrival(state.live.now(), shape.name, tier, shape.prompt_tokens)
@@ -161,11 +172,81 @@ class Handlers:
         finally:
             if limiter is not None:
                 limiter.release()
-        self._record(runtime, tenant_name, tier, model, shape, outcome, loop.time() - started_at, public)
+        self._record(runtime, tenant_name, tier, model, shape, outcome, loop.time() - started_at, public, CHAT_METER if chat else COMPLETIONS_METER)
+        return response
+
+    async def embeddings(self, request: web.Request) -> web.StreamResponse:
+        return await self._endpoint(request, EMBEDDINGS)
+
+    async def responses(self, request: web.Request) -> web.StreamResponse:
+        return await self._endpoint(request, RESPONSES)
+
+    async def rerank(self, request: web.Request) -> web.StreamResponse:
+        return await self._endpoint(request, RERANK)
+
+    async def score(self, request: web.Request) -> web.StreamResponse:
+        return await self._endpoint(request, SCORE)
+
+    async def _endpoint(self, request: web.Request, endpoint: Endpoint) -> web.StreamResponse:
+        """Embeddings, Responses, rerank and score: the chat path's steps, with the endpoint's own reading
+        of the body, its own charge (input only for the pooling endpoints) and its own wire."""
+        if request.method != "POST":
+            return error_response(ApiError(405, f"Use POST for {request.path}.", "method_not_allowed"))
+        state = self.state
+        runtime = state.runtime
+        loop = asyncio.get_running_loop()
+        started_at = loop.time()
+        tenant_name, tier, model, outcome = _UNAUTHENTICATED, "-", "-", Outcome()
+        public = None
+        shape = None
+        limiter = None
+        try:
+            tenant = _authenticate(request, runtime)
+            tenant_name = tenant.name
+            tier = _tier(request, tenant, runtime)
+            server = runtime.config.server
+            raw, body = await _read_json(request, server.max_body_bytes, server.body_read_timeout_s)
+            parsed = endpoint.parse(body)
+            model = parsed.model
+            public, model, raw = _resolve_model(runtime, tenant, body, model, raw)  # type: ignore[arg-type]
+            pinned = None
+            if parsed.previous_response_id is not None:
+                pinned = self.response_ids.replica_of(parsed.previous_response_id)
+                if pinned is None:
+                    raise ApiError(400, f"Previous response {parsed.previous_response_id[:200]!r} is not known to this gateway: each replica stores "
+                                   "its own responses, and this gateway process did not proxy that one (or has forgotten it).",
+                                   "previous_response_not_found", "previous_response_id")
+            shape = runtime.classifier.classify(parsed.classify_body, chat=parsed.chat, tenant=tenant.name, tier=tier)
+            if state.live is not None:
+                state.live.telemetry.record_arrival(state.live.now(), shape.name, tier, shape.prompt_tokens)
+            state.metrics.child(state.metrics.shapes, shape.name, shape.domain).inc()
+            limiter = runtime.limiters[tenant.name]
+            num_tokens = shape.prompt_tokens + ((parsed.max_output_tokens or shape.predicted_output_p50) if parsed.has_output else 0)
+            refusal = limiter.admit(num_tokens, loop.time())
+            if refusal is not None:
+                limiter = None
+                raise ApiError(429, refusal.message, refusal.code, retry_after_s=refusal.retry_after_s)
+            assert state.proxy is not None
+            response = await state.proxy.forward(request, runtime, shape, model, raw, parsed.stream, outcome, body, endpoint.wire, pinned)  # type: ignore[arg-type]
+            if outcome.response_id is not None and parsed.store and outcome.status == 200 and outcome.stream_error is None:
+                self.response_ids.remember(outcome.response_id, outcome.replica)
+        except ApiError as err:
+            outcome.status = err.status
+            if err.status < 500:
+                state.metrics.reject(tenant_name, err.code)
+            response = error_response(err, {"x-polymorph-shape": shape.name} if shape is not None else None)
+        except Exception:  # a bug must cost one request a 500, never the process or a hang
+            traceback.print_exc(file=sys.stderr)
+            outcome.status = 500
+            response = error_response(ApiError(500, "Internal gateway error; it has been logged.", "internal_error"))
+        finally:
+            if limiter is not None:
+                limiter.release()
+        self._record(runtime, tenant_name, tier, model, shape, outcome, loop.time() - started_at, public, endpoint.meter)
         return response
 
     def _record(self, runtime: Runtime, tenant: str, tier: str, model: str, shape: Shape | None, outcome: Outcome, duration_s: float,
-                alias: str | None = None) -> None:
+                alias: str | None, meter: Meter) -> None:
         metrics = self.state.metrics
         metrics.count_request(tenant, tier, outcome.pool, outcome.status)
         if outcome.pool != "-":
@@ -181,16 +262,17 @@ class Handlers:
             if self.state.live is not None:
                 self.state.live.telemetry.record_outcome(self.state.live.now(), shape.name, outcome.pool, met_slo, outcome.completion_tokens or 0)
         if outcome.completion_tokens is not None:
-            metrics.child(metrics.tokens, tenant, "completion").inc(outcome.completion_tokens)
-            if shape is not None and outcome.status == 200:
+            metrics.child(metrics.tokens, tenant, meter.output_kind).inc(outcome.completion_tokens)
+            if shape is not None and outcome.status == 200 and meter.learns_output:
                 runtime.classifier.observe(shape, outcome.completion_tokens)
         if outcome.prompt_tokens is not None:
-            metrics.child(metrics.tokens, tenant, "prompt").inc(outcome.prompt_tokens)
+            metrics.child(metrics.tokens, tenant, meter.input_kind).inc(outcome.prompt_tokens)
         log = self.state.access_log
         if log is not None:
             log.write(
                 {
                     "ts": round(time.time(), 3),
+                    "endpoint": meter.name,
                     "tenant": tenant,
                     "tier": tier,
                     "model": model[:200],
@@ -303,6 +385,12 @@ def build_app(
     router.add_route("*", "/v1/chat/completions", h.chat_completions)
     router.add_route("*", "/v1/completions", h.completions)
     router.add_route("*", "/v1/models", h.models)
+    router.add_route("*", "/v1/embeddings", h.embeddings)
+    router.add_route("*", "/v1/responses", h.responses)
+    for path in RERANK_PATHS:
+        router.add_route("*", path, h.rerank)
+    for path in SCORE_PATHS:
+        router.add_route("*", path, h.score)
     router.add_get("/healthz", h.healthz, allow_head=False)
     router.add_get("/readyz", h.readyz, allow_head=False)
     router.add_get("/metrics", h.metrics_endpoint, allow_head=False)

@@ -60,6 +60,73 @@ def _completion_path(summary: str, required: list[str], extra: dict[str, Any]) -
     }
 
 
+def _post(summary: str, schema: dict[str, Any]) -> dict[str, Any]:
+    return {
+        "post": {
+            "summary": summary,
+            "security": _BEARER,
+            "parameters": [_TIER],
+            "requestBody": {"required": True, "content": {"application/json": {"schema": schema}}},
+            "responses": {"200": _ROUTED, **_errors(400, 401, 403, 404, 413, 429, 502, 503, 504)},
+        }
+    }
+
+
+_TEXTS = {"oneOf": [{"type": "string", "minLength": 1}, {"type": "array", "minItems": 1, "maxItems": 2048, "items": {"type": "string", "minLength": 1}}]}
+_EMBEDDINGS = {
+    "type": "object",
+    "required": ["model", "input"],
+    "properties": {
+        "model": {"type": "string", "minLength": 1},
+        "input": {
+            "oneOf": [
+                *_TEXTS["oneOf"],
+                {"type": "array", "minItems": 1, "maxItems": 2048, "items": {"type": "integer"}},
+                {"type": "array", "minItems": 1, "maxItems": 2048, "items": {"type": "array", "minItems": 1, "items": {"type": "integer"}}},
+            ]
+        },
+        "encoding_format": {"type": "string", "enum": ["float", "base64"]},
+        "dimensions": {"type": "integer", "minimum": 1},
+        "user": {"type": "string"},
+    },
+}
+_RESPONSES = {
+    "type": "object",
+    "required": ["model", "input"],
+    "properties": {
+        "model": {"type": "string", "minLength": 1},
+        "input": {"oneOf": [{"type": "string", "minLength": 1}, {"type": "array", "minItems": 1, "items": {"type": "object"}}]},
+        "instructions": {"type": "string"},
+        "stream": {"type": "boolean"},
+        "store": {"type": "boolean"},
+        "previous_response_id": {
+            "type": "string",
+            "minLength": 1,
+            "description": "Routed to the replica that produced it; a 400 previous_response_not_found when this gateway process did not proxy it.",
+        },
+        "max_output_tokens": {"type": "integer", "minimum": 1},
+        "temperature": {"type": "number", "minimum": 0, "maximum": 2},
+        "top_p": {"type": "number", "minimum": 0, "maximum": 1},
+        "tools": {"type": "array", "items": {"type": "object"}},
+    },
+}
+_RERANK = {
+    "type": "object",
+    "required": ["model", "query", "documents"],
+    "properties": {
+        "model": {"type": "string", "minLength": 1},
+        "query": {"type": "string", "minLength": 1},
+        "documents": {"type": "array", "minItems": 1, "maxItems": 2048, "items": {"type": "string", "minLength": 1}},
+        "top_n": {"type": "integer", "minimum": 0},
+    },
+}
+_SCORE = {
+    "type": "object",
+    "required": ["model", "text_1", "text_2"],
+    "properties": {"model": {"type": "string", "minLength": 1}, "text_1": _TEXTS, "text_2": _TEXTS},
+}
+
+
 def _get(summary: str, content_type: str, secured: bool, *errors: int) -> dict[str, Any]:
     operation: dict[str, Any] = {
         "summary": summary,
@@ -102,6 +169,12 @@ DOCUMENT: dict[str, Any] = {
             ["model", "prompt"],
             {"prompt": {"oneOf": [{"type": "string"}, {"type": "array", "items": {"type": "string"}}, {"type": "array", "items": {"type": "integer"}}]}},
         ),
+        "/v1/embeddings": _post("Embeddings (classified by input tokens; the tenant's token limits charge the input)", _EMBEDDINGS),
+        "/v1/responses": _post("Responses API, passed through to engines that implement it (JSON, or typed SSE events when stream is true)", _RESPONSES),
+        "/v1/rerank": _post("Rerank documents against a query (vLLM, sglang)", _RERANK),
+        "/rerank": _post("Rerank documents against a query (vLLM)", _RERANK),
+        "/v1/score": _post("Score text pairs (vLLM)", _SCORE),
+        "/score": _post("Score text pairs (vLLM)", _SCORE),
         "/v1/models": _get("Models this key may use", "application/json", True, 401),
         "/healthz": _get("Liveness", "application/json", False),
         "/readyz": _get("Readiness: some replica is healthy", "application/json", False, 503),

@@ -19,9 +19,10 @@ from classifiers.shape import Shape
 from fleet.health import HealthState
 from fleet.pool import PoolState, ReplicaState
 from fleet.router import Reject, Route, RouterSettings, Wait, route
+from fleet.router_steps import work_units
 from gateway.admission import RetryBudget
 from gateway.config import UpstreamSettings
-from gateway.errors import ApiError, sse_error_event
+from gateway.errors import ApiError, error_body, sse_error_event
 from gateway.metrics import GatewayMetrics
 from gateway.pool_wait import PoolWaits
 from gateway.runtime import Runtime
@@ -33,6 +34,30 @@ _USAGE_KEY = b'"completion_tokens":'
 _PROMPT_KEY = b'"prompt_tokens":'
 _MEDIA_TYPE = re.compile(r"[\x21-\x7e]+(?: ?;[\x20-\x7e]*)?")
 _DIGITS = re.compile(rb"[ \t]*([0-9]+)")
+# The Responses API's last event, whatever way the response ended; quoted, so a model's text (where
+# quotes are escaped) cannot match. Its data holds the whole response: id, status and usage.
+_RESPONSE_END = re.compile(rb'"response\.(?:completed|incomplete|failed)"')
+_MAX_FINAL_EVENT_BYTES = 4 * 1024 * 1024
+
+
+@dataclass(frozen=True, slots=True)
+class Wire:
+    """How the proxy speaks one endpoint: where the usage is, what ends a stream, what it may add."""
+
+    prompt_key: bytes = _PROMPT_KEY
+    completion_key: bytes = _USAGE_KEY
+    ask_stream_usage: bool = True  # streams carry usage only when asked (stream_options): ask for it
+    priority: bool = True  # send the tier's priority to engines that schedule by it
+    array_ok: bool = False  # a 200 body may be a JSON array (sglang's /v1/rerank answers a list)
+    events: bool = False  # a Responses stream: typed events ending in response.completed, not [DONE]
+
+
+CHAT_WIRE = Wire()
+# Pooling requests are over in one forward pass: no priority (sglang's pooling requests take none).
+EMBEDDINGS_WIRE = Wire(ask_stream_usage=False, priority=False)
+RESPONSES_WIRE = Wire(b'"input_tokens":', b'"output_tokens":', ask_stream_usage=False, events=True)
+RERANK_WIRE = Wire(b'"total_tokens":', ask_stream_usage=False, priority=False, array_ok=True)  # vLLM's rerank usage has total_tokens only
+SCORE_WIRE = Wire(ask_stream_usage=False, priority=False)
 
 
 @dataclass(slots=True)
@@ -48,13 +73,28 @@ class Outcome:
     prompt_tokens: int | None = None
     completion_tokens: int | None = None
     stream_error: str | None = None
+    response_id: str | None = None  # a Responses answer's id (the replica holds it for follow-ups)
 
 
-def _is_json_object(body: bytes) -> bool:
+def _is_json_object(body: bytes, array_ok: bool = False) -> bool:
     try:
-        return isinstance(orjson.loads(body), dict)
+        parsed = orjson.loads(body)
     except orjson.JSONDecodeError:
         return False
+    return isinstance(parsed, dict) or (array_ok and isinstance(parsed, list))
+
+
+def _read_response(response: object, outcome: Outcome) -> None:
+    """Id and usage of a Responses API ``response`` object (the body, or the final event's)."""
+    if not isinstance(response, dict):
+        return
+    response_id = response.get("id")
+    outcome.response_id = response_id if isinstance(response_id, str) else None
+    usage = response.get("usage")
+    if isinstance(usage, dict):
+        tokens_in, tokens_out = usage.get("input_tokens"), usage.get("output_tokens")
+        outcome.prompt_tokens = tokens_in if isinstance(tokens_in, int) else None
+        outcome.completion_tokens = tokens_out if isinstance(tokens_out, int) else None
 
 
 def engine_priority(pool: PoolState, tier_priority: int) -> int | None:
@@ -83,6 +123,27 @@ def _usage_int(data: bytes, key: bytes) -> int | None:
     return int(found[1]) if found is not None else None
 
 
+def _pinned_route(runtime: Runtime, shape: Shape, model: str, pinned: str, now: float, tried: list[str], last_error: ApiError | None) -> Route:
+    """The route to ``pinned``, the only replica that can answer (it holds the request's state), or why not."""
+    replica = runtime.replica_by_name.get(pinned)
+    if replica is None or not replica.serves(model):
+        raise ApiError(400, f"The previous response was produced by replica {pinned}, which no longer serves {model[:200]!r}; "
+                       "its stored responses went with it.", "previous_response_not_found", "previous_response_id")
+    if pinned in tried and last_error is not None:
+        raise last_error  # no other replica holds the state: a failed attempt is the answer
+    if not replica.routable(now):
+        raise ApiError(503, f"Replica {pinned}, which holds the previous response, is not taking requests now.", "previous_response_unavailable",
+                       retry_after_s=1.0)
+    pool = next(p for p in runtime.pools if p.name == replica.pool)
+    return Route(replica.pool, replica.name, replica.url, False, work_units(shape, pool))
+
+
+def _responses_error_event(message: str, code: str) -> bytes:
+    """The Responses API's ``error`` event, ending a stream that broke after its first byte."""
+    error = orjson.loads(error_body(502, message, code))["error"]
+    return b"event: error\ndata: " + orjson.dumps({"type": "error", **error}) + b"\n\n"
+
+
 class Proxy:
     """Sends requests to replicas over one shared keep-alive connection pool."""
 
@@ -102,21 +163,30 @@ class Proxy:
         stream: bool,
         outcome: Outcome,
         body: Mapping[str, object],
+        wire: Wire = CHAT_WIRE,
+        pinned: str | None = None,
     ) -> web.StreamResponse:
-        """Route and send one request; ``body`` is ``raw_body`` as the request path parsed it."""
+        """Route and send one request; ``body`` is ``raw_body`` as the request path parsed it.
+
+        ``wire`` says how the endpoint's answers read; ``pinned`` names the one replica that may take
+        the request (it holds the state the request refers to), instead of the router's choice."""
         settings = runtime.config.upstream
         loop = asyncio.get_running_loop()
         tried: list[str] = []
         budget_tokens = shape.prompt_tokens + shape.predicted_output_p50
         self.retry_budget.on_request()
         # A stream whose client did not ask for usage asks the engine anyway (and hides it again)
-        strip_usage = stream and not asked_for_usage(body)
+        strip_usage = stream and wire.ask_stream_usage and not asked_for_usage(body)
         tier = runtime.config.tiers.get(shape.tier)
         last_error: ApiError | None = None
         while True:
             now = loop.time()
-            # with the tiers, the router sheds the lowest tiers at once when every usable pool is full
-            decision = route(shape, model, runtime.pools, now, runtime.config.router, tried, runtime.config.tiers)
+            decision: Route | Wait | Reject
+            if pinned is not None:
+                decision = _pinned_route(runtime, shape, model, pinned, now, tried, last_error)
+            else:
+                # with the tiers, the router sheds the lowest tiers at once when every usable pool is full
+                decision = route(shape, model, runtime.pools, now, runtime.config.router, tried, runtime.config.tiers)
             if isinstance(decision, Reject):
                 if last_error is not None:
                     raise last_error
@@ -130,7 +200,7 @@ class Proxy:
             else:
                 replica = runtime.replica_by_name[decision.replica]
             pool = next((p for p in runtime.pools if p.name == decision.pool), None)
-            priority = engine_priority(pool, tier.priority) if pool is not None and tier is not None else None
+            priority = engine_priority(pool, tier.priority) if pool is not None and tier is not None and wire.priority else None
             sent_body = upstream_body(raw_body, body, strip_usage, priority)
             outcome.pool, outcome.replica = decision.pool, decision.replica
             outcome.attempts += 1
@@ -140,7 +210,7 @@ class Proxy:
             gauge = self.metrics.child(self.metrics.in_flight, decision.pool)
             gauge.inc()
             try:
-                result = await self._attempt(request, decision, replica, sent_body, stream, strip_usage, shape, settings, outcome)
+                result = await self._attempt(request, decision, replica, sent_body, stream, strip_usage, shape, settings, outcome, wire)
             except ApiError as err:
                 last_error = err
                 if outcome.attempts >= settings.max_attempts or not self.retry_budget.try_spend(loop.time()):
@@ -175,6 +245,7 @@ class Proxy:
         shape: Shape,
         settings: UpstreamSettings,
         outcome: Outcome,
+        wire: Wire,
     ) -> web.StreamResponse:
         loop = asyncio.get_running_loop()
         started_at = loop.time()
@@ -203,7 +274,7 @@ class Proxy:
                 raise err
             if stream and upstream.status == 200:
                 usage_filter = UsageChunkFilter() if strip_usage else None
-                return await self._stream(request, upstream, replica, headers, settings, started_at, outcome, usage_filter)
+                return await self._stream(request, upstream, replica, headers, settings, started_at, outcome, usage_filter, wire.events)
             body = await upstream.read()
         except TimeoutError:
             self.mark_failure(replica)
@@ -218,15 +289,18 @@ class Proxy:
             raise
         finally:
             upstream.release()
-        if upstream.status == 200 and not _is_json_object(body):
+        if upstream.status == 200 and not _is_json_object(body, wire.array_ok):
             self.mark_failure(replica)
             raise ApiError(502, f"Replica {replica.name} answered 200 with a body that is not a JSON object.", "upstream_invalid_response", retry_after_s=1.0)
         outcome.ttft_s = loop.time() - started_at
         outcome.status = upstream.status
         self.mark_success(replica)
         if upstream.status == 200:
-            outcome.prompt_tokens = _usage_int(body, _PROMPT_KEY)
-            outcome.completion_tokens = _usage_int(body, _USAGE_KEY)
+            if wire.events:
+                _read_response(orjson.loads(body), outcome)
+            else:
+                outcome.prompt_tokens = _usage_int(body, wire.prompt_key)
+                outcome.completion_tokens = _usage_int(body, wire.completion_key)
         content_type = upstream.headers.get("content-type", "")
         # Only a plain media type is passed on: a replica's control characters must not reach our headers.
         headers["Content-Type"] = content_type if _MEDIA_TYPE.fullmatch(content_type) else "application/json"
@@ -242,6 +316,7 @@ class Proxy:
         started_at: float,
         outcome: Outcome,
         usage_filter: UsageChunkFilter | None,
+        events: bool = False,
     ) -> web.StreamResponse:
         loop = asyncio.get_running_loop()
         # The first chunk decides whether this attempt can still be retried: read it (within the
@@ -256,7 +331,10 @@ class Proxy:
         response = web.StreamResponse(status=200, headers=headers)
         try:
             await response.prepare(request)
-            await self._relay(response, upstream, first, first_at, replica, outcome, usage_filter)
+            if events:
+                await self._relay_events(response, upstream, first, first_at, replica, outcome)
+            else:
+                await self._relay(response, upstream, first, first_at, replica, outcome, usage_filter)
             await response.write_eof()
         except ConnectionError:
             # The client went away: not the replica's fault. Stop its generation and say nothing.
@@ -314,3 +392,61 @@ class Proxy:
         num_tokens = outcome.completion_tokens or max(0, num_events - 2)
         if num_tokens > 1:
             outcome.tpot_s = (last_event_at - first_at) / (num_tokens - 1)
+
+    async def _relay_events(
+        self,
+        response: web.StreamResponse,
+        upstream: UpstreamResponse,
+        first: bytes,
+        first_at: float,
+        replica: ReplicaState,
+        outcome: Outcome,
+    ) -> None:
+        """Copy a Responses API stream to the client; it ends with its ``response.completed`` (or
+        ``.incomplete``/``.failed``) event, whose data carries the response's id and usage. That
+        event holds the whole output, so it is kept from its ``data:`` line on (bounded)."""
+        loop = asyncio.get_running_loop()
+        last_event_at = first_at
+        chunk = first
+        carry = b""  # the end of the bytes before, in case the end marker straddles two reads
+        final: bytearray | None = None
+        while chunk:
+            last_event_at = loop.time()
+            if final is None:
+                data = carry + chunk
+                found = _RESPONSE_END.search(data)
+                if found is not None:
+                    start = data.rfind(b"data:", 0, found.start())
+                    final = bytearray(data[start if start >= 0 else found.start() :])
+                else:
+                    carry = data[-64:]
+            elif len(final) < _MAX_FINAL_EVENT_BYTES:
+                final += chunk
+            await response.write(chunk)
+            try:
+                chunk = await upstream.read_chunk()
+            except TimeoutError:
+                upstream.close()
+                outcome.stream_error = "upstream_stalled"
+                break
+            except UpstreamError:
+                outcome.stream_error = "upstream_disconnected"
+                break
+        if outcome.stream_error is None and final is None:
+            outcome.stream_error = "upstream_truncated"
+        if outcome.stream_error is not None:
+            self.mark_failure(replica)
+            message = f"The stream from replica {replica.name} broke off ({outcome.stream_error}); the response is incomplete."
+            await response.write(_responses_error_event(message, outcome.stream_error))
+            return
+        self.mark_success(replica)
+        assert final is not None
+        line = bytes(final).split(b"\n", 1)[0]
+        try:
+            event = orjson.loads(line[5:]) if line.startswith(b"data:") else None
+        except orjson.JSONDecodeError:
+            event = None
+        if isinstance(event, dict):
+            _read_response(event.get("response"), outcome)
+        if outcome.completion_tokens is not None and outcome.completion_tokens > 1:
+            outcome.tpot_s = (last_event_at - first_at) / (outcome.completion_tokens - 1)

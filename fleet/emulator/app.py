@@ -1,6 +1,8 @@
 """The emulated sglang server: an aiohttp app around ``EngineDriver``.
 
-OpenAI routes (``/v1/chat/completions``, ``/v1/completions``, ``/v1/models``), sglang's native ones
+OpenAI routes (``/v1/chat/completions``, ``/v1/completions``, ``/v1/models``, ``/v1/embeddings``,
+``/v1/responses``), the rerank and score routes vLLM serves (``/v1/rerank``, ``/rerank``,
+``/v1/score``, ``/score``; sglang serves ``/v1/rerank``), sglang's native ones
 (``/generate``, ``/health``, ``/server_info``, ``/model_info`` and their older ``/get_*`` names,
 ``/metrics``) and the emulator's own (``/_emulator/faults``, ``/_emulator/stats``).
 """
@@ -11,6 +13,7 @@ import asyncio
 import itertools
 import os
 import time
+from collections import OrderedDict
 from collections.abc import Callable, Coroutine
 from dataclasses import dataclass, field
 from typing import Any
@@ -20,9 +23,21 @@ from aiohttp import web
 
 from fleet.emulator.driver import EngineDriver, TokenStream
 from fleet.emulator.faults import FaultPlan, FaultSpec, RequestFault
-from fleet.emulator.generation import BadRequest, DomainPredictor, Generation, parse_chat, parse_completion, parse_generate
+from fleet.emulator.generation import (
+    BadRequest,
+    DomainPredictor,
+    Generation,
+    parse_chat,
+    parse_completion,
+    parse_embeddings,
+    parse_generate,
+    parse_rerank,
+    parse_responses,
+    parse_score,
+    text_prefix_hash_ids,
+)
 from fleet.emulator.metrics import render_metrics
-from fleet.emulator.responses import GenerateRenderer, OpenAIRenderer, error_body
+from fleet.emulator.responses import GenerateRenderer, OpenAIRenderer, ResponsesRenderer, embeddings_body, error_body, rerank_body, score_body
 from kernels.catalog import get_gpu, get_model
 from kernels.config import EngineConfig
 from kernels.engine import Engine
@@ -30,6 +45,7 @@ from kernels.perf import PerfModel
 
 _CRASH_EXIT_CODE = 17
 _JSON = "application/json"
+_MAX_STORED_RESPONSES = 10_000  # Responses ids kept for follow-ups (previous_response_id), oldest out first
 
 
 @dataclass(frozen=True, slots=True)
@@ -42,6 +58,7 @@ class EmulatorSettings:
     served_model_name: str | None = None  # default: the catalog model's name
     speed: float = 1.0  # engine seconds per wall second
     faults: FaultSpec = field(default_factory=FaultSpec)
+    embedding_dimensions: int | None = None  # default: the model's hidden size
 
 
 class EmulatorState:
@@ -65,11 +82,20 @@ class EmulatorState:
         self.domains = DomainPredictor()
         self.ids = itertools.count(1)
         self.id_prefix = f"{os.getpid():x}"
+        self.embedding_dimensions = settings.embedding_dimensions or model.hidden_size
+        # Responses this replica stored: id -> the tokens of the conversation so far, which a follow-up
+        # naming it as previous_response_id carries in its prompt.
+        self.stored_responses: OrderedDict[str, int] = OrderedDict()
         # Set by the server once it listens; closes the listening socket for a while.
         self.refuse_connections: Callable[[float], Coroutine[Any, Any, None]] | None = None
 
     def new_req_id(self, prefix: str) -> str:
         return f"{prefix}-{self.id_prefix}{next(self.ids):08x}"
+
+    def store_response(self, response_id: str, context_tokens: int) -> None:
+        self.stored_responses[response_id] = context_tokens
+        if len(self.stored_responses) > _MAX_STORED_RESPONSES:
+            self.stored_responses.popitem(last=False)
 
     def set_faults(self, spec: FaultSpec) -> None:
         self.faults.replace_spec(spec)
@@ -123,7 +149,8 @@ async def _serve(request: web.Request, parse: Parser, id_prefix: str) -> web.Str
     if fault.error_status is not None:
         return _error(f"emulated fault: HTTP {fault.error_status}", fault.error_status)
     try:
-        generation = parse(await _read_json(request), state.max_context, state.domains)
+        body = await _read_json(request)
+        generation = parse(body, state.max_context, state.domains)
     except BadRequest as exc:
         return _error(str(exc), 400, exc.param)
     # Tokenisation, scheduling and detokenisation cost a real server this much per request; the
@@ -139,6 +166,8 @@ async def _serve(request: web.Request, parse: Parser, id_prefix: str) -> web.Str
     try:
         if generation.kind == "generate":
             return await _answer_generate(request, generation, stream, fault)
+        if generation.kind == "responses":
+            return await _answer_responses(request, ResponsesRenderer(generation, req_id, state.served_model_name, int(time.time()), body), stream, fault)
         renderer = OpenAIRenderer(generation, req_id, state.served_model_name, int(time.time()))
         if generation.stream:
             return await _stream_openai(request, renderer, stream, fault)
@@ -216,6 +245,122 @@ async def _answer_generate(request: web.Request, generation: Generation, stream:
     except ConnectionResetError:
         pass
     return response
+
+
+async def _answer_responses(request: web.Request, renderer: ResponsesRenderer, stream: TokenStream, fault: RequestFault) -> web.StreamResponse:
+    generation = renderer.generation
+    if not generation.stream:
+        await _wait_all(request, stream, fault)
+        answer: web.StreamResponse = web.Response(body=renderer.full(stream.num_cached_tokens), content_type=_JSON)
+    else:
+        answer = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+        await answer.prepare(request)
+        num_sent, stalled = 0, [False]
+        try:
+            await answer.write(renderer.first_events())
+            while not (stream.is_finished and num_sent >= stream.num_ready):
+                ready = await _next_tokens(request, stream, num_sent, fault, stalled)
+                if ready > num_sent:
+                    await answer.write(renderer.delta(num_sent, ready))
+                    num_sent = ready
+            await answer.write(renderer.last_events(stream.num_cached_tokens))
+            await answer.write_eof()
+        except ConnectionResetError:
+            return answer  # the client left before the end: nothing was stored
+    if renderer.body.get("store") is not False:
+        request.app[STATE].store_response(renderer.req_id, generation.prompt_tokens + generation.output_tokens)
+    return answer
+
+
+async def responses(request: web.Request) -> web.StreamResponse:
+    """The Responses API, stateless but for the ids it stored, so a follow-up continues its conversation."""
+    state = request.app[STATE]
+    try:
+        body = await _read_json(request)
+    except BadRequest as exc:
+        return _error(str(exc), 400, exc.param)
+    previous = body.get("previous_response_id")
+    context_tokens = 0
+    if previous is not None:
+        found = state.stored_responses.get(previous) if isinstance(previous, str) else None
+        if found is None:
+            return _error(f"Previous response with id {str(previous)[:200]!r} not found.", 400, "previous_response_id")
+        context_tokens = found
+    return await _serve(request, lambda b, m, d: parse_responses(b, m, d, context_tokens), "resp")
+
+
+# --- pooling: embeddings, rerank, score -----------------------------------------------------------
+Render = Callable[[str], bytes]  # the answer's body, given the request id
+
+
+async def _serve_pooling(request: web.Request, id_prefix: str, parse: Callable[[dict[str, Any], EmulatorState], tuple[int, str, Render]]) -> web.StreamResponse:
+    """A request that is all prefill: its input is scheduled on the engine (one output token stands for
+    the pooled result), so it takes the time the performance model gives that prompt under the load."""
+    state = request.app[STATE]
+    fault = state.faults.on_request()
+    if fault.hang_s:
+        await _hang(fault.hang_s)
+    if fault.error_status is not None:
+        return _error(f"emulated fault: HTTP {fault.error_status}", fault.error_status)
+    try:
+        prompt_tokens, text, render = parse(await _read_json(request), state)
+    except BadRequest as exc:
+        return _error(str(exc), 400, exc.param)
+    await asyncio.sleep(state.perf.request_overhead_s * state.driver.slowdown / state.settings.speed)
+    req_id = state.new_req_id(id_prefix)
+    stream = state.driver.submit(req_id, prompt_tokens, 1, "chat", text_prefix_hash_ids(text), 1)
+    if stream is None:
+        return _error(f"the input needs {prompt_tokens} tokens of KV cache, more than this replica holds", 400, "input")
+    try:
+        await _wait_all(request, stream, fault)
+    finally:
+        if not stream.is_finished:
+            state.driver.abort(req_id)
+    return web.Response(body=render(req_id), content_type=_JSON)
+
+
+def _embeddings_request(body: dict[str, Any], state: EmulatorState) -> tuple[int, str, Render]:
+    pooling = parse_embeddings(body)
+    dimensions = body.get("dimensions")
+    if dimensions is None:
+        dimensions = state.embedding_dimensions
+    if isinstance(dimensions, bool) or not isinstance(dimensions, int) or not 1 <= dimensions <= state.embedding_dimensions:
+        raise BadRequest(f"'dimensions' must be an integer between 1 and {state.embedding_dimensions}", "dimensions")
+    encoding = body.get("encoding_format") or "float"
+    if encoding not in ("float", "base64"):
+        raise BadRequest("'encoding_format' must be 'float' or 'base64'", "encoding_format")
+    if max(pooling.item_tokens) > state.max_context:
+        raise BadRequest(f"an input is longer than this model's maximum context length of {state.max_context} tokens", "input")
+    return pooling.prompt_tokens, "\n".join(pooling.texts), lambda _: embeddings_body(pooling, state.served_model_name, dimensions, encoding == "base64")
+
+
+def _rerank_request(body: dict[str, Any], state: EmulatorState) -> tuple[int, str, Render]:
+    query, documents = parse_rerank(body)
+    top_n = body.get("top_n") or 0
+    if isinstance(top_n, bool) or not isinstance(top_n, int) or top_n < 0:
+        raise BadRequest("'top_n' must be a non-negative integer", "top_n")
+    tokens = query.prompt_tokens * len(documents.texts) + documents.prompt_tokens  # each document is scored with the query
+    return tokens, "\n".join(query.texts), lambda req_id: rerank_body(req_id, query, documents, state.served_model_name, top_n, body.get("return_documents", True) is not False)
+
+
+def _score_request(body: dict[str, Any], state: EmulatorState) -> tuple[int, str, Render]:
+    first, second = parse_score(body)
+    if len(first.texts) != 1 and len(first.texts) != len(second.texts):
+        raise BadRequest("the two sides must have the same number of items, or the first exactly one", "text_1")
+    tokens = first.prompt_tokens * (len(second.texts) if len(first.texts) == 1 else 1) + second.prompt_tokens
+    return tokens, "\n".join(first.texts), lambda req_id: score_body(req_id, first, second, state.served_model_name, int(time.time()))
+
+
+async def embeddings(request: web.Request) -> web.StreamResponse:
+    return await _serve_pooling(request, "embd", _embeddings_request)
+
+
+async def rerank(request: web.Request) -> web.StreamResponse:
+    return await _serve_pooling(request, "rerank", _rerank_request)
+
+
+async def score(request: web.Request) -> web.StreamResponse:
+    return await _serve_pooling(request, "score", _score_request)
 
 
 async def chat_completions(request: web.Request) -> web.StreamResponse:
@@ -328,6 +473,12 @@ def build_app(settings: EmulatorSettings) -> web.Application:
     routes = [
         web.post("/v1/chat/completions", chat_completions),
         web.post("/v1/completions", completions),
+        web.post("/v1/embeddings", embeddings),
+        web.post("/v1/responses", responses),
+        web.post("/v1/rerank", rerank),
+        web.post("/rerank", rerank),
+        web.post("/v1/score", score),
+        web.post("/score", score),
         web.get("/v1/models", models),
         web.post("/generate", generate),
         web.get("/health", health),

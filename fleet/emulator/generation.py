@@ -8,6 +8,7 @@ estimator the gateway's classifier uses, so both sides agree on usage.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import math
 import random
@@ -18,6 +19,7 @@ from dataclasses import dataclass
 from itertools import accumulate
 from typing import Any
 
+from classifiers.openai_inputs import SCORE_PAIRS, pooling_texts, responses_messages
 from classifiers.output_predictor import DOMAIN_PRIORS
 from classifiers.tokens import content_text, count_chat_tokens, estimate_tokens
 
@@ -251,3 +253,71 @@ def parse_generate(body: Mapping[str, Any], max_context: int, domains: DomainPre
     texts, finish_reason, domain = _outputs(sampling, text, prompt_tokens, max_context, domains)
     return Generation("generate", prompt_tokens, tuple(texts), finish_reason, _hash_ids_field(body, text), domain,
                       bool(body.get("stream", False)), False, sampling.max_tokens)
+
+
+def parse_responses(body: Mapping[str, Any], max_context: int, domains: DomainPredictor, context_tokens: int = 0) -> Generation:
+    """The Responses API: ``instructions`` and ``input`` read as chat messages; ``context_tokens``
+    (the conversation a ``previous_response_id`` continues) are added to the prompt."""
+    if not isinstance(body.get("input"), str | list) or not body.get("input"):
+        raise BadRequest("'input' must be a non-empty string or list of input items", "input")
+    max_output = _int_field(body, "max_output_tokens", 1)
+    chat = {"messages": responses_messages(body.get("instructions"), body.get("input")), "max_tokens": max_output,
+            "tools": body.get("tools"), "stream": body.get("stream", False)}
+    generation = parse_chat(chat, max_context - context_tokens, domains)
+    return dataclasses.replace(generation, kind="responses", prompt_tokens=generation.prompt_tokens + context_tokens)
+
+
+@dataclass(frozen=True, slots=True)
+class Pooling:
+    """One embeddings, rerank or score request: the texts to encode and their tokens (all prefilled at once)."""
+
+    texts: tuple[str, ...]  # one per input item (token-id items as their ids' text)
+    item_tokens: tuple[int, ...]
+
+    @property
+    def prompt_tokens(self) -> int:
+        return sum(self.item_tokens)
+
+
+def _pooling_items(value: Any, param: str) -> Pooling:
+    items = pooling_texts(value)
+    if not items:
+        raise BadRequest(f"'{param}' must be a non-empty string, list of strings, or token ids", param)
+    if isinstance(items[0], int):  # one list of token ids
+        return Pooling((" ".join(map(str, items)),), (len(items),))
+    texts = tuple(" ".join(map(str, item)) if isinstance(item, list) else str(item) for item in items)
+    tokens = tuple(len(item) if isinstance(item, list) else estimate_tokens(str(item)) for item in items)
+    return Pooling(texts, tokens)
+
+
+def parse_embeddings(body: Mapping[str, Any]) -> Pooling:
+    value = body.get("input")
+    if isinstance(value, str) and not value:
+        raise BadRequest("'input' must not be an empty string", "input")
+    return _pooling_items(value, "input")
+
+
+def parse_rerank(body: Mapping[str, Any]) -> tuple[Pooling, Pooling]:
+    """(the query, the documents) of a rerank request."""
+    if not isinstance(body.get("query"), str | Mapping):
+        raise BadRequest("'query' must be a string", "query")
+    return _pooling_items(body.get("query"), "query"), _pooling_items(body.get("documents"), "documents")
+
+
+
+def parse_score(body: Mapping[str, Any]) -> tuple[Pooling, Pooling]:
+    """(first side, second side) of a score request; vLLM's ScoreRequest names them in any of four ways."""
+    for first, second in SCORE_PAIRS:
+        if first in body:
+            return _pooling_items(body.get(first), first), _pooling_items(body.get(second), second)
+    raise BadRequest("'text_1' and 'text_2' are required", "text_1")
+
+
+def relevance(query: str, document: str) -> float:
+    """A deterministic relevance score in (0, 1): the share of the document's words found in the query,
+    nudged by a hash of the pair so that ties are rare."""
+    query_words = set(query.lower().split())
+    document_words = document.lower().split()
+    overlap = sum(word in query_words for word in document_words) / max(1, len(document_words))
+    jitter = prompt_seed(query + "\x00" + document) / 0xFFFFFFFF
+    return round(0.05 + 0.85 * overlap + 0.1 * jitter, 6)

@@ -6,11 +6,13 @@ so a chunk costs one ``orjson.dumps`` of the new text and a bytes join.
 
 from __future__ import annotations
 
+import base64
 from typing import Any
 
+import numpy as np
 import orjson
 
-from fleet.emulator.generation import Generation
+from fleet.emulator.generation import Generation, Pooling, prompt_seed, relevance
 
 DONE = b"data: [DONE]\n\n"
 _SENTINEL = "\x01text\x01"
@@ -131,3 +133,137 @@ class GenerateRenderer:
 
     def full(self, num_cached_tokens: int, e2e_latency_s: float) -> bytes:
         return orjson.dumps(self._body(self.generation.output_tokens, num_cached_tokens, True, e2e_latency_s))
+
+
+def embedding_vector(text: str, num_dimensions: int) -> np.ndarray[Any, np.dtype[np.float32]]:
+    """A unit vector seeded by the text: the same text always embeds the same way."""
+    vector = np.random.default_rng(prompt_seed(text)).standard_normal(num_dimensions).astype(np.float32)
+    return vector / np.float32(np.linalg.norm(vector))
+
+
+def embeddings_body(pooling: Pooling, model: str, num_dimensions: int, base64_encoded: bool) -> bytes:
+    data = []
+    for index, text in enumerate(pooling.texts):
+        vector = embedding_vector(text, num_dimensions)
+        # base64 is the float32 bytes, little-endian, as OpenAI sends them (the openai SDK asks for it)
+        encoded: object = base64.b64encode(vector.astype("<f4").tobytes()).decode() if base64_encoded else vector.tolist()
+        data.append({"object": "embedding", "index": index, "embedding": encoded})
+    tokens = pooling.prompt_tokens
+    return orjson.dumps({"object": "list", "data": data, "model": model, "usage": {"prompt_tokens": tokens, "total_tokens": tokens}})
+
+
+def rerank_body(req_id: str, query: Pooling, documents: Pooling, model: str, top_n: int, return_documents: bool) -> bytes:
+    """vLLM's (and Cohere's) rerank answer: documents by relevance, best first."""
+    text = " ".join(query.texts)
+    scored = sorted(((relevance(text, doc), i, doc) for i, doc in enumerate(documents.texts)), key=lambda item: (-item[0], item[1]))
+    results = [
+        {"index": i, "document": {"text": doc} if return_documents else None, "relevance_score": score}
+        for score, i, doc in scored[: top_n or len(scored)]
+    ]
+    tokens = query.prompt_tokens * len(documents.texts) + documents.prompt_tokens
+    return orjson.dumps({"id": req_id, "model": model, "usage": {"total_tokens": tokens}, "results": results})
+
+
+def score_body(req_id: str, first: Pooling, second: Pooling, model: str, created: int) -> bytes:
+    """vLLM's score answer: one score per pair (one first text against many, or pairwise)."""
+    lefts = first.texts * len(second.texts) if len(first.texts) == 1 else first.texts
+    data = [{"index": i, "object": "score", "score": relevance(left, right)} for i, (left, right) in enumerate(zip(lefts, second.texts))]
+    tokens = first.prompt_tokens * (len(second.texts) if len(first.texts) == 1 else 1) + second.prompt_tokens
+    return orjson.dumps({"id": req_id, "object": "list", "created": created, "model": model, "data": data,
+                         "usage": {"prompt_tokens": tokens, "total_tokens": tokens, "completion_tokens": 0}})
+
+
+def _event(event: dict[str, Any]) -> bytes:
+    return b"event: " + str(event["type"]).encode() + b"\ndata: " + orjson.dumps(event) + b"\n\n"
+
+
+class ResponsesRenderer:
+    """The Responses API's ``response`` object and its stream of typed events for one request."""
+
+    __slots__ = ("generation", "req_id", "model", "created", "body", "message_id", "_sequence")
+
+    def __init__(self, generation: Generation, req_id: str, model: str, created: int, body: dict[str, Any]) -> None:
+        self.generation = generation
+        self.req_id = req_id
+        self.model = model
+        self.created = created
+        self.body = body
+        self.message_id = "msg_" + req_id.removeprefix("resp_")
+        self._sequence = 0
+
+    def _message(self, text: str, status: str) -> dict[str, Any]:
+        content = [{"type": "output_text", "text": text, "annotations": []}] if status == "completed" else []
+        return {"id": self.message_id, "type": "message", "status": status, "role": "assistant", "content": content}
+
+    def response(self, status: str, num_cached_tokens: int = 0) -> dict[str, Any]:
+        gen = self.generation
+        done = status != "in_progress"
+        text = "".join(gen.token_texts)
+        body = self.body
+        return {
+            "id": self.req_id,
+            "object": "response",
+            "created_at": self.created,
+            "status": status,
+            "error": None,
+            "incomplete_details": {"reason": "max_output_tokens"} if status == "incomplete" else None,
+            "instructions": body.get("instructions"),
+            "max_output_tokens": body.get("max_output_tokens"),
+            "model": self.model,
+            "output": [self._message(text, "completed")] if done else [],
+            "parallel_tool_calls": True,
+            "previous_response_id": body.get("previous_response_id"),
+            "store": body.get("store", True) is not False,
+            "temperature": body.get("temperature", 1.0),
+            "text": {"format": {"type": "text"}},
+            "tool_choice": "auto",
+            "tools": [],
+            "top_p": body.get("top_p", 1.0),
+            "truncation": "disabled",
+            "metadata": {},
+            "usage": {
+                "input_tokens": gen.prompt_tokens,
+                "input_tokens_details": {"cached_tokens": num_cached_tokens},
+                "output_tokens": gen.output_tokens,
+                "output_tokens_details": {"reasoning_tokens": 0},
+                "total_tokens": gen.prompt_tokens + gen.output_tokens,
+            } if done else None,
+        }
+
+    @property
+    def final_status(self) -> str:
+        return "incomplete" if self.generation.finish_reason == "length" else "completed"
+
+    def full(self, num_cached_tokens: int) -> bytes:
+        return orjson.dumps(self.response(self.final_status, num_cached_tokens))
+
+    def _next(self, event: dict[str, Any]) -> bytes:
+        event["sequence_number"] = self._sequence
+        self._sequence += 1
+        return _event(event)
+
+    def first_events(self) -> bytes:
+        created = self.response("in_progress")
+        where = {"item_id": self.message_id, "output_index": 0, "content_index": 0}
+        return b"".join((
+            self._next({"type": "response.created", "response": created}),
+            self._next({"type": "response.in_progress", "response": created}),
+            self._next({"type": "response.output_item.added", "output_index": 0, "item": self._message("", "in_progress")}),
+            self._next({"type": "response.content_part.added", **where, "part": {"type": "output_text", "text": "", "annotations": []}}),
+        ))
+
+    def delta(self, start: int, end: int) -> bytes:
+        text = "".join(self.generation.token_texts[start:end])
+        return self._next({"type": "response.output_text.delta", "item_id": self.message_id, "output_index": 0, "content_index": 0,
+                           "delta": text, "logprobs": []})
+
+    def last_events(self, num_cached_tokens: int) -> bytes:
+        text = "".join(self.generation.token_texts)
+        where = {"item_id": self.message_id, "output_index": 0, "content_index": 0}
+        status = self.final_status
+        return b"".join((
+            self._next({"type": "response.output_text.done", **where, "text": text, "logprobs": []}),
+            self._next({"type": "response.content_part.done", **where, "part": {"type": "output_text", "text": text, "annotations": []}}),
+            self._next({"type": "response.output_item.done", "output_index": 0, "item": self._message(text, "completed")}),
+            self._next({"type": f"response.{status}", "response": self.response(status, num_cached_tokens)}),
+        ))
