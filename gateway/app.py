@@ -154,7 +154,9 @@ class Handlers:
             limiter = runtime.limiters[tenant.name]
             # every choice generated counts: n completions (best_of candidates) of up to max_tokens each
             choices = max(body.get("n") or 1, body.get("best_of") or 1)
-            refusal = limiter.admit(shape.prompt_tokens + choices * (max_tokens or shape.predicted_output_p50), loop.time())
+            num_tokens = shape.prompt_tokens + choices * (max_tokens or shape.predicted_output_p50)
+            # a limits store (limits.store) answers over the network; the in-process and shared-memory limiters at once
+            refusal = limiter.admit(num_tokens, loop.time()) if limiter.synchronous else await limiter.admit_async(num_tokens, loop.time())
             if refusal is not None:
                 limiter = None
                 raise ApiError(429, refusal.message, refusal.code, retry_after_s=refusal.retry_after_s)
@@ -222,7 +224,7 @@ class Handlers:
             state.metrics.child(state.metrics.shapes, shape.name, shape.domain).inc()
             limiter = runtime.limiters[tenant.name]
             num_tokens = shape.prompt_tokens + ((parsed.max_output_tokens or shape.predicted_output_p50) if parsed.has_output else 0)
-            refusal = limiter.admit(num_tokens, loop.time())
+            refusal = limiter.admit(num_tokens, loop.time()) if limiter.synchronous else await limiter.admit_async(num_tokens, loop.time())
             if refusal is not None:
                 limiter = None
                 raise ApiError(429, refusal.message, refusal.code, retry_after_s=refusal.retry_after_s)

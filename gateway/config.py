@@ -7,6 +7,7 @@ are never mutated after load; a reload builds a new ``GatewayConfig`` and swaps 
 from __future__ import annotations
 
 import hashlib
+import os
 import re
 import shlex
 from collections.abc import Mapping
@@ -146,6 +147,20 @@ class RaySettings:
 
 
 @dataclass(frozen=True, slots=True)
+class LimitsSettings:
+    """``limits:``: where tenants' rate, token and concurrency limits live when several gateways share them.
+
+    ``store`` None: each gateway host keeps them itself (its ``--workers`` share one table in shared memory).
+    """
+
+    store: str | None = None  # redis://host:port/db (or rediss://, unix://): one budget per tenant across every gateway
+    num_gateways: int = 1  # gateway hosts sharing the store: while it is unreachable each keeps 1/num_gateways of every limit
+    key_prefix: str = "polymorph"
+    call_timeout_s: float = 0.05  # a store call slower than this counts as the store being down (the request uses the fallback)
+    lease_ttl_s: float = 10.0  # a gateway silent this long (dead) no longer holds its requests in flight
+
+
+@dataclass(frozen=True, slots=True)
 class GatewayConfig:
     source: str
     server: ServerSettings
@@ -165,6 +180,7 @@ class GatewayConfig:
     devices: Mapping[str, tuple[str, ...]] = field(default_factory=dict)
     router: RouterSettings = field(default_factory=RouterSettings)  # `router:`: how pools and replicas are chosen
     aliases: Mapping[str, Alias] = field(default_factory=dict)  # public model name -> the served one
+    limits: LimitsSettings = field(default_factory=LimitsSettings)
     watched_files: tuple[Path, ...] = field(default=())
     tenants_dir: Path | None = None
 
@@ -432,6 +448,30 @@ def _aliases(doc: YamlDoc, pools: tuple[PoolSpec, ...]) -> dict[str, Alias]:
     return out
 
 
+_STORE_SCHEMES = ("redis://", "rediss://", "unix://")
+
+
+def _limits(doc: YamlDoc) -> LimitsSettings:
+    r = _Reader(doc, ("limits",), doc.data.get("limits"), set(LimitsSettings.__dataclass_fields__))
+    d = LimitsSettings()
+    store = r.text("store", None)
+    if store is not None and not store.startswith(_STORE_SCHEMES):
+        raise r.error("store", f"must be a Redis URL ({', '.join(s + '...' for s in _STORE_SCHEMES)}), not {store!r}")
+    prefix = r.text("key_prefix", d.key_prefix) or ""
+    if not _NAME.match(prefix):
+        raise r.error("key_prefix", f"must be 1-63 letters, digits or _.:- (starting with a letter or digit), not {prefix!r}")
+    settings = LimitsSettings(
+        store=store,
+        num_gateways=r.number("num_gateways", d.num_gateways, lo=1, hi=10_000, integer=True),
+        key_prefix=prefix,
+        call_timeout_s=r.number("call_timeout_s", d.call_timeout_s, lo=0.001, hi=10),
+        lease_ttl_s=r.number("lease_ttl_s", d.lease_ttl_s, lo=1, hi=3600),
+    )
+    if store is None and r.data:
+        raise doc.error(("limits",), "its fields configure the shared store: name it (store: redis://host:port/db) or drop the section")
+    return settings
+
+
 def _router(doc: YamlDoc) -> RouterSettings:
     """``router:``: the router's knobs and named steps (fleet.router.RouterSettings, fleet.router_steps.STEPS;
     the defaults are today's behaviour). Building the settings composes the steps: once per load."""
@@ -647,11 +687,13 @@ def _tenants(doc: YamlDoc, base: Path, tiers: Mapping[str, TierSlo]) -> tuple[tu
 
 def load_config(path: Path) -> GatewayConfig:
     """Load and validate a gateway config file and its tenant files. Raises ConfigError."""
-    path = path.resolve()
+    # absolute, not resolved: a Kubernetes ConfigMap's file is a symlink into a folder the kubelet replaces on every
+    # update, so the path to watch and to resolve relative paths from is the one given, not that folder's
+    path = Path(os.path.abspath(path))
     doc = load_yaml(path)
     if not isinstance(doc.data, dict):
         raise doc.error((), "the config must be a YAML mapping")
-    known = {"server", "upstream", "tenants_dir", "tiers", "classifier", "shapes", "default_shape", "fleet", "router", "aliases"}
+    known = {"server", "upstream", "tenants_dir", "tiers", "classifier", "shapes", "default_shape", "fleet", "router", "aliases", "limits"}
     _Reader(doc, (), doc.data, known)
     tiers = _tiers(doc)
     shapes = _shapes(doc)
@@ -674,6 +716,7 @@ def load_config(path: Path) -> GatewayConfig:
         devices=devices,
         router=_router(doc),
         aliases=_aliases(doc, pools),
+        limits=_limits(doc),
         watched_files=(path, *tenant_files),
         tenants_dir=tenants_dir,
     )

@@ -14,8 +14,10 @@ from dataclasses import dataclass
 from classifiers.request import RequestClassifier
 from fleet.health import CircuitBreaker
 from fleet.pool import PoolState, ReplicaState
-from gateway.admission import TenantLimiter
+from gateway.admission import Limiter, TenantLimiter
 from gateway.config import GatewayConfig, PoolSpec, Tenant
+from gateway.limits_shared import SharedTenantLimiter, attached_table, num_local_workers
+from gateway.limits_store import LimitStore, StoreTenantLimiter
 
 DEFAULT_MAX_RUNNING_PER_REPLICA = 256
 
@@ -25,11 +27,12 @@ class Runtime:
     config: GatewayConfig
     version: int
     tenant_by_key_hash: Mapping[str, Tenant]
-    limiters: Mapping[str, TenantLimiter]
+    limiters: Mapping[str, Limiter]
     classifier: RequestClassifier
     pools: tuple[PoolState, ...]
     replica_by_name: Mapping[str, ReplicaState]
     real_pools: frozenset[str]  # config pools of real replicas (URLs, real engines): their latencies are wall time
+    limit_store: LimitStore | None = None  # limits.store: the tenants' limits live there (read at start; kept across reloads)
 
     def served_models(self) -> list[str]:
         models: set[str] = set()
@@ -88,6 +91,31 @@ def _build_pools(
     return tuple(pools)
 
 
+def _build_limiters(config: GatewayConfig, previous: Runtime | None, now: float) -> tuple[LimitStore | None, dict[str, Limiter]]:
+    """Each tenant's limiter: kept from ``previous`` while its limits are the same; else a new one in the
+    store (limits.store), in this host's shared table (``--workers`` > 1) or in this process (the default)."""
+    if previous is not None:
+        store = previous.limit_store
+    else:
+        store = LimitStore(config.limits, num_local_workers()) if config.limits.store is not None else None
+    table = attached_table()
+    limiters: dict[str, Limiter] = {}
+    for tenant in config.tenants:
+        old = previous.limiters.get(tenant.name) if previous else None
+        if old is not None and (old.tenant.requests_per_min, old.tenant.tokens_per_min) == (tenant.requests_per_min, tenant.tokens_per_min):
+            old.retarget(tenant)
+            limiters[tenant.name] = old
+        elif store is not None:
+            limiters[tenant.name] = StoreTenantLimiter(store, tenant, now)
+        elif table is not None:
+            limiters[tenant.name] = SharedTenantLimiter(table, tenant, now)
+        else:
+            limiters[tenant.name] = TenantLimiter(tenant, now)
+    if store is not None:
+        store.limiters = {name: lim for name, lim in limiters.items() if isinstance(lim, StoreTenantLimiter)}
+    return store, limiters
+
+
 def build_runtime(
     config: GatewayConfig,
     replica_urls: Mapping[str, Sequence[str]],
@@ -96,18 +124,7 @@ def build_runtime(
 ) -> Runtime:
     """Derive a runtime from ``config``. Raises ClassifierLoadError if the classifier cannot load."""
     by_key = {h: t for t in config.tenants for h in t.key_sha256}
-    limiters = {}
-    for tenant in config.tenants:
-        old = previous.limiters.get(tenant.name) if previous else None
-        same_limits = old is not None and (old.tenant.requests_per_min, old.tenant.tokens_per_min) == (
-            tenant.requests_per_min,
-            tenant.tokens_per_min,
-        )
-        if same_limits and old is not None:
-            old.tenant = tenant
-            limiters[tenant.name] = old
-        else:
-            limiters[tenant.name] = TenantLimiter(tenant, now)
+    limit_store, limiters = _build_limiters(config, previous, now)
     if previous is not None and previous.config.classifier == config.classifier:
         classifier = previous.classifier.with_rules(config.shapes)
     else:
@@ -122,4 +139,5 @@ def build_runtime(
         pools=pools,
         replica_by_name={r.name: r for pool in pools for r in pool.replicas},
         real_pools=frozenset(spec.name for spec in config.pools if spec.urls or spec.engine_kind != "emulated"),
+        limit_store=limit_store,
     )

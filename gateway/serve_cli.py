@@ -22,6 +22,7 @@ from gateway.config import GatewayConfig, PoolSpec
 from loadtest.demo_credentials import DEMO_ADMIN_TOKEN, DEMO_API_KEY
 
 if TYPE_CHECKING:
+    from gateway.limits_shared import WorkerLimits
     from gateway.live_fleet import LiveFleet
     from gateway.plan_client import PlanClient
     from gateway.replicas import ReplicaControl
@@ -124,6 +125,9 @@ async def _serve(
     from gateway.reload import ConfigWatcher
 
     app = build_app(config, replica_urls, live_fleet)
+    limit_store = app[STATE_KEY].runtime.limit_store
+    if limit_store is not None:
+        limit_store.bind_metrics(app[STATE_KEY].metrics.registry)
     runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
     await runner.setup()
     site = web.TCPSite(runner, config.server.host, config.server.port, backlog=4096, reuse_port=True)
@@ -139,6 +143,8 @@ async def _serve(
     if watcher is not None:
         await watcher.stop()
     await runner.cleanup()
+    if limit_store is not None:
+        await limit_store.close()
 
 
 def _run_worker(
@@ -146,9 +152,14 @@ def _run_worker(
     replica_urls: dict[str, list[str]],
     config_path: Path | None,
     live_fleet: Callable[[GatewayState], LiveFleet] | None = None,
+    worker_limits: WorkerLimits | None = None,
 ) -> None:
     import uvloop
 
+    if worker_limits is not None:  # one of `--workers N`: the tenants' limits are shared with the siblings
+        from gateway.limits_shared import attach_process
+
+        attach_process(worker_limits)
     uvloop.run(_serve(config, replica_urls, config_path, live_fleet or _plan_client_factory(config)))
 
 
@@ -211,7 +222,7 @@ def _run_serve(args: argparse.Namespace) -> int:
         print(f"polymorph: invalid config: {exc}", file=sys.stderr)
         return 2
     control, replica_urls = _start_fleet(config, args.replica_logs)
-    config_path = args.config.resolve() if args.config is not None else None
+    config_path = args.config.absolute() if args.config is not None else None  # not resolved: see load_config
     where = f"http://{config.server.host}:{config.server.port}"
     print(f"polymorph: serving on {where} with {args.workers} worker(s); pools: {', '.join(p.name for p in config.pools)}", file=sys.stderr, flush=True)
     try:
@@ -236,14 +247,29 @@ def _run_serve(args: argparse.Namespace) -> int:
 
 
 def _run_workers(num_workers: int, config: GatewayConfig, replica_urls: dict[str, list[str]], config_path: Path | None) -> int:
-    from prometheus_client import multiprocess
-
+    from gateway.limits_shared import SharedLimitTable, WorkerLimits
     from gateway.metrics import MULTIPROC_ENV
 
     metrics_dir = tempfile.mkdtemp(prefix="polymorph-metrics-")
     os.environ[MULTIPROC_ENV] = metrics_dir  # inherited by the spawned workers
+    # One table of tenants' budgets for all the workers (unless a store shared by several hosts holds them):
+    # else each worker would grant every tenant its whole limit, N workers N times it.
+    table = SharedLimitTable.create() if config.limits.store is None else None
+    try:
+        return _spawn_workers(num_workers, config, replica_urls, config_path, metrics_dir,
+                              WorkerLimits(num_workers, table.handle if table is not None else None))
+    finally:
+        if table is not None:
+            table.close()
+        shutil.rmtree(metrics_dir, ignore_errors=True)
+
+
+def _spawn_workers(num_workers: int, config: GatewayConfig, replica_urls: dict[str, list[str]], config_path: Path | None, metrics_dir: str,
+                   worker_limits: WorkerLimits) -> int:
+    from prometheus_client import multiprocess
+
     ctx = multiprocessing.get_context("spawn")
-    workers = [ctx.Process(target=_run_worker, args=(config, replica_urls, config_path), daemon=False) for _ in range(num_workers)]
+    workers = [ctx.Process(target=_run_worker, args=(config, replica_urls, config_path, None, worker_limits), daemon=False) for _ in range(num_workers)]
     for worker in workers:
         worker.start()
 
@@ -258,5 +284,4 @@ def _run_workers(num_workers: int, config: GatewayConfig, replica_urls: dict[str
         worker.join()
         if worker.pid is not None:
             multiprocess.mark_process_dead(worker.pid, metrics_dir)
-    shutil.rmtree(metrics_dir, ignore_errors=True)
     return max((w.exitcode or 0) for w in workers)
