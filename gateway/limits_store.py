@@ -23,11 +23,7 @@ import sys
 from collections.abc import Coroutine, Mapping
 from typing import Any
 
-import redis.asyncio as aioredis
 from prometheus_client import CollectorRegistry, Counter, Gauge
-from redis.asyncio.retry import Retry
-from redis.backoff import NoBackoff
-from redis.exceptions import RedisError
 
 from gateway.admission import Refusal, TenantLimiter, refusal
 from gateway.config import LimitsSettings, Tenant
@@ -102,6 +98,13 @@ class LimitStore:
         self.settings = settings
         self.fallback_share = settings.num_gateways * max(1, num_local_workers)
         self.gateway_id = f"{socket.gethostname()}:{os.getpid()}:{secrets.token_hex(4)}"
+        # redis is imported only by gateways that name a store: the others start without it
+        import redis.asyncio as aioredis
+        from redis.asyncio.retry import Retry
+        from redis.backoff import NoBackoff
+        from redis.exceptions import RedisError
+
+        self.failures: tuple[type[BaseException], ...] = (RedisError, OSError, TimeoutError)
         timeout_s = settings.call_timeout_s
         # no retries inside the client: a failed call is answered at once from the fallback limits
         self.client = aioredis.Redis.from_url(settings.store, socket_timeout=timeout_s, socket_connect_timeout=timeout_s, retry=Retry(NoBackoff(), 0))
@@ -134,7 +137,7 @@ class LimitStore:
         """``work`` bounded by the call timeout; None (and the store marked down) if it fails."""
         try:
             return await self._bounded(work)
-        except (RedisError, OSError, TimeoutError) as exc:
+        except self.failures as exc:
             self._down(exc)
             return None
 
@@ -171,7 +174,7 @@ class LimitStore:
             counts = [str(lim.local.num_in_flight) for lim in limiters]
             try:
                 await self._bounded(self._heartbeat(keys=keys, args=[self.gateway_id, *counts, self.settings.lease_ttl_s]))
-            except (RedisError, OSError, TimeoutError):
+            except self.failures:
                 continue
             self.up = True
             if self._up_gauge is not None:
