@@ -25,7 +25,6 @@ from gateway.deploy_cli import engine_pools
 from gateway.yamlsrc import ConfigError
 from kernels.config import EngineConfig
 from tests.conftest import REPO
-from tests.support.tools import kubectl, kubernetes_validate_bin  # noqa: F401 (fixtures)
 
 BASE = REPO / "deploy" / "kubernetes"
 # the example configs (examples/ also holds load scenarios: those have no fleet)
