@@ -141,7 +141,7 @@ def _pinned_route(runtime: Runtime, shape: Shape, model: str, pinned: str, now: 
 def _responses_error_event(message: str, code: str) -> bytes:
     """The Responses API's ``error`` event, ending a stream that broke after its first byte."""
     error = orjson.loads(error_body(502, message, code))["error"]
-    return b"event: error\ndata: " + orjson.dumps({"type": "error", **error}) + b"\n\n"
+    return b"event: error\ndata: " + orjson.dumps({**error, "type": "error"}) + b"\n\n"
 
 
 class Proxy:
@@ -265,7 +265,9 @@ class Proxy:
             "x-polymorph-shape": shape.name,
         }
         try:
-            if upstream.status >= 500 or upstream.status == 429:
+            # 501: the engine does not implement this endpoint (llama-server's embeddings without
+            # --embeddings): the client's answer, passed on, and no sign of a sick replica
+            if (upstream.status >= 500 and upstream.status != 501) or upstream.status == 429:
                 body = await upstream.read()
                 if upstream.status >= 500:
                     self.mark_failure(replica)

@@ -16,7 +16,8 @@ from dataclasses import dataclass
 import openai
 import pytest
 
-from tests.support.procs import Proc, start_emulator, start_gateway, write_tenant
+from gateway.response_ids import ResponseIds
+from tests.support.procs import Proc, set_faults, start_emulator, start_gateway, write_tenant
 
 MODEL = "llama-3.1-8b"
 KEY, TOKENS_KEY = "sk-more-main", "sk-more-tokens"
@@ -208,6 +209,33 @@ def test_previous_response_id_goes_to_the_replica_that_holds_it(stack: Stack, st
 
     assert set(homes) == {"main-0", "main-1"}  # both replicas hold conversations: the follow-ups had a choice to get wrong
     assert followed == homes
+
+
+def test_a_responses_stream_that_breaks_ends_with_an_error_event(stack: Stack) -> None:
+    for emulator in stack.emulators:
+        set_faults(emulator.url, crash_after_tokens=3, crash_mode="cut")
+    try:
+        with stack.client() as client:
+            events = list(client.responses.create(model=MODEL, input="Tell me a long story.", max_output_tokens=40, stream=True))
+    finally:
+        for emulator in stack.emulators:
+            set_faults(emulator.url, reset=True)
+
+    assert events[0].type == "response.created"
+    assert events[-1].type == "error"
+    assert "broke off" in events[-1].message  # type: ignore[union-attr]
+    assert stack.access_log("responses")[-1]["stream_error"] == "upstream_disconnected"
+
+
+def test_response_ids_are_bounded_and_keep_the_recently_used() -> None:
+    ids = ResponseIds(max_ids=2)
+    ids.remember("resp_a", "main-0")
+    ids.remember("resp_b", "main-1")
+    assert ids.replica_of("resp_a") == "main-0"  # used: now the most recent
+    ids.remember("resp_c", "main-1")
+
+    assert ids.replica_of("resp_b") is None
+    assert (ids.replica_of("resp_a"), ids.replica_of("resp_c"), len(ids)) == ("main-0", "main-1", 2)
 
 
 def test_unknown_previous_response_id_is_a_400_naming_the_field(stack: Stack) -> None:
