@@ -227,6 +227,22 @@ def test_a_responses_stream_that_breaks_ends_with_an_error_event(stack: Stack) -
     assert stack.access_log("responses")[-1]["stream_error"] == "upstream_disconnected"
 
 
+def test_an_engine_without_the_endpoint_answers_501_and_keeps_its_health(stack: Stack) -> None:
+    """llama-server answers embeddings 501 without --embeddings: the client's answer, not a sick replica."""
+    for emulator in stack.emulators:
+        set_faults(emulator.url, error_rate=1.0, error_status=501)
+    try:
+        answers = [stack.post("/v1/embeddings", {"model": MODEL, "input": f"text {i}"})[0] for i in range(8)]
+    finally:
+        for emulator in stack.emulators:
+            set_faults(emulator.url, reset=True)
+
+    assert answers == [501] * 8
+    healthy = re.findall(r'^polymorph_replica_healthy\{pool="main",replica="main-\d"\} (\S+)$', stack.metrics(), re.M)
+    assert healthy == ["1.0", "1.0"]
+    assert "polymorph_replica_ejections_total{" not in stack.metrics()
+
+
 def test_response_ids_are_bounded_and_keep_the_recently_used() -> None:
     ids = ResponseIds(max_ids=2)
     ids.remember("resp_a", "main-0")
