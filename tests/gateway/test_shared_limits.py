@@ -215,11 +215,13 @@ def _metrics(gateway: Proc) -> str:
         return str(resp.read().decode())
 
 
-def test_workers_share_one_budget_per_tenant(tmp_path: Path) -> None:
+@pytest.mark.parametrize("num_workers", [2, 4])
+def test_workers_share_one_budget_per_tenant(tmp_path: Path, num_workers: int) -> None:
     tables_before = _limit_tables()
     emulator = start_emulator(tmp_path, "emu")
     with running(emulator):
-        gateway = start_gateway(tmp_path, ["--config", str(_config(tmp_path, emulator.url)), "--workers", "2"])
+        gateway = start_gateway(tmp_path, ["--config", str(_config(tmp_path, emulator.url)), "--workers", str(num_workers)],
+                                timeout_s=30.0 * num_workers)  # each worker loads the classifier: slow on a busy machine
         with running(gateway):
             assert len(_limit_tables() - tables_before) == 1
             _check_rate(asyncio.run(_send([gateway.url], RATED_KEY, NUM_REQUESTS, 16)), 60)
@@ -268,3 +270,27 @@ def test_without_redis_a_gateway_keeps_its_share_and_returns_when_redis_does(tmp
                 time.sleep(0.1)
             assert "answers again" in gateway.log()
             _check_rate(asyncio.run(_send([gateway.url], RATED_KEY, 100, 8)), 60)  # the store's fresh budget, whole
+
+
+def test_a_dead_gateways_requests_stop_counting_when_its_lease_lapses(tmp_path: Path, redis: RedisServer) -> None:
+    emulator = start_emulator(tmp_path, "emu")
+    with running(emulator):
+        config = _config(tmp_path, emulator.url, {**_store(redis), "lease_ttl_s": 2})
+        doomed, survivor = (start_gateway(tmp_path, ["--config", str(config)], name=f"gateway{i}") for i in range(2))
+        with running(doomed, survivor):
+            set_faults(emulator.url, hang_before_first_byte_s=3.0)
+
+            async def hold_then_kill() -> list[tuple[int, dict[str, str]]]:
+                held = asyncio.ensure_future(_send([doomed.url], CAPPED_KEY, 4, 4))  # the whole cap, in flight on the doomed gateway
+                await asyncio.sleep(1.0)
+                doomed.kill()
+                refused = await _send([survivor.url], CAPPED_KEY, 1, 1)
+                await asyncio.gather(held, return_exceptions=True)  # their connections die with the gateway
+                return refused
+
+            refused = asyncio.run(hold_then_kill())
+            assert [(status, h["code"]) for status, h in refused] == [(429, "concurrency_limit_exceeded")]
+            deadline = time.monotonic() + 10
+            while asyncio.run(_send([survivor.url], CAPPED_KEY, 1, 1))[0][0] != 200:  # admitted once the lease lapses
+                assert time.monotonic() < deadline, "the dead gateway's requests still count"
+                time.sleep(0.3)
