@@ -15,6 +15,7 @@ admit or release on the wire while that probe runs can leave a count one off unt
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import os
 import secrets
@@ -115,6 +116,7 @@ class LimitStore:
         self.up = True  # until a call says otherwise
         self.limiters: Mapping[str, StoreTenantLimiter] = {}  # the current runtime's, for the heartbeat's counts
         self._loop_task: asyncio.Task[None] | None = None
+        self._went_down = asyncio.Event()
         self._background: set[asyncio.Task[None]] = set()
         self._up_gauge: Any = None
         self._fallbacks: Any = None
@@ -145,6 +147,7 @@ class LimitStore:
         if not self.up:
             return
         self.up = False
+        self._went_down.set()
         if self._up_gauge is not None:
             self._up_gauge.set(0)
             self._fallbacks.inc()
@@ -165,10 +168,15 @@ class LimitStore:
     async def _beat(self) -> None:
         every_s = self.settings.lease_ttl_s / 3
         while True:
-            await asyncio.sleep(every_s if self.up else _DOWN_PROBE_S)
             if self.up:
-                await self.call(self._heartbeat(keys=[self.leases_key], args=[self.gateway_id, self.settings.lease_ttl_s]))
-                continue
+                self._went_down.clear()
+                with contextlib.suppress(TimeoutError):  # the lease's renewal is due; or the store went down: probe soon
+                    async with asyncio.timeout(every_s):
+                        await self._went_down.wait()
+                if self.up:
+                    await self.call(self._heartbeat(keys=[self.leases_key], args=[self.gateway_id, self.settings.lease_ttl_s]))
+                    continue
+            await asyncio.sleep(_DOWN_PROBE_S)
             limiters = list(self.limiters.values())
             keys = [self.leases_key, *(lim.in_flight_key for lim in limiters)]
             counts = [str(lim.local.num_in_flight) for lim in limiters]
