@@ -18,6 +18,8 @@ from tests.support.procs import start_gateway, write_tenant
 
 KEY, ADMIN = "sk-test-live", "admin-token-live"
 SPEED = 20.0  # emulated GPUs, and the controller's clock, run 20x faster than real time
+LONG_PROMPT = "Summarise the minutes of the meeting below. " + "The team reviewed the quarter's roadmap. " * 700  # long-context
+NEW_POOL = "long-context@H100-SXM"  # no declared pool serves long prompts on H100: the controller makes this one
 
 
 def _admin(url: str, path: str) -> dict[str, object]:
@@ -26,9 +28,13 @@ def _admin(url: str, path: str) -> dict[str, object]:
         return json.loads(resp.read())  # type: ignore[no-any-return]
 
 
-async def _traffic(url: str, duration_s: float, rate_rps: float) -> list[int]:
+def _serving(url: str, pool: str) -> bool:
+    return any(p["name"] == pool and p["replicas"] for p in _admin(url, "/admin/state")["pools"])  # type: ignore[index,union-attr]
+
+
+async def _traffic(url: str, duration_s: float, rate_rps: float, content: str = "Say hello to the team, briefly.") -> list[int]:
     statuses: list[int] = []
-    body = {"model": "llama-3.1-8b", "messages": [{"role": "user", "content": "Say hello to the team, briefly."}], "max_tokens": 64, "ignore_eos": True}
+    body = {"model": "llama-3.1-8b", "messages": [{"role": "user", "content": content}], "max_tokens": 64, "ignore_eos": True}
 
     async def one(session: aiohttp.ClientSession) -> None:
         async with session.post(url + "/v1/chat/completions", json=body, headers={"Authorization": f"Bearer {KEY}"}) as resp:
@@ -61,7 +67,11 @@ def test_controller_repartitions_under_load_without_failing_a_request(tmp_path: 
     path.write_text(json.dumps(config))
     gateway = start_gateway(tmp_path, ["--config", str(path)])
     try:
-        statuses = asyncio.run(_traffic(gateway.url, duration_s=14.0, rate_rps=25.0))
+        # long prompts, and the one declared pool serves short chat: the controller makes a pool for them and moves a replica there
+        statuses = asyncio.run(_traffic(gateway.url, duration_s=14.0, rate_rps=25.0, content=LONG_PROMPT))
+        deadline = time.monotonic() + 90.0
+        while not _serving(gateway.url, NEW_POOL) and time.monotonic() < deadline:
+            statuses += asyncio.run(_traffic(gateway.url, duration_s=5.0, rate_rps=25.0, content=LONG_PROMPT))  # a busy machine plans late
         decisions = _admin(gateway.url, "/admin/decisions")["decisions"]
         state = _admin(gateway.url, "/admin/state")
     finally:
@@ -70,10 +80,10 @@ def test_controller_repartitions_under_load_without_failing_a_request(tmp_path: 
     kinds = [d["kind"] for d in decisions]  # type: ignore[union-attr]
     assert kinds[:3] == ["drift", "plan", "step"], kinds
     moved = decisions[2]["evidence"]["moves"]  # type: ignore[index]
-    assert moved and all(m[2] == "short-chat@H100-SXM" for m in moved)
+    assert moved and all(m[1:] == ["mixed", NEW_POOL] for m in moved)
     pools = {p["name"]: p for p in state["pools"]}  # type: ignore[union-attr]
-    assert "short-chat@H100-SXM" in pools and pools["short-chat@H100-SXM"]["replicas"]
-    planned = pools["short-chat@H100-SXM"]  # the router scores it with the plan's capacity model
+    assert NEW_POOL in pools and pools[NEW_POOL]["replicas"] and pools["mixed"]["replicas"]  # the declared pool keeps a replica
+    planned = pools[NEW_POOL]  # the router scores it with the plan's capacity model
     assert planned["rate_per_replica_rps"] > 0 and planned["cost_per_hour"] > 0 and planned["max_running_per_replica"] >= 1
     logged = [json.loads(line) for line in (tmp_path / "decisions.jsonl").read_text().splitlines()]
     assert [entry["kind"] for entry in logged] == kinds
