@@ -41,8 +41,8 @@ from fleet.rollout import SlotState
 from fleet.telemetry import Telemetry
 from gateway.background import BackgroundTask
 from gateway.config import ControllerSettingsFile, GatewayConfig
-from kernels.config import EngineConfig
 from kernels.compiler.worker import background_process_pool, terminate_process_pool
+from kernels.config import EngineConfig
 
 if TYPE_CHECKING:
     from fleet.compile_sources import WorkerConfigSource
