@@ -1,8 +1,9 @@
-"""How the fleet's emulated replicas run (``fleet.actuator``): processes on this host, or Ray actors.
+"""How the fleet's replicas run (``fleet.actuator``): processes on this host, Ray actors, or pods of Kubernetes Deployments.
 
 Either way the gateway gets a ``ReplicaControl``, the process half of the controller's commands over
 replica slots (the edge that applies them, ``LiveFleet``, keeps routing to itself):
-``fleet.actuators.local_slots.LocalSlots`` or ``fleet.actuators.ray.RayActuator``. Each slot runs the
+``fleet.actuators.local_slots.LocalSlots``, ``fleet.actuators.ray.RayActuator`` or
+``fleet.actuators.kubernetes.KubernetesActuator`` (the pools' Deployments, ``fleet.kubernetes``). Each slot runs the
 engine its pool declares (``launcher``), on the device ids it holds from ``fleet.devices``. Ray is imported
 only when chosen. With ``fleet.ray.address: null`` this process starts a local Ray cluster on loopback
 with as many logical GPUs as the fleet's emulated replicas use (or ``fleet.ray.num_gpus``) and stops
@@ -30,6 +31,7 @@ from kernels.config import EngineConfig
 # build here, minutes for a large model on GPUs.
 REAL_START_TIMEOUT_S = 900.0
 RAY_MISSING = "fleet.actuator: ray needs the ray extra: pip install 'polymorph[ray]'"
+KUBERNETES_MISSING = "fleet.actuator: kubernetes needs the kubernetes extra: pip install 'polymorph[kubernetes]'"
 
 
 class ReplicaControl(Protocol):
@@ -104,10 +106,34 @@ def replica_control(config: GatewayConfig, command: tuple[str, ...], log_dir: Pa
     timeout_s = _start_timeout_s(config)
     if config.actuator == "local":
         return LocalSlots(LocalActuator(log_dir), launch_for, timeout_s)
+    if config.actuator == "kubernetes":
+        return kubernetes_control(config)
     connect_ray(config.ray, emulated_gpus(config))
     from fleet.actuators.ray import RayActuator
 
     return RayActuator(launch_for, log_dir, start_timeout_s=timeout_s)
+
+
+def kubernetes_control(config: GatewayConfig) -> ReplicaControl:
+    """The pools' engine Deployments in ``fleet.kubernetes.namespace`` (their pods become the slots that
+    ``start_fleet`` names); a configuration change renders the container command as the manifests do."""
+    try:
+        from fleet.actuators.kubernetes import KubernetesActuator, api_client
+    except ImportError:
+        raise SystemExit(f"polymorph: {KUBERNETES_MISSING}") from None
+    from fleet.kubernetes_manifests import EnginePool, container_argv
+
+    declared = {p.name: p for p in config.pools}
+    by_device = {p.gpu: p for p in reversed(config.pools) if p.num_launched}
+
+    def render(pool: str, gpu: str, config_json: str) -> list[str]:
+        spec = declared.get(pool) or by_device.get(gpu)
+        assert spec is not None, f"no declared pool runs on {gpu}"
+        engine = EngineConfig.from_dict(orjson.loads(config_json))
+        return container_argv(EnginePool(pool, spec.model, gpu, engine, spec.launch, spec.num_launched, config.emulator_speed))
+
+    settings = config.kubernetes
+    return KubernetesActuator(api_client(settings.kubeconfig), settings.namespace, render)
 
 
 def _start_timeout_s(config: GatewayConfig) -> float:
@@ -119,7 +145,7 @@ def close(control: ReplicaControl) -> None:
     """Stop every replica (blocks until they are gone); a Ray fleet also leaves its cluster (and stops
     the local one it started)."""
     control.close()
-    if not isinstance(control, LocalSlots):
+    if type(control).__module__ == "fleet.actuators.ray":  # by name: the other actuators never import ray
         import ray
 
         ray.shutdown()

@@ -31,7 +31,6 @@ is imported only when ``fleet.actuator: kubernetes``.
 from __future__ import annotations
 
 import threading
-import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import datetime
@@ -44,18 +43,17 @@ from kubernetes import config as kube_config
 from kubernetes.client.exceptions import ApiException
 from kubernetes.watch import Watch
 
-from fleet.actuators.local_slots import LaunchFor
+from fleet.kubernetes_manifests import CONFIG_JSON_ANNOTATION as CONFIG_ANNOTATION
+from fleet.kubernetes_manifests import ENGINE_PORT as HTTP_PORT  # the container's port named "http" when its spec names none
+from fleet.kubernetes_manifests import POOL_LABEL, POOL_NAME_ANNOTATION
 from fleet.rollout import SlotState
+from kernels.config import EngineConfig
 
-ENGINE_SELECTOR = "app.kubernetes.io/name=polymorph-engine,app.kubernetes.io/part-of=polymorph"
-POOL_LABEL = "polymorph.dev/pool"
-POOL_NAME_ANNOTATION = "polymorph.dev/pool-name"
-CONFIG_ANNOTATION = "polymorph.dev/config-json"
+ENGINE_SELECTOR = "app.kubernetes.io/name=polymorph-engine,app.kubernetes.io/part-of=polymorph"  # fleet.kubernetes_manifests.pool_labels
 DELETION_COST = "controller.kubernetes.io/pod-deletion-cost"
 DRAINED_COST = "-1000"  # the lowest cost: the ReplicaSet removes this pod first on a scale-down
 SERVING_COST = "0"
 CONTAINER = "engine"
-HTTP_PORT = 8000  # the container's port named "http" when its spec names none
 # Waiting reasons after which a container will not become ready by itself: the slot's start has failed.
 _FATAL_WAITING = frozenset({"CrashLoopBackOff", "ErrImagePull", "ImagePullBackOff", "InvalidImageName", "CreateContainerConfigError",
                             "CreateContainerError"})
@@ -68,16 +66,17 @@ _TRANSIENT = (urllib3.exceptions.HTTPError, OSError)
 
 def api_client(kubeconfig: str | None) -> k8s.ApiClient:
     """A client from a kubeconfig file, or the pod's service account when ``kubeconfig`` is None."""
-    if kubeconfig is not None:
-        return kube_config.new_client_from_config(config_file=kubeconfig)  # type: ignore[no-untyped-call,no-any-return]
     configuration = k8s.Configuration()
+    configuration.retries = 0  # one try per call: the actuator's own back-off retries, from the state it wants
+    if kubeconfig is not None:
+        return kube_config.new_client_from_config(config_file=kubeconfig, client_configuration=configuration)  # type: ignore[no-untyped-call,no-any-return]
     kube_config.load_incluster_config(client_configuration=configuration)  # type: ignore[no-untyped-call]
     return k8s.ApiClient(configuration)
 
 
-def render_command(launch_for: LaunchFor, gpu: str, pool: str, config_json: str) -> list[str]:
-    """The engine container's command line for ``config_json`` (as the manifests render it)."""
-    return [*launch_for(gpu, pool, config_json, ()).argv, "--host", "0.0.0.0", "--port", str(HTTP_PORT)]
+# (pool, GPU kind, engine config JSON) -> the engine container's command line, as the manifests render it
+# (fleet.kubernetes_manifests.container_argv): what a configuration change patches into the Deployment
+RenderCommand = Callable[[str, str, str], list[str]]
 
 
 @dataclass(frozen=True, slots=True)
@@ -143,7 +142,8 @@ class _Counters:
 
 
 def _same_config(a: str, b: str) -> bool:
-    return bool(orjson.loads(a) == orjson.loads(b))
+    """The same engine configuration, however written (the manifests write only the fields that differ from the defaults)."""
+    return EngineConfig.from_dict(orjson.loads(a)) == EngineConfig.from_dict(orjson.loads(b))
 
 
 def pod_fact(pod: k8s.V1Pod) -> PodFact | None:
@@ -173,12 +173,10 @@ class KubernetesActuator:
     """Replica slots as pods of the pools' engine Deployments (the process half of the controller's
     commands, as ``LocalSlots``); ``add_slot`` + ``start`` adopt the pods the Deployments already run."""
 
-    def __init__(self, api: k8s.ApiClient, namespace: str, launch_for: LaunchFor, reconcile_s: float = 1.0,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(self, api: k8s.ApiClient, namespace: str, render_command: RenderCommand, reconcile_s: float = 1.0) -> None:
         self.namespace = namespace
-        self.launch_for = launch_for  # renders a new configuration's container command
+        self.render_command = render_command
         self.reconcile_s = reconcile_s
-        self._clock = clock
         self._apps = k8s.AppsV1Api(api)
         self._core = k8s.CoreV1Api(api)
         self._lock = threading.Lock()  # guards everything below; held for no API call
@@ -456,7 +454,7 @@ class KubernetesActuator:
             self._counters.cost_writes += 1
 
     def _patch_template(self, deployment: str, pool: str, gpu: str, config_json: str) -> None:
-        command = render_command(self.launch_for, gpu, pool, config_json)
+        command = self.render_command(pool, gpu, config_json)
         body = {"metadata": {"annotations": {CONFIG_ANNOTATION: config_json}},
                 "spec": {"template": {"metadata": {"annotations": {CONFIG_ANNOTATION: config_json}},
                                       "spec": {"containers": [{"name": CONTAINER, "command": command, "args": []}]}}}}
@@ -494,7 +492,7 @@ class KubernetesActuator:
 
 
 class _Backoff:
-    """0.2 s, doubling to 5 s, between tries against an API server that does not answer."""
+    """0.2 s, doubling to 2 s, between tries against an API server that does not answer (short: a move waits on it)."""
 
     def __init__(self) -> None:
         self.delay_s = 0.2
@@ -504,4 +502,4 @@ class _Backoff:
 
     def sleep(self, closed: threading.Event) -> None:
         closed.wait(self.delay_s)
-        self.delay_s = min(5.0, self.delay_s * 2)
+        self.delay_s = min(2.0, self.delay_s * 2)

@@ -18,29 +18,36 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import orjson
 import pytest
 
 kubernetes = pytest.importorskip("kubernetes", reason="the kubernetes client is not installed: pip install -e '.[kubernetes]' (make test installs it)")
 
-from fleet.actuators.kubernetes import CONFIG_ANNOTATION, KubernetesActuator, api_client, render_command  # noqa: E402
-from fleet.actuators.local import LaunchSpec, emulated_replica_argv  # noqa: E402
+from fleet.actuators.kubernetes import KubernetesActuator, api_client  # noqa: E402
 from fleet.commands import apply  # noqa: E402
 from fleet.decisions import Decision  # noqa: E402
+from fleet.engines.launch import EngineLaunch  # noqa: E402
+from fleet.kubernetes_manifests import EnginePool, KubernetesSettings, container_argv, engine_deployment, pool_slug  # noqa: E402
 from fleet.operator import OperatorMoves  # noqa: E402
+from fleet.options import config_json  # noqa: E402
 from fleet.rollout import SlotState  # noqa: E402
-from gateway.serve_cli import EMULATE_COMMAND  # noqa: E402
+from kernels.config import EngineConfig  # noqa: E402
 from tests.support.kube_api import KubeApi  # noqa: E402
 
 MODEL = "llama-3.1-8b"
 GPU = "H100-SXM"
 CHAT, LONG = "chat@H100-SXM", "long@H100-SXM"
-CHAT_CONFIG = '{"tp": 1}'
-LONG_CONFIG = '{"chunked_prefill_size": 8192, "tp": 1}'
+CHAT_CONFIG = config_json(EngineConfig())
+LONG_CONFIG = config_json(EngineConfig(chunked_prefill_size=8192))
 SPEED = 20.0
 
 
-def _launch_for(gpu: str, pool: str, config_json: str, devices: tuple[str, ...]) -> LaunchSpec:
-    return LaunchSpec("", emulated_replica_argv(EMULATE_COMMAND, MODEL, gpu, config_json, SPEED))
+def _pool(name: str, config_json: str, replicas: int = 1) -> EnginePool:
+    return EnginePool(name, MODEL, GPU, EngineConfig.from_dict(orjson.loads(config_json)), EngineLaunch("emulated"), replicas, SPEED)
+
+
+def _render(pool: str, gpu: str, config_json: str) -> list[str]:
+    return container_argv(_pool(pool, config_json))
 
 
 @dataclass
@@ -134,9 +141,9 @@ def cluster(tmp_path: Path) -> Iterator[_Cluster]:
     actuator: KubernetesActuator | None = None
     try:
         for pool, replicas, config in ((CHAT, 2, CHAT_CONFIG), (LONG, 1, LONG_CONFIG)):
-            api.add_deployment(pool, replicas, config, render_command(_launch_for, GPU, pool, config))
+            api.add_deployment(engine_deployment(_pool(pool, config, replicas), KubernetesSettings()))
         _until(lambda: sum(1 for p in api.snapshot()[1] if p["status"]["conditions"][0]["status"] == "True") == 3, 60, "3 pods ready")
-        actuator = KubernetesActuator(api_client(str(api.write_kubeconfig(tmp_path / "kubeconfig"))), api.namespace, _launch_for, reconcile_s=0.5)
+        actuator = KubernetesActuator(api_client(str(api.write_kubeconfig(tmp_path / "kubeconfig"))), api.namespace, _render, reconcile_s=0.5)
         for slot, pool, config in (("c0", CHAT, CHAT_CONFIG), ("c1", CHAT, CHAT_CONFIG), ("l0", LONG, LONG_CONFIG)):
             actuator.add_slot(slot, GPU, pool, config)
             actuator.start(slot, pool, config, 0.0)
@@ -188,17 +195,18 @@ def _assert_whole(c: _Cluster, seen: dict[str, Any], c1_pool: str) -> None:
     assert not seen["busy"], f"the move did not finish: {seen['decisions']}"
     assert c.edge.failures == []
     states = {s.slot: s for s in c.actuator.slot_states()}
-    assert all(s.alive and s.healthy for s in states.values()), states
+    assert all(s.alive and s.healthy for s in states.values()), (states, seen["decisions"])
     assert states["c1"].pool == c1_pool
     counts = {CHAT: sum(1 for s in states.values() if s.pool == CHAT), LONG: sum(1 for s in states.values() if s.pool == LONG)}
     assert seen["replicas"] == {"polymorph-engine-chat-h100-sxm": counts[CHAT], "polymorph-engine-long-h100-sxm": counts[LONG]}
     live = [p for p in seen["pods"] if "deletionTimestamp" not in p["metadata"]]
     assert sorted(p["metadata"]["name"] for p in live) == sorted(c.actuator.pod_of(s) or "" for s in states)
-    configs = {CHAT: CHAT_CONFIG, LONG: LONG_CONFIG}
-    for slot, state in states.items():
+    hashes = c.api.template_hashes()
+    for slot, state in states.items():  # no pod runs a stale template
         pod = next(p for p in live if p["metadata"]["name"] == c.actuator.pod_of(slot))
-        assert pod["metadata"]["annotations"][CONFIG_ANNOTATION] == configs[state.pool]
-        assert pod["metadata"]["labels"]["polymorph.dev/pool"] == f"{state.pool.split('@')[0]}-h100-sxm"
+        assert pod["metadata"]["labels"]["pod-template-hash"] == hashes[f"polymorph-engine-{pool_slug(state.pool)}"]
+        assert pod["metadata"]["labels"]["polymorph.dev/pool"] == pool_slug(state.pool)
+    assert c.actuator.stats().num_template_writes == 0
 
 
 def test_a_move_under_load_scales_down_only_the_drained_pod_and_loses_no_request(cluster: _Cluster) -> None:
@@ -232,9 +240,11 @@ def test_a_watch_dropped_with_410_gone_mid_move_is_listed_afresh_and_the_move_co
 
 
 def test_a_30_s_api_outage_mid_move_rolls_the_move_back_whole(cluster: _Cluster) -> None:
-    # the API server goes away right after the scale-down: the scale-up cannot go out for 30 s, past the start deadline
+    # The API server goes away right after the scale-down: the scale-up cannot go out for 30 s, past the move's start
+    # deadline (29 s), so the move fails; its rollback (the same deadline) has the pool's count raised back once the
+    # server answers, and is restored when the new pod is Ready.
     cluster.api.on_scale = lambda deployment, before, after: cluster.api.outage(30.0) if after < before and not cluster.api.refused else None
-    seen = _move_under_load(cluster, start_timeout_s=22.0, limit_s=90.0)
+    seen = _move_under_load(cluster, start_timeout_s=29.0, limit_s=90.0)
     _assert_whole(cluster, seen, CHAT)
     rollbacks = [d["evidence"] for d in seen["decisions"] if d["kind"] == "rollback"]
     assert seen["kinds"] == ["step", "rollback", "rollback"] and rollbacks[-1]["outcome"] == "restored", seen["decisions"]
@@ -251,7 +261,7 @@ def test_against_a_real_cluster_moves_one_replica_and_back() -> None:
     ``POLYMORPH_KUBE_NAMESPACE`` (default polymorph) with at least one Ready pod in the first pool (by name) and
     room for one more pod of the second; moves one pod there and back, each drain-first."""
     namespace = os.environ.get("POLYMORPH_KUBE_NAMESPACE", "polymorph")
-    actuator = KubernetesActuator(api_client(os.environ["KUBECONFIG"]), namespace, _launch_for)
+    actuator = KubernetesActuator(api_client(os.environ["KUBECONFIG"]), namespace, _render)
     try:
         pools = sorted(actuator.pools.values(), key=lambda p: p.name)
         assert len(pools) >= 2, f"two engine Deployments wanted in {namespace}, found {[p.name for p in pools]}"

@@ -22,7 +22,8 @@ through a kubeconfig (``write_kubeconfig``):
   an old template, not-ready ones, the newest), as the ReplicaSet controller ranks them: it is marked
   terminating, its process gets SIGTERM (SIGKILL after 10 s), and it is deleted when the process has
   exited. A changed pod template rolls one pod at a time (one extra pod, old ones go once it is Ready).
-  A process that exits by itself leaves its pod in CrashLoopBackOff.
+  A process that exits by itself leaves its pod in CrashLoopBackOff. No image is pulled: the
+  container's command runs on this host (``polymorph`` being this checkout's CLI).
 - Fault injection for the tests: ``conflict_next_scale`` (another writer bumps the Deployment just
   before the next scale patches), ``on_scale`` (a hook after each scale patch), ``compact`` (410 Gone
   for every resourceVersion so far, and dropped watches), ``outage`` (for N seconds the port refuses
@@ -32,7 +33,7 @@ What it does NOT do (everything else): authentication and RBAC (any token passes
 validation against the schemas, field selectors, set-based label selectors (only ``k=v,k2=v2``),
 server-side apply, JSON patch, create/delete/update (PUT) verbs, other resources and API groups
 (no Services, EndpointSlices, ReplicaSets, Nodes, Events, Leases), discovery (``/api``, ``/apis``),
-namespaces as objects, owner references and garbage collection, probes other than one readiness GET of
+namespaces as objects, Deployment strategies (maxSurge/maxUnavailable), owner references and garbage collection, probes other than one readiness GET of
 ``/health``, liveness restarts, scheduling, resources and node selectors, preStop hooks, Deployment
 status beyond replica counts, protobuf/CBOR/YAML, chunked lists (``limit``/``continue``), and
 ``resourceVersionMatch``.
@@ -58,6 +59,7 @@ import aiohttp
 from aiohttp import web
 
 from tests.conftest import free_port
+from tests.support.procs import POLYMORPH
 
 Obj = dict[str, Any]
 _KUBELET_TICK_S = 0.1
@@ -210,31 +212,25 @@ class KubeApi:
 
     # -- what tests set up and read (any thread) ---------------------------------------------------
 
-    def add_deployment(self, pool: str, replicas: int, config_json: str, command: Sequence[str]) -> str:
-        """An engine Deployment labelled and annotated as the manifests make it (the contract)."""
-        name = f"polymorph-engine-{pool.lower()}".replace("@", "-").replace(".", "-")
-        labels = {"app.kubernetes.io/name": "polymorph-engine", "app.kubernetes.io/part-of": "polymorph", "polymorph.dev/pool": name[17:]}
-        deployment = {
-            "apiVersion": "apps/v1", "kind": "Deployment",
-            "metadata": {"name": name, "namespace": self.namespace, "uid": str(uuid.uuid4()), "labels": labels, "generation": 1,
-                         "creationTimestamp": _now(),
-                         "annotations": {"polymorph.dev/pool-name": pool, "polymorph.dev/config-json": config_json}},
-            "spec": {"replicas": replicas, "selector": {"matchLabels": labels},
-                     "template": {"metadata": {"labels": labels, "annotations": {"polymorph.dev/config-json": config_json}},
-                                  "spec": {"containers": [{"name": "engine", "image": "polymorph/emulated:test", "command": list(command),
-                                                           "ports": [{"name": "http", "containerPort": 8000}]}]}}},
-            "status": {"replicas": 0, "readyReplicas": 0},
-        }
+    def add_deployment(self, deployment: Obj) -> str:
+        """Create a Deployment as rendered (fleet.kubernetes_manifests.engine_deployment); returns its name."""
+        deployment = copy.deepcopy(deployment)
+        deployment["metadata"].update({"namespace": self.namespace, "uid": str(uuid.uuid4()), "generation": 1, "creationTimestamp": _now()})
+        deployment["status"] = {"replicas": 0, "readyReplicas": 0}
 
         def add() -> None:
-            self.deployments[name] = deployment
+            self.deployments[deployment["metadata"]["name"]] = deployment
             self._bump(deployment)
         self.call(add)
-        return name
+        return str(deployment["metadata"]["name"])
 
     def snapshot(self) -> tuple[dict[str, int], list[Obj]]:
         """(Deployment -> spec.replicas, a copy of every pod)."""
         return self.call(lambda: ({n: d["spec"]["replicas"] for n, d in self.deployments.items()}, copy.deepcopy(list(self.pods.values()))))
+
+    def template_hashes(self) -> dict[str, str]:
+        """Deployment -> its pod template's hash (a pod's ``pod-template-hash`` label says which template it runs)."""
+        return self.call(lambda: {n: _template_hash(d) for n, d in self.deployments.items()})
 
     def conflict_next_scale(self, times: int = 1) -> None:
         """Before each of the next ``times`` scale patches another writer changes the Deployment (its resourceVersion moves on)."""
@@ -487,6 +483,8 @@ class KubeApi:
         container = template["spec"]["containers"][0]
         container["ports"] = [{"name": "http", "containerPort": port}]
         argv = [*_host_port_stripped([*container.get("command", []), *container.get("args", [])]), "--host", "127.0.0.1", "--port", str(port)]
+        if argv[0] == "polymorph":  # the gateway image's CLI: this checkout's
+            argv[:1] = POLYMORPH
         self.log_dir.mkdir(parents=True, exist_ok=True)
         with open(self.log_dir / f"{name}.log", "ab") as log:
             self.processes[name] = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT)
