@@ -101,9 +101,6 @@ class SharedLimitTable:
                 return row
         raise TableFullError(f"the shared limits table has no room for tenant {tenant.name!r} ({num_rows} rows)")
 
-    def in_flight(self, row: int) -> int:
-        return self.ints[row * _SLOTS + _IN_FLIGHT]
-
 
 class SharedTenantLimiter:
     """``TenantLimiter``'s decisions over a tenant's row of the shared table."""
