@@ -17,7 +17,8 @@ from tests.support.procs import start_gateway, write_tenant
 
 KEY, ADMIN = "sk-test-ray", "admin-token-ray"
 MODEL = "llama-3.1-8b"
-MOVED_TO = "short-chat@H100-SXM"  # the pool the controller makes for an all short-chat load
+MOVED_TO = "long-context@H100-SXM"  # the pool the controller makes for long prompts (no declared pool serves them)
+LONG_PROMPT = "Summarise the minutes of the meeting below. " + "The team reviewed the quarter's roadmap. " * 700
 
 
 def _admin(url: str, path: str) -> dict[str, object]:
@@ -62,12 +63,12 @@ def _host_of(url: str, processes: dict[int, tuple[int, str]]) -> str:
 
 
 async def _traffic(url: str, until: float, moved: asyncio.Event) -> list[str]:
-    """Short chats at ~20/s until the move is done (or ``until``); returns each one's outcome."""
+    """Long-context requests at ~20/s until the move is done (or ``until``); returns each one's outcome."""
     outcomes: list[str] = []
 
     async def one(client: openai.AsyncOpenAI) -> None:
         try:
-            reply = await client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Say hello, briefly."}], max_tokens=32)
+            reply = await client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": LONG_PROMPT}], max_tokens=32)
             outcomes.append(reply.choices[0].finish_reason or "none")
         except openai.APIError as exc:
             outcomes.append(f"error: {exc}")
@@ -105,7 +106,7 @@ def test_gateway_runs_and_moves_its_replicas_as_ray_actors_and_stops_clean(tmp_p
         "server": {"admin_token": ADMIN, "access_log": False},
         "tenants_dir": "tenants",
         "fleet": {
-            "pools": [{**pool, "name": "mixed-a", "shapes": ["short-chat"]}, {**pool, "name": "mixed-b", "shapes": ["long-context"]}],
+            "pools": [{**pool, "name": "mixed-a", "shapes": ["short-chat"]}, {**pool, "name": "mixed-b", "shapes": ["reasoning"]}],
             "emulator_speed": 20.0,
             "actuator": "ray",  # fleet.ray.address: null: a local cluster with the fleet's 2 GPUs
             "controller": {"enabled": True, "tick_s": 5.0, "decision_log": "decisions.jsonl"},
