@@ -169,7 +169,19 @@ def fleet_request(i: int) -> Request:
     return chat_request(MODEL, KEY, max_tokens=24, stream=i % 2 == 0)
 
 
-async def load_until(stack: ControllerStack, settings: FleetFaultSettings, done: Callable[[], bool]) -> tuple[list, float, float]:
+# ~5,600 prompt tokens: the long-context shape. The controller keeps a declared pool that fits its traffic,
+# so the scenarios that need a move send long prompts into a fleet whose only pool is declared for short
+# chats: the first plan makes a pool for them (DRIFT_POOL) and moves replicas there.
+LONG_TEXT = "Summarise the minutes of the meeting below. " + "The team reviewed the quarter's roadmap. " * 700
+DRIFT_POOL = f"long-context@{GPU}"
+
+
+def long_request(i: int) -> Request:
+    return chat_request(MODEL, KEY, max_tokens=24, stream=i % 2 == 0, text=LONG_TEXT)
+
+
+async def load_until(stack: ControllerStack, settings: FleetFaultSettings, done: Callable[[], bool],
+                     request: Callable[[int], Request] = fleet_request) -> tuple[list, float, float]:
     """Open-loop load until ``done()`` (polled from a thread) or ``max_s``; returns (answers, seconds to done, retries)."""
     stop = asyncio.Event()
     started = time.monotonic()
@@ -187,7 +199,7 @@ async def load_until(stack: ControllerStack, settings: FleetFaultSettings, done:
     retries_before = metric_sum(stack.url, "polymorph_upstream_retries_total")
     async with ChaosClient(stack.url, DEADLINE_S) as client:
         watcher = asyncio.create_task(watch())
-        answers = await open_loop(client, fleet_request, settings.rate_rps, settings.max_s + 2.0, until=stop)
+        answers = await open_loop(client, request, settings.rate_rps, settings.max_s + 2.0, until=stop)
         settled_s = await watcher
     return answers, settled_s, metric_sum(stack.url, "polymorph_upstream_retries_total") - retries_before
 
@@ -198,7 +210,8 @@ def _kinds(decisions: list[LoggedDecision]) -> list[str]:
 
 async def step_never_healthy(run_dir: Path, settings: FleetFaultSettings) -> ScenarioResult:
     """The controller's first step starts a replica that hangs: the step is rolled back, the fleet returns
-    to the previous plan (both replicas in pool ``mixed``), and no request is lost."""
+    to the previous plan (both replicas in pool ``mixed``), and no request is lost. ``mixed`` is declared
+    for short chats and the load is long prompts, so the first plan moves a replica to ``DRIFT_POOL``."""
     with ControllerStack((("mixed", 2, ("short-chat",)),), run_dir) as stack:
         before = stack.pool_sizes()
         hang = HangNextReplica(stack, set(stack.replica_pids()))
@@ -213,7 +226,7 @@ async def step_never_healthy(run_dir: Path, settings: FleetFaultSettings) -> Sce
             return stack.pool_sizes() == before
 
         try:
-            answers, settled_s, retried = await load_until(stack, settings, rolled_back_and_settled)
+            answers, settled_s, retried = await load_until(stack, settings, rolled_back_and_settled, long_request)
         finally:
             hang.release()
         decisions, after = stack.decisions(), stack.pool_sizes()
