@@ -53,6 +53,9 @@ class ControllerSettings:
     failing_step_fraction: float = 0.5
     verify_after_s: float = 45.0
     verify_margin: float = 0.15
+    # A moved replica whose engine holds more than this share of the plan's per-replica concurrency waiting
+    # in its own queue, while the gateway kept within that concurrency there, fails its step (_engine_backlog).
+    verify_engine_backlog: float = 0.5
     backoff_s: float = 300.0
     drain_timeout_s: float = 300.0  # past it a draining slot is stopped anyway: its requests end with a clear error
     start_timeout_s: float | None = None  # a start not healthy by then fails the step; None: the margin below
@@ -61,8 +64,8 @@ class ControllerSettings:
     def __post_init__(self) -> None:
         if not (0 < self.max_step_fraction <= 1 and 0 < self.failing_step_fraction <= 1):
             raise ValueError("max_step_fraction and failing_step_fraction must be in (0, 1]")
-        if self.verify_margin < 0 or self.plan_horizon_s <= 0:
-            raise ValueError("verify_margin must be >= 0 and plan_horizon_s > 0")
+        if self.verify_margin < 0 or self.plan_horizon_s <= 0 or self.verify_engine_backlog <= 0:
+            raise ValueError("verify_margin must be >= 0, plan_horizon_s and verify_engine_backlog > 0")
         if self.drain_timeout_s <= 0 or self.start_timeout_margin <= 0 or (self.start_timeout_s is not None and self.start_timeout_s <= 0):
             raise ValueError("drain_timeout_s, start_timeout_s and start_timeout_margin must be > 0")
 
@@ -287,18 +290,44 @@ class Controller:
         # A fleet that was already missing its demand before the step carries a backlog that drags
         # the observed goodput down whatever the step did: rolling back would return to the failing
         # plan, so the step is judged inconclusive and the rollout goes on.
-        ok = bool(observed >= floor) or not rollout.healthy_before
+        goodput_ok = bool(observed >= floor) or not rollout.healthy_before
+        waiting, backlogged = self._engine_backlog(rollout)
+        ok = goodput_ok and not backlogged
         out = [Decision(now, VerifyEvidence(ok=ok, observed_goodput_rps=round(observed, 3),
                         predicted_goodput_rps=round(predicted, 3), goodput_before_rps=round(rollout.goodput_before_rps, 3),
                         healthy_before=rollout.healthy_before, margin=self.settings.verify_margin,
-                        drain_deadline_stops=tuple(mover.forced_stops)))]
+                        drain_deadline_stops=tuple(mover.forced_stops), engine_waiting=waiting or None,
+                        engine_backlogged=backlogged or None))]
         if ok:
             self._num_failures = 0
             if rollout.steps:
                 return out + self._start_step(now)
             self._rollout = None
             return out
-        return out + self._roll_back(now, rollout, "observed goodput below prediction and below the goodput before the step")
+        reason = ("observed goodput below prediction and below the goodput before the step" if not goodput_ok
+                  else "the moved replicas' engines queue requests the plan said they run")
+        return out + self._roll_back(now, rollout, reason)
+
+    def _engine_backlog(self, rollout: _Rollout) -> tuple[tuple[tuple[str, int, int], ...], tuple[str, ...]]:
+        """Each moved replica's engine queue as this tick's snapshot has it (slot, waiting, the gateway's in
+        flight there), and the replicas backlogged: their engine holds more than ``verify_engine_backlog`` of
+        the plan's per-replica concurrency waiting (and more than 2, so a request caught between two engine
+        steps is no backlog) while the gateway had no more than that concurrency in flight there. Such an
+        engine runs less than the capacity model says its configuration runs (a smaller batch cap than
+        modelled, or another client's load on it); goodput shows it only once the queue has grown."""
+        concurrency = dict(rollout.options.pool_to_concurrency)
+        waiting: list[tuple[str, int, int]] = []
+        backlogged: list[str] = []
+        for move in rollout.current:
+            slot = self._slots.get(move.slot)
+            if slot is None or slot.engine is None:  # no figures (not scraped yet, or no /metrics): goodput alone judges
+                continue
+            waiting.append((move.slot, slot.engine.num_waiting, slot.num_in_flight))
+            planned = concurrency.get(move.to_pool)
+            if planned is not None and slot.num_in_flight <= planned \
+                    and slot.engine.num_waiting > max(2.0, self.settings.verify_engine_backlog * planned):
+                backlogged.append(move.slot)
+        return tuple(waiting), tuple(backlogged)
 
     def _roll_back(self, now: float, rollout: _Rollout, reason: str, never_healthy: tuple[str, ...] | None = None,
                    start_timeout_s: float | None = None) -> list[Decision]:

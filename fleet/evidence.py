@@ -124,6 +124,10 @@ class VerifyEvidence(_Record):
     drain_s: float | None = None
     start_to_healthy_s: float | None = None
     drain_deadline_stops: tuple[tuple[str, int], ...] | None = None  # (slot, requests still in flight) stopped at the drain deadline
+    # (slot, requests waiting inside its engine, requests the gateway had in flight there) of each moved
+    # replica whose engine reported figures; ``engine_backlogged`` names those that queued what the plan said they run
+    engine_waiting: tuple[tuple[str, int, int], ...] | None = None
+    engine_backlogged: tuple[str, ...] | None = None
     config: str | None = None
 
 

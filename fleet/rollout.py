@@ -22,6 +22,7 @@ from dataclasses import dataclass
 
 from fleet.commands import Activate, Command, Drain, Start, Stop
 from fleet.decisions import Move
+from fleet.engines.load import EngineLoad
 
 
 @dataclass(frozen=True, slots=True)
@@ -35,6 +36,7 @@ class SlotState:
     alive: bool = True  # False: its replica process is gone (or ejected for long); its GPUs serve nothing
     num_in_flight: int = 0  # requests on it (what a drain waits for)
     healthy: bool = True  # the engine its latest Start began answers /health
+    engine: EngineLoad | None = None  # its engine's own figures at the last /metrics scrape (None: not read)
 
 
 def diff_moves(

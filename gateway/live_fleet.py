@@ -240,10 +240,11 @@ class LiveFleet:
 
     def snapshot(self, now: float) -> list[SlotState]:
         """The slots as the tick sees them (on the loop): the actuator's processes, the router's
-        in-flight counts, and slots the gateway has kept out of service for long counted as dead."""
+        in-flight counts, each engine's last /metrics figures, and slots the gateway has kept out of
+        service for long counted as dead."""
         replicas = self.state.runtime.replica_by_name
-        slots = [dataclasses.replace(s, num_in_flight=replicas[s.slot].num_in_flight) if s.slot in replicas else s
-                 for s in self.control.slot_states()]
+        slots = [dataclasses.replace(s, num_in_flight=replicas[s.slot].num_in_flight, engine=replicas[s.slot].engine)
+                 if s.slot in replicas else s for s in self.control.slot_states()]
         breakers = {name: r.breaker for name, r in replicas.items()}
         return self.ejections.apply(slots, breakers, now / self.speed)  # breakers run on the loop's clock
 

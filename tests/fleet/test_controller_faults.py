@@ -1,12 +1,18 @@
 """The controller when the fleet breaks under it: a step whose replica never becomes healthy is rolled
-back to the previous plan; slots whose replica is gone leave the GPU budget of the next plan."""
+back to the previous plan; so is one whose moved replicas' engines queue what the plan said they run;
+slots whose replica is gone leave the GPU budget of the next plan."""
 
 from __future__ import annotations
+
+import dataclasses
+
+import pytest
 
 from fleet.controller import Controller, ControllerSettings
 from fleet.decisions import Decision
 from fleet.drift import DriftSettings
-from fleet.evidence import CapacityEvidence, PlanEvidence, RollbackEvidence
+from fleet.engines.load import EngineLoad
+from fleet.evidence import CapacityEvidence, PlanEvidence, RollbackEvidence, VerifyEvidence
 from fleet.rollout import SlotState
 from fleet.telemetry import Telemetry
 from tests.fleet.test_controller_sim import TableCapacity, _feed
@@ -90,3 +96,29 @@ def test_a_pool_that_disappears_during_a_repartition_is_rolled_back_and_planned_
     assert rollbacks[1].evidence == RollbackEvidence(outcome="failed", reason="the previous configuration never became healthy either")
     replan = next(d for d in made if d.kind == "plan")  # after the back-off: a plan for the GPUs that are left
     assert isinstance(replan.evidence, PlanEvidence) and replan.evidence.budget == {GPU: 4 - len(gone)} and replan.at > rollbacks[0].at
+
+
+@pytest.mark.parametrize("waiting", [100, 3])
+def test_a_step_whose_moved_engines_queue_what_the_plan_said_they_run_is_rolled_back(waiting: int) -> None:
+    """The new pool's engines report ``waiting`` requests in their own queue while the gateway holds none
+    there: past half the plan's concurrency per replica (TableCapacity: 150) that is a backlog, and the
+    step goes back although goodput alone would keep it; a few waiting requests are not."""
+    actuator = FakeActuator({}, restart_s=0.0)
+    controller, _ = _controller(actuator)
+    engine = EngineLoad(scraped_at=0.0, num_running=4, num_waiting=waiting)
+    made: list[Decision] = []
+    for now in range(205, 400, 5):
+        slots = [dataclasses.replace(s, engine=engine) if s.pool == NEW else s for s in _slots(actuator)]
+        made += tick(controller, actuator, float(now), slots)
+    verify = next(d for d in made if d.kind == "verify")
+    assert isinstance(verify.evidence, VerifyEvidence)
+    moved = sorted(m.slot for m in next(d for d in made if d.kind == "step").moves)
+    assert verify.evidence.engine_waiting == tuple((slot, waiting, 0) for slot in moved)
+    if waiting == 3:
+        assert verify.evidence.ok is True and verify.evidence.engine_backlogged is None and "rollback" not in [d.kind for d in made]
+        return
+    assert verify.evidence.ok is False and verify.evidence.engine_backlogged == tuple(moved)
+    rollback = next(d for d in made if d.kind == "rollback")
+    assert isinstance(rollback.evidence, RollbackEvidence)
+    assert rollback.evidence.reason == "the moved replicas' engines queue requests the plan said they run"
+    assert {m.to_pool for m in rollback.moves} == {OLD}
