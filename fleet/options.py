@@ -233,7 +233,11 @@ def problem_for(
 ) -> PlanProblem:
     """A planning problem over ``mixes`` (equally weighted); a replica change costs its pool's
     weighted capacity (for a pool of several shapes: under their mix) for ``move_cost_s`` out of
-    ``horizon_s`` (halved: each move changes two pools)."""
+    ``horizon_s`` (halved: each move changes two pools). Capping that at the demand of the pool's
+    shapes (a replica restarting while less than its capacity arrives loses only that) was tried:
+    `polymorph bench adapt --scenarios drift-step --policies adaptive` fell from 28.21 to 27.68 req/s
+    (one recompile fewer, 3,730 shed instead of 2,840), so a move still costs the capacity, and a
+    light shape that no declared pool serves rides on overflow instead of getting a pool."""
     demands = tuple(tuple((s.name, s.rate_rps) for s in mix.shapes) for mix in mixes)
     shape_to_rps: dict[str, float] = {}
     for mix in mixes:
