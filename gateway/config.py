@@ -134,6 +134,13 @@ class ControllerSettingsFile:
     url: str | None = None
     state_file: Path | None = None  # the external controller's persisted state (default: beside the decision log)
     report_s: float = 5.0  # fleet seconds between a gateway's reports and plan polls (one telemetry bucket)
+    # who of several `polymorph controller` processes leads: "file", an flock on <state file>.lease (one host,
+    # or a volume that carries locks between nodes); "kubernetes", the Lease ``lease_name`` in fleet.kubernetes's
+    # namespace (gateway.kube_lease), held ``lease_duration_s`` from each renewal, renewed every ``renew_every_s``
+    leader_election: str = "file"
+    lease_name: str = "polymorph-controller"
+    lease_duration_s: int = 15
+    renew_every_s: float = 5.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -501,9 +508,13 @@ def _router(doc: YamlDoc) -> RouterSettings:
     )
 
 
+_LEASE_NAME = re.compile(r"^(?=.{1,253}$)[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$")  # a DNS-1123 subdomain
+
+
 def _controller(doc: YamlDoc, base: Path, raw: object) -> ControllerSettingsFile:
     r = _Reader(doc, ("fleet", "controller"), raw,
-                {"enabled", "tick_s", "decision_log", "capacity_cache", "mode", "url", "state_file", "report_s", "compile_store"})
+                {"enabled", "tick_s", "decision_log", "capacity_cache", "mode", "url", "state_file", "report_s", "compile_store",
+                 "leader_election", "lease_name", "lease_duration_s", "renew_every_s"})
     log, cache, state = r.text("decision_log", None), r.text("capacity_cache", None), r.text("state_file", None)
     mode = r.text("mode", "embedded")
     if mode not in ("embedded", "external"):
@@ -513,6 +524,18 @@ def _controller(doc: YamlDoc, base: Path, raw: object) -> ControllerSettingsFile
         raise r.error("url", f"must be an http:// or https:// URL, not {url!r}")
     if mode == "external" and url is None:
         raise r.error("url", "is required with mode: external (where `polymorph controller` listens)")
+    election = r.text("leader_election", "file")
+    if election not in ("file", "kubernetes"):
+        raise r.error("leader_election", f"must be 'file' (a lock beside the state file) or 'kubernetes' (a Lease), not {election!r}")
+    if election == "kubernetes" and mode != "external":
+        raise r.error("leader_election", "elects among `polymorph controller` processes: it needs mode: external")
+    lease_name = r.text("lease_name", "polymorph-controller") or ""
+    if not _LEASE_NAME.match(lease_name):
+        raise r.error("lease_name", f"must be a DNS subdomain (lowercase letters, digits, '-', '.'; at most 253), not {lease_name!r}")
+    lease_duration_s = r.number("lease_duration_s", 15, lo=1, hi=3600, integer=True)  # the Lease's field is whole seconds
+    renew_every_s = r.number("renew_every_s", 5.0, lo=0.1, hi=1800)
+    if renew_every_s * 2 > lease_duration_s:  # the leader must get a second try at renewing before its lease can lapse
+        raise r.error("renew_every_s", f"must be at most half of lease_duration_s ({lease_duration_s}), not {renew_every_s!r}")
     return ControllerSettingsFile(
         enabled=r.flag("enabled", False),
         tick_s=r.number("tick_s", 5.0, lo=0.1, hi=3600),
@@ -523,6 +546,10 @@ def _controller(doc: YamlDoc, base: Path, raw: object) -> ControllerSettingsFile
         state_file=(base / state).resolve() if state else None,
         report_s=r.number("report_s", 5.0, lo=0.1, hi=3600),
         compile_store=Path(compile_store).expanduser() if (compile_store := r.text("compile_store", None)) else None,
+        leader_election=election,
+        lease_name=lease_name,
+        lease_duration_s=lease_duration_s,
+        renew_every_s=renew_every_s,
     )
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 
 
@@ -16,8 +17,10 @@ def register(commands: argparse._SubParsersAction) -> None:  # type: ignore[type
             "Run the control loop out of the gateway: it starts (or adopts) the config's emulated replicas, "
             "serves the plan at fleet.controller.url (GET /plan) to gateways started with fleet.controller.mode: "
             "external, takes their telemetry (POST /report), and persists its state to fleet.controller.state_file "
-            "(default: beside the decision log). Run it twice for a standby: the second waits for the lease on "
-            "the state file and takes over, resuming the rollout in progress, when the leader dies."
+            "(default: beside the decision log). Run it twice for a standby: the second waits for the lease and "
+            "takes over, resuming the rollout in progress, when the leader dies. The lease is a lock beside the state "
+            "file (fleet.controller.leader_election: file) or a Kubernetes Lease (kubernetes; the state file must "
+            "then be on a volume every controller mounts)."
         ),
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
@@ -49,17 +52,30 @@ def _run_controller(args: argparse.Namespace) -> int:
         print("polymorph: the controller needs fleet.controller.mode: external, its url, and a state_file or decision_log", file=sys.stderr)
         return 2
     path.parent.mkdir(parents=True, exist_ok=True)
-    lease = hold_lease(path.with_name(path.name + ".lease"), f"polymorph: standby: another controller holds {path}.lease; waiting to take over")
+    if settings.leader_election == "kubernetes":
+        try:
+            from gateway.kube_lease import KubeLease, holder_identity
+        except ImportError as exc:
+            print(f"polymorph: leader_election: kubernetes needs the kubernetes client (pip install -e '.[kubernetes]'): {exc}", file=sys.stderr)
+            return 2
+        kube = KubeLease(settings, config.kubernetes.namespace, config.kubernetes.kubeconfig, holder_identity())
+        kube.acquire(lambda why: print(f"polymorph: standby: {why}; waiting to take over", file=sys.stderr, flush=True))
+        print(f"polymorph: leading as {kube.identity} (Lease {kube.where})", file=sys.stderr, flush=True)
+        release: Callable[[], None] = kube.close
+    else:
+        release = hold_lease(path.with_name(path.name + ".lease"), f"polymorph: standby: another controller holds {path}.lease; waiting to take over").close
     try:
         state = ControllerState.from_json(orjson.loads(path.read_bytes())) if path.exists() else None
     except (OSError, ValueError) as exc:
         print(f"polymorph: cannot read the controller state {path}: {exc}", file=sys.stderr)
+        release()
         return 2
     log_dir = args.replica_logs or Path(tempfile.mkdtemp(prefix="polymorph-replicas-"))
     try:
         service = ControllerService(config, path, EMULATE_COMMAND, log_dir)
     except ValueError as exc:
         print(f"polymorph: {exc}", file=sys.stderr)
+        release()
         return 2
     if state is None:
         service.fresh_fleet()
@@ -76,5 +92,5 @@ def _run_controller(args: argparse.Namespace) -> int:
     finally:
         if args.stop_replicas_on_exit:
             service.stop_replicas()
-        lease.close()
+        release()
     return 0

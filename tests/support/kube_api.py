@@ -12,6 +12,11 @@ through a kubeconfig (``write_kubeconfig``):
   from the given resourceVersion, BOOKMARKs every ``bookmark_s`` when ``allowWatchBookmarks``, the
   stream ends after ``timeoutSeconds``, and an ERROR event with ``410 Gone`` for a resourceVersion
   older than the history kept (``compact`` forgets it and ends every watch).
+- coordination.k8s.io/v1 Leases: get (``404 NotFound`` when absent), create (POST; ``409 AlreadyExists``
+  when the name is taken) and replace (PUT; ``422 Invalid`` without ``metadata.resourceVersion``,
+  ``409 Conflict`` with a stale one, ``404`` when absent, ``400`` when the body's name or namespace is not
+  the URL's); ``renewTime`` and ``acquireTime`` must be MicroTimes (six fraction digits, ``400``
+  otherwise) and are stored as the API server writes them (UTC, ``Z``).
 - One resourceVersion counter for every write; a write whose body carries ``metadata.resourceVersion``
   other than the object's gets ``409 Conflict``. Errors are Status objects.
 - The kubelet and the ReplicaSet controller in one loop (every 0.1 s): a Deployment with fewer live
@@ -25,14 +30,15 @@ through a kubeconfig (``write_kubeconfig``):
   A process that exits by itself leaves its pod in CrashLoopBackOff. No image is pulled: the
   container's command runs on this host (``polymorph`` being this checkout's CLI).
 - Fault injection for the tests: ``conflict_next_scale`` (another writer bumps the Deployment just
-  before the next scale patches), ``on_scale`` (a hook after each scale patch), ``compact`` (410 Gone
+  before the next scale patches), ``conflict_next_lease_write`` (likewise a Lease before the next
+  replaces), ``write_lease`` (a write by another client), ``on_scale`` (a hook after each scale patch), ``compact`` (410 Gone
   for every resourceVersion so far, and dropped watches), ``outage`` (for N seconds the port refuses
   connections and open connections are cut).
 
 What it does NOT do (everything else): authentication and RBAC (any token passes), admission,
 validation against the schemas, field selectors, set-based label selectors (only ``k=v,k2=v2``),
-server-side apply, JSON patch, create/delete/update (PUT) verbs, other resources and API groups
-(no Services, EndpointSlices, ReplicaSets, Nodes, Events, Leases), discovery (``/api``, ``/apis``),
+server-side apply, JSON patch, create and update (PUT) verbs but a Lease's, delete, list and watch of
+Leases, other resources and API groups (no Services, EndpointSlices, ReplicaSets, Nodes, Events), discovery (``/api``, ``/apis``),
 namespaces as objects, Deployment strategies (maxSurge/maxUnavailable), owner references and garbage collection, probes other than one readiness GET of
 ``/health``, liveness restarts, scheduling, resources and node selectors, preStop hooks, Deployment
 status beyond replica counts, protobuf/CBOR/YAML, chunked lists (``limit``/``continue``), and
@@ -44,6 +50,7 @@ from __future__ import annotations
 import asyncio
 import copy
 import json
+import re
 import signal
 import subprocess
 import threading
@@ -64,6 +71,7 @@ from tests.support.procs import POLYMORPH
 Obj = dict[str, Any]
 _KUBELET_TICK_S = 0.1
 _KILL_AFTER_S = 10.0
+_MICRO_TIME = re.compile(r"^\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\.\d{6}(Z|[+-]\d\d:\d\d)$")  # Go's RFC3339Micro parses these
 
 
 def _now() -> str:
@@ -125,6 +133,8 @@ class KubeApi:
         self.rv = 0
         self.oldest_rv = 0  # watches from before this get 410 Gone
         self.deployments: dict[str, Obj] = {}
+        self.leases: dict[str, Obj] = {}
+        self.lease_conflicts = 0  # 409 Conflicts answered to lease replaces
         self.pods: dict[str, Obj] = {}
         self.history: list[tuple[int, str, Obj]] = []  # (resourceVersion, event type, pod)
         self.watchers: set[asyncio.Queue[tuple[str, Obj] | None]] = set()
@@ -134,6 +144,7 @@ class KubeApi:
         self.refused = 0  # requests cut during outages
         self.on_scale: Callable[[str, int, int], None] | None = None
         self._conflicts_left = 0
+        self._lease_conflicts_left = 0
         self._down = False
         self._pod_serial = 0
         self._loop = asyncio.new_event_loop()
@@ -160,6 +171,9 @@ class KubeApi:
         app.router.add_get(f"/api/v1{ns}/pods", self._list_pods)
         app.router.add_get(f"/api/v1{ns}/pods/{{name}}", self._get_pod)
         app.router.add_patch(f"/api/v1{ns}/pods/{{name}}", self._patch_pod)
+        app.router.add_get(f"/apis/coordination.k8s.io/v1{ns}/leases/{{name}}", self._get_lease)
+        app.router.add_post(f"/apis/coordination.k8s.io/v1{ns}/leases", self._create_lease)
+        app.router.add_put(f"/apis/coordination.k8s.io/v1{ns}/leases/{{name}}", self._replace_lease)
         self._runner = web.AppRunner(app, handle_signals=False, shutdown_timeout=0.5)
         await self._runner.setup()
         await self._listen()
@@ -236,6 +250,25 @@ class KubeApi:
         """Before each of the next ``times`` scale patches another writer changes the Deployment (its resourceVersion moves on)."""
         def arm() -> None:
             self._conflicts_left += times
+        self.call(arm)
+
+    def lease(self, name: str) -> Obj | None:
+        """A copy of the Lease ``name`` (None when there is none)."""
+        return self.call(lambda: copy.deepcopy(self.leases.get(name)))
+
+    def write_lease(self, name: str, spec: Obj) -> None:
+        """Another client writes these fields into the Lease ``name``'s spec (its resourceVersion moves on)."""
+        def write() -> None:
+            lease = self.leases[name]
+            lease["spec"].update(spec)
+            self._bump(lease)
+        self.call(write)
+
+    def conflict_next_lease_write(self, times: int = 1) -> None:
+        """Before each of the next ``times`` Lease replaces another writer changes that Lease (an annotation),
+        so the replace's resourceVersion is stale."""
+        def arm() -> None:
+            self._lease_conflicts_left += times
         self.call(arm)
 
     def compact(self) -> None:
@@ -364,6 +397,70 @@ class KubeApi:
         pod.update(patched)
         self._pod_event("MODIFIED", pod)
         return web.json_response(pod)
+
+    def _lease_body(self, request: web.Request, body: Any, name: str) -> Obj:
+        """The Lease a create or replace sends, checked as the API server decodes one."""
+        if not isinstance(body, dict) or not isinstance(body.get("metadata"), dict):
+            raise _Failure(400, "BadRequest", "the body is not a Lease")
+        meta = body["metadata"]
+        if meta.get("name") != name:
+            raise _Failure(400, "BadRequest", f"the name of the object ({meta.get('name')}) does not match the name on the URL ({name})")
+        if meta.get("namespace", self.namespace) != self.namespace:
+            raise _Failure(400, "BadRequest", "the namespace of the provided object does not match the namespace sent on the request")
+        spec = dict(body.get("spec") or {})
+        for key in ("acquireTime", "renewTime"):
+            value = spec.get(key)
+            if value is None:
+                continue
+            if not isinstance(value, str) or not _MICRO_TIME.match(value):
+                raise _Failure(400, "BadRequest", f'parsing time "{value}" as "2006-01-02T15:04:05.000000Z07:00": cannot parse')
+            spec[key] = datetime.fromisoformat(value).astimezone(UTC).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
+        return {"apiVersion": "coordination.k8s.io/v1", "kind": "Lease", "metadata": dict(meta, namespace=self.namespace), "spec": spec}
+
+    async def _get_lease(self, request: web.Request) -> web.Response:
+        self._ns(request)
+        found = self.leases.get(request.match_info["name"])
+        if found is None:
+            raise _Failure(404, "NotFound", f'leases.coordination.k8s.io "{request.match_info["name"]}" not found')
+        return web.json_response(found)
+
+    async def _create_lease(self, request: web.Request) -> web.Response:
+        self._ns(request)
+        body = await request.json()
+        name = str(((body or {}).get("metadata") or {}).get("name") or "")
+        lease = self._lease_body(request, body, name)
+        if not name:
+            raise _Failure(422, "Invalid", "Lease.coordination.k8s.io is invalid: metadata.name: Required value: name or generateName is required")
+        if name in self.leases:
+            raise _Failure(409, "AlreadyExists", f'leases.coordination.k8s.io "{name}" already exists')
+        lease["metadata"].update({"uid": str(uuid.uuid4()), "creationTimestamp": _now()})
+        self.leases[name] = lease
+        self._bump(lease)
+        return web.json_response(lease, status=201)
+
+    async def _replace_lease(self, request: web.Request) -> web.Response:
+        self._ns(request)
+        name = request.match_info["name"]
+        lease = self._lease_body(request, await request.json(), name)
+        current = self.leases.get(name)
+        if current is None:
+            raise _Failure(404, "NotFound", f'leases.coordination.k8s.io "{name}" not found')
+        if self._lease_conflicts_left:
+            self._lease_conflicts_left -= 1
+            current["metadata"].setdefault("annotations", {})["polymorph.test/other-writer"] = str(self.rv)
+            self._bump(current)
+        wanted = lease["metadata"].get("resourceVersion")
+        if not wanted:
+            raise _Failure(422, "Invalid", f'Lease.coordination.k8s.io "{name}" is invalid: metadata.resourceVersion: Invalid value: 0x0: '
+                                           "must be specified for an update")
+        if wanted != current["metadata"]["resourceVersion"]:
+            self.lease_conflicts += 1
+            raise _Failure(409, "Conflict", f'Operation cannot be fulfilled on leases.coordination.k8s.io "{name}": the object has been modified; '
+                                            "please apply your changes to the latest version and try again")
+        lease["metadata"].update({"uid": current["metadata"]["uid"], "creationTimestamp": current["metadata"]["creationTimestamp"]})
+        self.leases[name] = lease
+        self._bump(lease)
+        return web.json_response(lease)
 
     async def _list_pods(self, request: web.Request) -> web.StreamResponse:
         self._ns(request)
