@@ -7,6 +7,10 @@ import sys
 import tempfile
 from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from gateway.config import GatewayConfig
 
 
 def register(commands: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
@@ -37,7 +41,7 @@ def _run_controller(args: argparse.Namespace) -> int:
 
     from fleet.controller_state import ControllerState
     from gateway.config import load_config
-    from gateway.controller_service import ControllerService, hold_lease, serve, state_path
+    from gateway.controller_service import ControllerService, serve, state_path
     from gateway.serve_cli import EMULATE_COMMAND
     from gateway.yamlsrc import ConfigError
 
@@ -52,18 +56,9 @@ def _run_controller(args: argparse.Namespace) -> int:
         print("polymorph: the controller needs fleet.controller.mode: external, its url, and a state_file or decision_log", file=sys.stderr)
         return 2
     path.parent.mkdir(parents=True, exist_ok=True)
-    if settings.leader_election == "kubernetes":
-        try:
-            from gateway.kube_lease import KubeLease, holder_identity
-        except ImportError as exc:
-            print(f"polymorph: leader_election: kubernetes needs the kubernetes client (pip install -e '.[kubernetes]'): {exc}", file=sys.stderr)
-            return 2
-        kube = KubeLease(settings, config.kubernetes.namespace, config.kubernetes.kubeconfig, holder_identity())
-        kube.acquire(lambda why: print(f"polymorph: standby: {why}; waiting to take over", file=sys.stderr, flush=True))
-        print(f"polymorph: leading as {kube.identity} (Lease {kube.where})", file=sys.stderr, flush=True)
-        release: Callable[[], None] = kube.close
-    else:
-        release = hold_lease(path.with_name(path.name + ".lease"), f"polymorph: standby: another controller holds {path}.lease; waiting to take over").close
+    release = _lead(config, path)
+    if release is None:
+        return 2
     try:
         state = ControllerState.from_json(orjson.loads(path.read_bytes())) if path.exists() else None
     except (OSError, ValueError) as exc:
@@ -94,3 +89,22 @@ def _run_controller(args: argparse.Namespace) -> int:
             service.stop_replicas()
         release()
     return 0
+
+
+def _lead(config: GatewayConfig, path: Path) -> Callable[[], None] | None:
+    """Block until this controller leads (``fleet.controller.leader_election``); returns what releases the
+    lease on a clean exit, or None when it cannot take part (said on stderr)."""
+    from gateway.controller_service import hold_lease
+
+    settings = config.controller
+    if settings.leader_election == "file":
+        return hold_lease(path.with_name(path.name + ".lease"), f"polymorph: standby: another controller holds {path}.lease; waiting to take over").close
+    try:
+        from gateway.kube_lease import KubeLease, holder_identity
+    except ImportError as exc:
+        print(f"polymorph: leader_election: kubernetes needs the kubernetes client (pip install -e '.[kubernetes]'): {exc}", file=sys.stderr)
+        return None
+    lease = KubeLease(settings, config.kubernetes.namespace, config.kubernetes.kubeconfig, holder_identity())
+    lease.acquire(lambda why: print(f"polymorph: standby: {why}; waiting to take over", file=sys.stderr, flush=True))
+    print(f"polymorph: leading as {lease.identity} (Lease {lease.where})", file=sys.stderr, flush=True)
+    return lease.close

@@ -94,7 +94,8 @@ def decide(me: str, seen: Observed, now_s: float) -> LeaseDecision:
 
 
 def holder_identity() -> str:
-    """The pod's name (Kubernetes sets HOSTNAME to it) and this process's id."""
+    """The pod's name (Kubernetes sets HOSTNAME to it) and this process's id. A restarted container of the
+    same pod may get the same one (pid 1): it then renews the Lease its dead predecessor held, rightly."""
     return f"{os.environ.get('HOSTNAME') or socket.gethostname()}_{os.getpid()}"
 
 
@@ -112,16 +113,16 @@ def _record(lease: k8s.V1Lease | None) -> LeaseRecord | None:
     return LeaseRecord(spec.holder_identity or "", spec.renew_time, spec.lease_duration_seconds or 0, spec.lease_transitions or 0)
 
 
+class LeaseContended(Exception):
+    """The Lease changed under every write of a round (409 each time): someone else keeps writing it."""
+
+
 def _why(exc: BaseException) -> str:
     if isinstance(exc, ApiException):
         return f"the API server answered {exc.status} {exc.reason}"
     if isinstance(exc, LeaseContended):
         return str(exc)
     return f"the API server is unreachable ({type(exc).__name__})"
-
-
-class LeaseContended(Exception):
-    """The Lease changed under every write of a round (409 each time): someone else keeps writing it."""
 
 
 _FAILURES = (ApiException, LeaseContended, *_TRANSIENT)

@@ -117,13 +117,17 @@ def test_base_renders_validates_and_holds_what_the_gateway_and_controller_need(k
     # the demo tenant is the repository's (a copy: kustomize reads only files below its folder)
     assert (BASE / "polymorph-tenants" / "demo.yaml").read_text() == (REPO / "tenants" / "demo.yaml").read_text()
 
-    # the controller: two pods (leader and standby) on one ReadWriteMany volume, its own service account
+    # the controller: two pods (leader and standby) electing with a Lease, their state on one ReadWriteMany volume,
+    # its own service account
     controller = deployments["polymorph-controller"]
     assert controller["spec"]["replicas"] == 2 and controller["spec"]["strategy"]["type"] == "Recreate"
     pod = controller["spec"]["template"]["spec"]
     assert pod["serviceAccountName"] == "polymorph-controller"
     assert pod["containers"][0]["command"][:2] == ["polymorph", "controller"]
     assert pod["containers"][0]["readinessProbe"]["httpGet"]["path"] == "/healthz"
+    assert config.controller.leader_election == "kubernetes" and config.controller.lease_name == "polymorph-controller"
+    env = {e["name"]: e for e in pod["containers"][0]["env"]}
+    assert env["HOSTNAME"]["valueFrom"]["fieldRef"]["fieldPath"] == "metadata.name"  # the Lease's holder names the pod
     claim = _by_kind(docs, "PersistentVolumeClaim")[pod["volumes"][2]["persistentVolumeClaim"]["claimName"]]
     assert claim["spec"]["accessModes"] == ["ReadWriteMany"]
     assert config.controller.decision_log is not None and str(config.controller.decision_log).startswith(pod["containers"][0]["volumeMounts"][2]["mountPath"])
