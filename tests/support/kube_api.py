@@ -254,7 +254,8 @@ class KubeApi:
 
     def lease(self, name: str) -> Obj | None:
         """A copy of the Lease ``name`` (None when there is none)."""
-        return self.call(lambda: copy.deepcopy(self.leases.get(name)))
+        found: Obj | None = self.call(lambda: copy.deepcopy(self.leases.get(name)))
+        return found
 
     def write_lease(self, name: str, spec: Obj) -> None:
         """Another client writes these fields into the Lease ``name``'s spec (its resourceVersion moves on)."""
