@@ -162,15 +162,8 @@ class Handlers:
                 raise ApiError(429, refusal.message, refusal.code, retry_after_s=refusal.retry_after_s)
             assert state.proxy is not None
             response = await state.proxy.forward(request, runtime, shape, model, raw, stream, outcome, body)  # type: ignore[arg-type]
-        except ApiError as err:
-            outcome.status = err.status
-            if err.status < 500:
-                state.metrics.reject(tenant_name, err.code)
-            response = error_response(err, {"x-polymorph-shape": shape.name} if shape is not None else None)
-        except Exception:  # a bug must cost one request a 500, never the process or a hang
-            traceback.print_exc(file=sys.stderr)
-            outcome.status = 500
-            response = error_response(ApiError(500, "Internal gateway error; it has been logged.", "internal_error"))
+        except Exception as err:  # an ApiError is its envelope; a bug costs one request a 500, never the process or a hang
+            response = self._failed(err, outcome, tenant_name, shape)
         finally:
             if limiter is not None:
                 limiter.release()
@@ -232,20 +225,25 @@ class Handlers:
             response = await state.proxy.forward(request, runtime, shape, model, raw, parsed.stream, outcome, body, endpoint.wire, pinned)  # type: ignore[arg-type]
             if outcome.response_id is not None and parsed.store and outcome.status == 200 and outcome.stream_error is None:
                 self.response_ids.remember(outcome.response_id, outcome.replica)
-        except ApiError as err:
-            outcome.status = err.status
-            if err.status < 500:
-                state.metrics.reject(tenant_name, err.code)
-            response = error_response(err, {"x-polymorph-shape": shape.name} if shape is not None else None)
-        except Exception:  # a bug must cost one request a 500, never the process or a hang
-            traceback.print_exc(file=sys.stderr)
-            outcome.status = 500
-            response = error_response(ApiError(500, "Internal gateway error; it has been logged.", "internal_error"))
+        except Exception as err:  # an ApiError is its envelope; a bug costs one request a 500, never the process or a hang
+            response = self._failed(err, outcome, tenant_name, shape)
         finally:
             if limiter is not None:
                 limiter.release()
         self._record(runtime, tenant_name, tier, model, shape, outcome, loop.time() - started_at, public, endpoint.meter)
         return response
+
+    def _failed(self, err: Exception, outcome: Outcome, tenant_name: str, shape: Shape | None) -> web.Response:
+        """The answer to a request that raised: an ``ApiError``'s envelope (counted as a rejection below 500),
+        anything else a logged 500."""
+        if isinstance(err, ApiError):
+            outcome.status = err.status
+            if err.status < 500:
+                self.state.metrics.reject(tenant_name, err.code)
+            return error_response(err, {"x-polymorph-shape": shape.name} if shape is not None else None)
+        traceback.print_exc(file=sys.stderr)
+        outcome.status = 500
+        return error_response(ApiError(500, "Internal gateway error; it has been logged.", "internal_error"))
 
     def _record(self, runtime: Runtime, tenant: str, tier: str, model: str, shape: Shape | None, outcome: Outcome, duration_s: float,
                 alias: str | None, meter: Meter) -> None:
