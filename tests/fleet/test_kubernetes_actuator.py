@@ -25,12 +25,12 @@ kubernetes = pytest.importorskip("kubernetes", reason="the kubernetes client is 
 
 from fleet.actuators.kubernetes import KubernetesActuator, api_client  # noqa: E402
 from fleet.commands import apply  # noqa: E402
-from fleet.decisions import Decision  # noqa: E402
+from fleet.decisions import Decision, Move  # noqa: E402
 from fleet.engines.launch import EngineLaunch  # noqa: E402
 from fleet.kubernetes_manifests import EnginePool, KubernetesSettings, container_argv, engine_deployment, pool_slug  # noqa: E402
 from fleet.operator import OperatorMoves  # noqa: E402
 from fleet.options import config_json  # noqa: E402
-from fleet.rollout import SlotState  # noqa: E402
+from fleet.rollout import Mover, SlotState  # noqa: E402
 from kernels.config import EngineConfig  # noqa: E402
 from tests.support.kube_api import KubeApi  # noqa: E402
 
@@ -252,6 +252,44 @@ def test_a_30_s_api_outage_mid_move_rolls_the_move_back_whole(cluster: _Cluster)
     # the long pool never ran a second pod; chat went down by one (the drained pod) and back up by one
     assert ("polymorph-engine-long-h100-sxm", 1, 2) not in cluster.api.scale_log
     assert cluster.api.scale_log == [("polymorph-engine-chat-h100-sxm", 2, 1), ("polymorph-engine-chat-h100-sxm", 1, 2)]
+
+
+def test_a_configuration_change_rolls_the_pools_deployment_and_the_slot_takes_the_new_pod(cluster: _Cluster) -> None:
+    """An in-place recompile of l0 (pool long, one pod): drained, then the Deployment's template is patched
+    (container command and config annotation); the rolling update brings a pod of the new configuration,
+    which becomes l0; the chat pool is untouched and no request is lost."""
+    new_config = config_json(EngineConfig(chunked_prefill_size=4096))
+    stop = threading.Event()
+    clients = [threading.Thread(target=cluster.edge.load, args=(stop, i), daemon=True) for i in range(4)]
+    for thread in clients:
+        thread.start()
+    _until(lambda: cluster.edge.served >= 4, 30, "requests served before the change")
+    old_pod = cluster.actuator.pod_of("l0")
+    now = time.monotonic()
+    mover = Mover((Move("l0", LONG, LONG, new_config),), now, drain_timeout_s=60.0, start_timeout_s=60.0)
+    deadline = now + 90.0
+    while not mover.done and time.monotonic() < deadline:
+        now = time.monotonic()
+        apply(mover.advance(now, {s.slot: s for s in cluster.edge.snapshot()}), cluster.edge, now)
+        time.sleep(0.1)
+    _until(cluster.actuator.converged, 30, "the actuator converged")
+    served = cluster.edge.served
+    _until(lambda: cluster.edge.served >= served + 4, 30, "requests served after the change")
+    stop.set()
+    for thread in clients:
+        thread.join(60)
+    replicas, pods = cluster.api.snapshot()
+
+    assert mover.done and not mover.failed and cluster.edge.failures == []
+    state = cluster.actuator.slot_state("l0")
+    assert state is not None and state.pool == LONG and state.config_json == new_config and state.healthy
+    new_pod = cluster.actuator.pod_of("l0")
+    assert new_pod != old_pod
+    pod = next(p for p in pods if p["metadata"]["name"] == new_pod)
+    assert pod["metadata"]["labels"]["pod-template-hash"] == cluster.api.template_hashes()["polymorph-engine-long-h100-sxm"]
+    assert pod["spec"]["containers"][0]["command"] == _render(LONG, GPU, new_config)
+    assert replicas == {"polymorph-engine-chat-h100-sxm": 2, "polymorph-engine-long-h100-sxm": 1}
+    assert cluster.actuator.stats().num_template_writes == 1 and cluster.actuator.stats().num_scale_writes == 0
 
 
 @pytest.mark.skipif(not (os.environ.get("KUBECONFIG") and os.environ.get("POLYMORPH_KUBE_E2E") == "1"),
