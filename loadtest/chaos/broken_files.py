@@ -25,7 +25,7 @@ from kernels.compiler.evaluators import Metrics
 from kernels.compiler.shape import get_shape
 from kernels.compiler.store import Fingerprints, StoreError, TrialStore
 from kernels.config import EngineConfig
-from loadtest.chaos.fleet_faults import ControllerStack, FleetFaultSettings, load_until
+from loadtest.chaos.fleet_faults import ControllerStack, FleetFaultSettings, load_until, long_request
 from loadtest.chaos.load import OK, percentile
 from loadtest.chaos.report import Check, ScenarioResult, summarize
 from loadtest.chaos.stack import POLYMORPH
@@ -59,7 +59,9 @@ async def broken_decision_log(run_dir: Path, settings: FleetFaultSettings) -> Sc
                 return False
             return log["write_error"] is None and log["unwritten"] == 0
 
-        answers, restored_s, retried = await load_until(stack, settings, outage_then_restored)
+        # long prompts into a pool declared for short chats: the controller plans a move, so decisions keep
+        # coming (drift, plan, step, verify) while the log refuses writes and after it takes them again
+        answers, restored_s, retried = await load_until(stack, settings, outage_then_restored, long_request)
         entries_after, log_after = _log_state(stack)
     written = [json.loads(line) for line in path.read_text().splitlines()] if path.is_file() else []
     missing = [e["kind"] for e in entries_after[len(entries):] if {k: e[k] for k in ("at_unix_s", "kind", "evidence")} not in written]

@@ -156,7 +156,7 @@ def test_gateway_runs_and_moves_its_replicas_as_ray_actors_and_stops_clean(tmp_p
 @pytest.mark.parametrize(
     ("fleet", "field", "reason"),
     [
-        ("  actuator: kubernetes\n", "fleet.actuator", "must be 'local'"),
+        ("  actuator: nomad\n", "fleet.actuator", "must be 'local'"),
         ("  actuator: ray\n  ray:\n    address: http://head:8265\n", "fleet.ray.address", "'auto'"),
         ("  actuator: ray\n  ray:\n    address: auto\n    num_gpus: 8\n", "fleet.ray.num_gpus", "local cluster only"),
         ("  actuator: ray\n  ray:\n    num_gpus: 0\n", "fleet.ray.num_gpus", "between 1"),
