@@ -16,7 +16,7 @@ import os
 import sys
 import time
 from pathlib import Path
-from typing import Protocol
+from typing import Any, Protocol
 
 import orjson
 
@@ -116,23 +116,24 @@ def replica_control(config: GatewayConfig, command: tuple[str, ...], log_dir: Pa
 
 def kubernetes_control(config: GatewayConfig) -> ReplicaControl:
     """The pools' engine Deployments in ``fleet.kubernetes.namespace`` (their pods become the slots that
-    ``start_fleet`` names); a configuration change renders the container command as the manifests do."""
+    ``start_fleet`` names); a pool without one, and a configuration change, are rendered as the manifests render them."""
     try:
         from fleet.actuators.kubernetes import KubernetesActuator, api_client
     except ImportError:
         raise SystemExit(f"polymorph: {KUBERNETES_MISSING}") from None
-    from fleet.kubernetes_manifests import EnginePool, container_argv
+    from fleet.kubernetes_manifests import EnginePool, engine_deployment
 
     declared = {p.name: p for p in config.pools}
     by_device = {p.gpu: p for p in reversed(config.pools) if p.num_launched}
-
-    def render(pool: str, gpu: str, config_json: str) -> list[str]:
-        spec = declared.get(pool) or by_device.get(gpu)
-        assert spec is not None, f"no declared pool runs on {gpu}"
-        engine = EngineConfig.from_dict(orjson.loads(config_json))
-        return container_argv(EnginePool(pool, spec.model, gpu, engine, spec.launch, spec.num_launched, config.emulator_speed))
-
     settings = config.kubernetes
+
+    def render(pool: str, gpu: str, config_json: str) -> dict[str, Any]:
+        spec = declared.get(pool) or by_device.get(gpu)
+        if spec is None:
+            raise ValueError(f"no declared pool runs on {gpu}: no engine to run")
+        engine = EngineConfig.from_dict(orjson.loads(config_json))
+        return engine_deployment(EnginePool(pool, spec.model, gpu, engine, spec.launch, 0, config.emulator_speed), settings)
+
     return KubernetesActuator(api_client(settings.kubeconfig), settings.namespace, render)
 
 

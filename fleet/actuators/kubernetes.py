@@ -13,6 +13,9 @@ Deployments' replica counts:
   (the new one) becomes the slot, healthy once Ready. Start with a configuration other than the
   Deployment's patches its container command and ``polymorph.dev/config-json`` annotation (a rolling
   update), and the slot waits for a pod of the new configuration.
+- Start in a pool that has no Deployment (one the controller made, ``<shape>@<gpu>``) creates it, rendered
+  as the manifests render a pool (``RenderDeployment``) with ``spec.replicas: 0``, then scales it up as
+  any other; a ``409 AlreadyExists`` means another writer created it first, and that one is used.
 
 Commands only change what this actuator wants (each pool's replica count, which pods are doomed)
 and return at once; one worker thread reconciles the API server toward it, another keeps the pod
@@ -74,9 +77,10 @@ def api_client(kubeconfig: str | None) -> k8s.ApiClient:
     return k8s.ApiClient(configuration)
 
 
-# (pool, GPU kind, engine config JSON) -> the engine container's command line, as the manifests render it
-# (fleet.kubernetes_manifests.container_argv): what a configuration change patches into the Deployment
-RenderCommand = Callable[[str, str, str], list[str]]
+# (pool, GPU kind, engine config JSON) -> the pool's engine Deployment with spec.replicas 0, as the manifests
+# render it (fleet.kubernetes_manifests.engine_deployment): what a Start into a pool without one creates, and
+# whose container command a configuration change patches in. ValueError: the settings cannot place that pool.
+RenderDeployment = Callable[[str, str, str], dict[str, Any]]
 
 
 @dataclass(frozen=True, slots=True)
@@ -105,6 +109,7 @@ class KubeStats:
     num_scale_writes: int
     num_cost_writes: int
     num_template_writes: int
+    num_deployment_creates: int  # Deployments this actuator created (pools that had none)
 
 
 @dataclass(slots=True)
@@ -117,6 +122,7 @@ class _Pool:
     desired: int  # spec.replicas to reach
     config_json: str  # the configuration its pod template should run
     initial_config_json: str  # what pods without the annotation run (the Deployment's when found)
+    manifest: dict[str, Any] | None = None  # to create: the API server had no Deployment for the pool when last looked
 
 
 @dataclass(slots=True)
@@ -138,6 +144,7 @@ class _Counters:
     scale_writes: int = 0
     cost_writes: int = 0
     template_writes: int = 0
+    deployment_creates: int = 0
     errors: list[str] = field(default_factory=list)  # the last few transient errors, for diagnostics
 
 
@@ -173,9 +180,9 @@ class KubernetesActuator:
     """Replica slots as pods of the pools' engine Deployments (the process half of the controller's
     commands, as ``LocalSlots``); ``add_slot`` + ``start`` adopt the pods the Deployments already run."""
 
-    def __init__(self, api: k8s.ApiClient, namespace: str, render_command: RenderCommand, reconcile_s: float = 1.0) -> None:
+    def __init__(self, api: k8s.ApiClient, namespace: str, render: RenderDeployment, reconcile_s: float = 1.0) -> None:
         self.namespace = namespace
-        self.render_command = render_command
+        self.render = render
         self.reconcile_s = reconcile_s
         self._apps = k8s.AppsV1Api(api)
         self._core = k8s.CoreV1Api(api)
@@ -250,9 +257,8 @@ class KubernetesActuator:
         with self._lock:
             found = self.slots[slot]
             found.pool, found.config_json, found.pod, found.error = pool, config_json, None, None
-            target = self.pools.get(pool)
+            target = self.pools.get(pool) or self._new_pool(found, pool, config_json)
             if target is None:
-                found.error = f"no engine Deployment for pool {pool!r} in namespace {self.namespace!r} (label {ENGINE_SELECTOR})"
                 return
             found.running = True
             if not _same_config(target.config_json, config_json):
@@ -262,6 +268,18 @@ class KubernetesActuator:
                 target.desired += 1
             self._bind()
         self._wake.set()
+
+    def _new_pool(self, slot: _Slot, pool: str, config_json: str) -> _Pool | None:
+        """A pool with no Deployment yet (under the lock): the reconciler creates the one rendered here.
+        None, with the slot's error set, when the settings cannot place it."""
+        try:
+            manifest = self.render(pool, slot.gpu, config_json)
+        except ValueError as exc:
+            slot.error = f"cannot render an engine Deployment for pool {pool!r}: {exc}"
+            return None
+        meta = manifest["metadata"]
+        self.pools[pool] = _Pool(pool, meta["name"], meta["labels"][POOL_LABEL], 0, config_json, config_json, manifest)
+        return self.pools[pool]
 
     def is_healthy(self, slot: str, now: float) -> bool:
         state = self.slot_state(slot)
@@ -287,7 +305,7 @@ class KubernetesActuator:
     def stats(self) -> KubeStats:
         with self._lock:
             c = self._counters
-            return KubeStats(c.conflicts, max(0, c.relists), c.transient, c.scale_writes, c.cost_writes, c.template_writes)
+            return KubeStats(c.conflicts, max(0, c.relists), c.transient, c.scale_writes, c.cost_writes, c.template_writes, c.deployment_creates)
 
     def pod_of(self, slot: str) -> str | None:
         """The name of the pod ``slot`` holds (None: none yet)."""
@@ -432,10 +450,16 @@ class KubernetesActuator:
                 doom = [name for name in doomed if self._pods[name].deletion_cost != DRAINED_COST]
                 spare = [p.name for p in live if p.name in held and p.deletion_cost == DRAINED_COST]
                 gpu = next((s.gpu for s in self.slots.values() if s.pool == name), "")
+                manifest = pool.manifest
             deployment = by_name.get(pool.deployment)
+            if deployment is None and manifest is not None and desired > 0:  # a start rolled back before it went out needs none
+                deployment = self._create(manifest)
             if deployment is None or deployment.metadata is None or deployment.spec is None:
                 continue
             annotations = deployment.metadata.annotations or {}
+            if manifest is not None:
+                with self._lock:  # it exists now: its pods without the annotation run the config it was made with
+                    pool.manifest, pool.initial_config_json = None, annotations.get(CONFIG_ANNOTATION, "{}")
             if not _same_config(annotations.get(CONFIG_ANNOTATION, "{}"), config_json):
                 self._patch_template(pool.deployment, name, gpu, config_json)
             for pod in spare:
@@ -447,6 +471,20 @@ class KubernetesActuator:
                     self._sentenced.update(doomed)
                 self._scale(pool.deployment, desired)
 
+    def _create(self, manifest: dict[str, Any]) -> k8s.V1Deployment:
+        """Create a pool's Deployment; one another writer created first (409 AlreadyExists) is read and used."""
+        try:
+            # the client sends a dict body as the JSON it is (the stubs name only the model class)
+            created: k8s.V1Deployment = self._apps.create_namespaced_deployment(self.namespace, manifest,  # type: ignore[arg-type]
+                                                                                _request_timeout=_REQUEST_TIMEOUT_S)
+        except ApiException as exc:
+            if exc.status != 409:
+                raise
+            return self._apps.read_namespaced_deployment(manifest["metadata"]["name"], self.namespace, _request_timeout=_REQUEST_TIMEOUT_S)
+        with self._lock:
+            self._counters.deployment_creates += 1
+        return created
+
     def _patch_cost(self, pod: str, cost: str) -> None:
         self._core.patch_namespaced_pod(pod, self.namespace, {"metadata": {"annotations": {DELETION_COST: cost}}},
                                         _content_type="application/strategic-merge-patch+json", _request_timeout=_REQUEST_TIMEOUT_S)
@@ -454,7 +492,8 @@ class KubernetesActuator:
             self._counters.cost_writes += 1
 
     def _patch_template(self, deployment: str, pool: str, gpu: str, config_json: str) -> None:
-        command = self.render_command(pool, gpu, config_json)
+        containers = self.render(pool, gpu, config_json)["spec"]["template"]["spec"]["containers"]
+        command = next(c["command"] for c in containers if c["name"] == CONTAINER)
         body = {"metadata": {"annotations": {CONFIG_ANNOTATION: config_json}},
                 "spec": {"template": {"metadata": {"annotations": {CONFIG_ANNOTATION: config_json}},
                                       "spec": {"containers": [{"name": CONTAINER, "command": command, "args": []}]}}}}

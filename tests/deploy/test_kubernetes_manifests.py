@@ -137,7 +137,7 @@ def test_base_renders_validates_and_holds_what_the_gateway_and_controller_need(k
     (role,) = _by_kind(docs, "Role").values()
     rules = {(tuple(r["apiGroups"]), tuple(r["resources"])): r["verbs"] for r in role["rules"]}
     assert rules == {
-        (("apps",), ("deployments", "deployments/scale")): ["get", "list", "watch", "patch", "update"],
+        (("apps",), ("deployments", "deployments/scale")): ["get", "list", "watch", "create", "patch", "update"],
         (("",), ("pods",)): ["get", "list", "watch", "patch"],
         (("discovery.k8s.io",), ("endpointslices",)): ["get", "list", "watch"],
         (("coordination.k8s.io",), ("leases",)): ["get", "create", "update"],

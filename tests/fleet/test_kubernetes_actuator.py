@@ -46,8 +46,8 @@ def _pool(name: str, config_json: str, replicas: int = 1) -> EnginePool:
     return EnginePool(name, MODEL, GPU, EngineConfig.from_dict(orjson.loads(config_json)), EngineLaunch("emulated"), replicas, SPEED)
 
 
-def _render(pool: str, gpu: str, config_json: str) -> list[str]:
-    return container_argv(_pool(pool, config_json))
+def _render(pool: str, gpu: str, config_json: str) -> dict[str, Any]:
+    return engine_deployment(_pool(pool, config_json, 0), KubernetesSettings())
 
 
 @dataclass
@@ -158,8 +158,9 @@ def cluster(tmp_path: Path) -> Iterator[_Cluster]:
         api.close()
 
 
-def _move_under_load(c: _Cluster, start_timeout_s: float = 60.0, limit_s: float = 60.0) -> dict[str, Any]:
-    """Move c1 from chat to long under load; returns what happened."""
+def _move_under_load(c: _Cluster, start_timeout_s: float = 60.0, limit_s: float = 60.0, to_pool: str = LONG,
+                     to_config: str = LONG_CONFIG) -> dict[str, Any]:
+    """Move c1 from chat to ``to_pool`` (long) under load; returns what happened."""
     stop = threading.Event()
     clients = [threading.Thread(target=c.edge.load, args=(stop, i), daemon=True) for i in range(4)]
     for thread in clients:
@@ -169,7 +170,7 @@ def _move_under_load(c: _Cluster, start_timeout_s: float = 60.0, limit_s: float 
     drained_pod = c.actuator.pod_of("c1")
     operator = OperatorMoves(drain_timeout_s=60.0, start_timeout_s=start_timeout_s)
     now = time.monotonic()
-    out = operator.request(now, c.edge.snapshot(), "c1", LONG, LONG_CONFIG)
+    out = operator.request(now, c.edge.snapshot(), "c1", to_pool, to_config)
     apply(out.commands, c.edge, now)
     c.edge.decisions.extend(out.decisions)
     deadline = time.monotonic() + limit_s
@@ -287,9 +288,54 @@ def test_a_configuration_change_rolls_the_pools_deployment_and_the_slot_takes_th
     assert new_pod != old_pod
     pod = next(p for p in pods if p["metadata"]["name"] == new_pod)
     assert pod["metadata"]["labels"]["pod-template-hash"] == cluster.api.template_hashes()["polymorph-engine-long-h100-sxm"]
-    assert pod["spec"]["containers"][0]["command"] == _render(LONG, GPU, new_config)
+    assert pod["spec"]["containers"][0]["command"] == container_argv(_pool(LONG, new_config))
     assert replicas == {"polymorph-engine-chat-h100-sxm": 2, "polymorph-engine-long-h100-sxm": 1}
     assert cluster.actuator.stats().num_template_writes == 1 and cluster.actuator.stats().num_scale_writes == 0
+
+
+def test_a_move_into_a_pool_without_a_deployment_creates_it_and_loses_no_request(cluster: _Cluster) -> None:
+    """The controller's own pool (``<shape>@<gpu>``) has no Deployment: the Start creates one as the manifests
+    render it (0 replicas, then scaled to 1 like any pool), c1's pod leaves chat and c1 serves in the new pool."""
+    short, short_config = "short-chat@H100-SXM", config_json(EngineConfig(chunked_prefill_size=2048))
+    assert short not in cluster.actuator.pools
+    seen = _move_under_load(cluster, to_pool=short, to_config=short_config)
+
+    assert not seen["busy"] and seen["kinds"] == ["step", "verify"], seen["decisions"]
+    assert cluster.edge.failures == [] and cluster.edge.served > 8
+    created = cluster.api.call(lambda: dict(cluster.api.deployments["polymorph-engine-short-chat-h100-sxm"]))
+    labels = {"app.kubernetes.io/name": "polymorph-engine", "app.kubernetes.io/part-of": "polymorph", "polymorph.dev/pool": "short-chat-h100-sxm"}
+    assert created["metadata"]["labels"] == labels and created["spec"]["selector"]["matchLabels"] == labels
+    assert created["spec"]["template"]["metadata"]["labels"] == labels
+    assert created["metadata"]["annotations"] == {"polymorph.dev/pool-name": short, "polymorph.dev/config-json": short_config}
+    assert created["spec"]["template"]["spec"]["containers"][0]["command"] == container_argv(_pool(short, short_config))
+    assert seen["replicas"] == {"polymorph-engine-chat-h100-sxm": 1, "polymorph-engine-long-h100-sxm": 1, "polymorph-engine-short-chat-h100-sxm": 1}
+    assert cluster.api.scale_log == [("polymorph-engine-chat-h100-sxm", 2, 1), ("polymorph-engine-short-chat-h100-sxm", 0, 1)]
+    gone = seen["before_pods"] - {p["metadata"]["name"] for p in seen["pods"]}
+    assert gone == {seen["drained_pod"]}  # exactly the drained pod left chat, no other
+    state = cluster.actuator.slot_state("c1")
+    assert state is not None and state.pool == short and state.config_json == short_config and state.healthy
+    pod = next(p for p in seen["pods"] if p["metadata"]["name"] == cluster.actuator.pod_of("c1"))
+    assert pod["metadata"]["labels"]["polymorph.dev/pool"] == "short-chat-h100-sxm" and "deletionTimestamp" not in pod["metadata"]
+    assert cluster.actuator.argv("c1") == tuple(container_argv(_pool(short, short_config)))
+    assert "c1" in cluster.edge.routable  # the Mover activated it: the requests after the move were served there too
+    stats = cluster.actuator.stats()
+    assert stats.num_deployment_creates == 1 and stats.num_template_writes == 0 and stats.num_scale_writes == 2
+
+
+def test_a_deployment_another_writer_created_first_409_already_exists_is_used(cluster: _Cluster) -> None:
+    """The create meets 409 AlreadyExists (another controller made the pool's Deployment between our list and our
+    create): the actuator reads that one, scales it up, and the move completes."""
+    short, short_config = "short-chat@H100-SXM", config_json(EngineConfig(chunked_prefill_size=2048))
+    cluster.api.create_before_next_create(_render(short, GPU, short_config))
+    seen = _move_under_load(cluster, to_pool=short, to_config=short_config)
+
+    assert not seen["busy"] and seen["kinds"] == ["step", "verify"], seen["decisions"]
+    assert cluster.edge.failures == []
+    assert seen["replicas"] == {"polymorph-engine-chat-h100-sxm": 1, "polymorph-engine-long-h100-sxm": 1, "polymorph-engine-short-chat-h100-sxm": 1}
+    assert cluster.api.scale_log == [("polymorph-engine-chat-h100-sxm", 2, 1), ("polymorph-engine-short-chat-h100-sxm", 0, 1)]
+    state = cluster.actuator.slot_state("c1")
+    assert state is not None and state.pool == short and state.healthy
+    assert cluster.actuator.stats().num_deployment_creates == 0  # its create was refused: it used the other writer's
 
 
 @pytest.mark.skipif(not (os.environ.get("KUBECONFIG") and os.environ.get("POLYMORPH_KUBE_E2E") == "1"),

@@ -4,7 +4,8 @@ aiohttp on 127.0.0.1, in a thread of its own, speaking the real API's JSON for w
 fleet.actuators.kubernetes uses, so the official ``kubernetes`` client talks to it over real HTTP
 through a kubeconfig (``write_kubeconfig``):
 
-- apps/v1 Deployments: list (``labelSelector``), get, patch (strategic-merge-patch: maps merge,
+- apps/v1 Deployments: list (``labelSelector``), get, create (POST; ``409 AlreadyExists`` when the name is
+  taken, ``400`` when the body's namespace is not the URL's; its pods run like any other's), patch (strategic-merge-patch: maps merge,
   ``containers`` merge by ``name``, other lists replace, null deletes; merge-patch+json likewise but
   lists replace), and the ``scale`` subresource: get and patch, answering an autoscaling/v1 Scale whose
   resourceVersion is the Deployment's.
@@ -30,14 +31,15 @@ through a kubeconfig (``write_kubeconfig``):
   A process that exits by itself leaves its pod in CrashLoopBackOff. No image is pulled: the
   container's command runs on this host (``polymorph`` being this checkout's CLI).
 - Fault injection for the tests: ``conflict_next_scale`` (another writer bumps the Deployment just
-  before the next scale patches), ``conflict_next_lease_write`` (likewise a Lease before the next
+  before the next scale patches), ``create_before_next_create`` (another writer creates a Deployment just
+  before the next create), ``conflict_next_lease_write`` (likewise a Lease before the next
   replaces), ``write_lease`` (a write by another client), ``on_scale`` (a hook after each scale patch), ``compact`` (410 Gone
   for every resourceVersion so far, and dropped watches), ``outage`` (for N seconds the port refuses
   connections and open connections are cut).
 
 What it does NOT do (everything else): authentication and RBAC (any token passes), admission,
 validation against the schemas, field selectors, set-based label selectors (only ``k=v,k2=v2``),
-server-side apply, JSON patch, create and update (PUT) verbs but a Lease's, delete, list and watch of
+server-side apply, JSON patch, create but a Lease's and a Deployment's, update (PUT) but a Lease's, delete, list and watch of
 Leases, other resources and API groups (no Services, EndpointSlices, ReplicaSets, Nodes, Events), discovery (``/api``, ``/apis``),
 namespaces as objects, Deployment strategies (maxSurge/maxUnavailable), owner references and garbage collection, probes other than one readiness GET of
 ``/health``, liveness restarts, scheduling, resources and node selectors, preStop hooks, Deployment
@@ -145,6 +147,7 @@ class KubeApi:
         self.on_scale: Callable[[str, int, int], None] | None = None
         self._conflicts_left = 0
         self._lease_conflicts_left = 0
+        self._created_first: Obj | None = None
         self._down = False
         self._pod_serial = 0
         self._loop = asyncio.new_event_loop()
@@ -164,6 +167,7 @@ class KubeApi:
         app = web.Application(middlewares=[self._outage_cut])
         ns = "/namespaces/{ns}"
         app.router.add_get(f"/apis/apps/v1{ns}/deployments", self._list_deployments)
+        app.router.add_post(f"/apis/apps/v1{ns}/deployments", self._create_deployment)
         app.router.add_get(f"/apis/apps/v1{ns}/deployments/{{name}}", self._get_deployment)
         app.router.add_patch(f"/apis/apps/v1{ns}/deployments/{{name}}", self._patch_deployment)
         app.router.add_get(f"/apis/apps/v1{ns}/deployments/{{name}}/scale", self._get_scale)
@@ -228,15 +232,7 @@ class KubeApi:
 
     def add_deployment(self, deployment: Obj) -> str:
         """Create a Deployment as rendered (fleet.kubernetes_manifests.engine_deployment); returns its name."""
-        deployment = copy.deepcopy(deployment)
-        deployment["metadata"].update({"namespace": self.namespace, "uid": str(uuid.uuid4()), "generation": 1, "creationTimestamp": _now()})
-        deployment["status"] = {"replicas": 0, "readyReplicas": 0}
-
-        def add() -> None:
-            self.deployments[deployment["metadata"]["name"]] = deployment
-            self._bump(deployment)
-        self.call(add)
-        return str(deployment["metadata"]["name"])
+        return str(self.call(lambda: self._store_deployment(deployment))["metadata"]["name"])
 
     def snapshot(self) -> tuple[dict[str, int], list[Obj]]:
         """(Deployment -> spec.replicas, a copy of every pod)."""
@@ -256,6 +252,12 @@ class KubeApi:
         """A copy of the Lease ``name`` (None when there is none)."""
         found: Obj | None = self.call(lambda: copy.deepcopy(self.leases.get(name)))
         return found
+
+    def create_before_next_create(self, deployment: Obj) -> None:
+        """Another writer creates ``deployment`` just before the next Deployment create (which then meets it)."""
+        def arm() -> None:
+            self._created_first = copy.deepcopy(deployment)
+        self.call(arm)
 
     def write_lease(self, name: str, spec: Obj) -> None:
         """Another client writes these fields into the Lease ``name``'s spec (its resourceVersion moves on)."""
@@ -328,6 +330,33 @@ class KubeApi:
         self._ns(request)
         items = [d for d in self.deployments.values() if _selects(request.query.get("labelSelector"), d["metadata"]["labels"])]
         return web.json_response({"apiVersion": "apps/v1", "kind": "DeploymentList", "metadata": {"resourceVersion": str(self.rv)}, "items": items})
+
+    async def _create_deployment(self, request: web.Request) -> web.Response:
+        self._ns(request)
+        body = await request.json()
+        if not isinstance(body, dict) or not isinstance(body.get("metadata"), dict) or not isinstance(body.get("spec"), dict):
+            raise _Failure(400, "BadRequest", "the body is not a Deployment")
+        name = str(body["metadata"].get("name") or "")
+        if not name:
+            raise _Failure(422, "Invalid", "Deployment.apps is invalid: metadata.name: Required value: name or generateName is required")
+        if body["metadata"].get("namespace", self.namespace) != self.namespace:
+            raise _Failure(400, "BadRequest", "the namespace of the provided object does not match the namespace sent on the request")
+        if self._created_first is not None:
+            self._store_deployment(self._created_first)
+            self._created_first = None
+        if name in self.deployments:
+            raise _Failure(409, "AlreadyExists", f'deployments.apps "{name}" already exists')
+        return web.json_response(self._store_deployment(body), status=201)
+
+    def _store_deployment(self, deployment: Obj) -> Obj:
+        """A new Deployment as the API server stores one (on the loop): the kubelet loop runs its pods from now on."""
+        deployment = copy.deepcopy(deployment)
+        deployment["metadata"].update({"namespace": self.namespace, "uid": str(uuid.uuid4()), "generation": 1, "creationTimestamp": _now()})
+        deployment["metadata"].pop("resourceVersion", None)
+        deployment["status"] = {"replicas": 0, "readyReplicas": 0}
+        self.deployments[deployment["metadata"]["name"]] = deployment
+        self._bump(deployment)
+        return deployment
 
     async def _get_deployment(self, request: web.Request) -> web.Response:
         return web.json_response(self._deployment(request))
