@@ -20,6 +20,7 @@ from aiohttp import web
 
 from classifiers.shape import Shape
 from gateway.admin import AdminHandlers
+from gateway.admission import Limiter
 from gateway.config import GatewayConfig, Tenant
 from gateway.dashboard import add_dashboard_routes, is_admin_request
 from gateway.endpoints import CHAT_METER, COMPLETIONS_METER, EMBEDDINGS, RERANK, RERANK_PATHS, RESPONSES, SCORE, SCORE_PATHS, Endpoint, Meter
@@ -148,18 +149,9 @@ class Handlers:
             model, stream, max_tokens = validate_body(body, chat)
             public, model, raw = _resolve_model(runtime, tenant, body, model, raw)  # type: ignore[arg-type]
             shape = runtime.classifier.classify(body, chat=chat, tenant=tenant.name, tier=tier)  # type: ignore[arg-type]
-            if state.live is not None:
-                state.live.telemetry.record_arrival(state.live.now(), shape.name, tier, shape.prompt_tokens)
-            state.metrics.child(state.metrics.shapes, shape.name, shape.domain).inc()
-            limiter = runtime.limiters[tenant.name]
             # every choice generated counts: n completions (best_of candidates) of up to max_tokens each
             choices = max(body.get("n") or 1, body.get("best_of") or 1)
-            num_tokens = shape.prompt_tokens + choices * (max_tokens or shape.predicted_output_p50)
-            # a limits store (limits.store) answers over the network; the in-process and shared-memory limiters at once
-            refusal = limiter.admit(num_tokens, loop.time()) if limiter.synchronous else await limiter.admit_async(num_tokens, loop.time())
-            if refusal is not None:
-                limiter = None
-                raise ApiError(429, refusal.message, refusal.code, retry_after_s=refusal.retry_after_s)
+            limiter = await self._admit(runtime, tenant.name, tier, shape, shape.prompt_tokens + choices * (max_tokens or shape.predicted_output_p50))
             assert state.proxy is not None
             response = await state.proxy.forward(request, runtime, shape, model, raw, stream, outcome, body)  # type: ignore[arg-type]
         except Exception as err:  # an ApiError is its envelope; a bug costs one request a 500, never the process or a hang
@@ -212,15 +204,8 @@ class Handlers:
                                    "its own responses, and this gateway process did not proxy that one (or has forgotten it).",
                                    "previous_response_not_found", "previous_response_id")
             shape = runtime.classifier.classify(parsed.classify_body, chat=parsed.chat, tenant=tenant.name, tier=tier)
-            if state.live is not None:
-                state.live.telemetry.record_arrival(state.live.now(), shape.name, tier, shape.prompt_tokens)
-            state.metrics.child(state.metrics.shapes, shape.name, shape.domain).inc()
-            limiter = runtime.limiters[tenant.name]
             num_tokens = shape.prompt_tokens + ((parsed.max_output_tokens or shape.predicted_output_p50) if parsed.has_output else 0)
-            refusal = limiter.admit(num_tokens, loop.time()) if limiter.synchronous else await limiter.admit_async(num_tokens, loop.time())
-            if refusal is not None:
-                limiter = None
-                raise ApiError(429, refusal.message, refusal.code, retry_after_s=refusal.retry_after_s)
+            limiter = await self._admit(runtime, tenant.name, tier, shape, num_tokens)
             assert state.proxy is not None
             response = await state.proxy.forward(request, runtime, shape, model, raw, parsed.stream, outcome, body, endpoint.wire, pinned)  # type: ignore[arg-type]
             if outcome.response_id is not None and parsed.store and outcome.status == 200 and outcome.stream_error is None:
@@ -232,6 +217,21 @@ class Handlers:
                 limiter.release()
         self._record(runtime, tenant_name, tier, model, shape, outcome, loop.time() - started_at, public, endpoint.meter)
         return response
+
+    async def _admit(self, runtime: Runtime, tenant: str, tier: str, shape: Shape, num_tokens: int) -> Limiter:
+        """A classified request counted (the controller's telemetry, the shape metric) and admitted by its
+        tenant's limiter, which the caller releases when it ends; a refusal raises the 429."""
+        state = self.state
+        if state.live is not None:
+            state.live.telemetry.record_arrival(state.live.now(), shape.name, tier, shape.prompt_tokens)
+        state.metrics.child(state.metrics.shapes, shape.name, shape.domain).inc()
+        limiter = runtime.limiters[tenant]
+        now = asyncio.get_running_loop().time()
+        # a limits store (limits.store) answers over the network; the in-process and shared-memory limiters at once
+        refusal = limiter.admit(num_tokens, now) if limiter.synchronous else await limiter.admit_async(num_tokens, now)
+        if refusal is not None:
+            raise ApiError(429, refusal.message, refusal.code, retry_after_s=refusal.retry_after_s)
+        return limiter
 
     def _failed(self, err: Exception, outcome: Outcome, tenant_name: str, shape: Shape | None) -> web.Response:
         """The answer to a request that raised: an ``ApiError``'s envelope (counted as a rejection below 500),
