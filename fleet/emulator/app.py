@@ -83,17 +83,18 @@ class EmulatorState:
         self.ids = itertools.count(1)
         self.id_prefix = f"{os.getpid():x}"
         self.embedding_dimensions = settings.embedding_dimensions or model.hidden_size
-        # Responses this replica stored: id -> the tokens of the conversation so far, which a follow-up
-        # naming it as previous_response_id carries in its prompt.
-        self.stored_responses: OrderedDict[str, int] = OrderedDict()
+        # Responses this replica stored: id -> the tokens of the conversation so far (which a follow-up
+        # naming it as previous_response_id carries in its prompt) and the response object, which
+        # GET /v1/responses/{id} answers, as vLLM's does
+        self.stored_responses: OrderedDict[str, tuple[int, bytes]] = OrderedDict()
         # Set by the server once it listens; closes the listening socket for a while.
         self.refuse_connections: Callable[[float], Coroutine[Any, Any, None]] | None = None
 
     def new_req_id(self, prefix: str) -> str:
         return f"{prefix}-{self.id_prefix}{next(self.ids):08x}"
 
-    def store_response(self, response_id: str, context_tokens: int) -> None:
-        self.stored_responses[response_id] = context_tokens
+    def store_response(self, response_id: str, context_tokens: int, response: bytes) -> None:
+        self.stored_responses[response_id] = (context_tokens, response)
         if len(self.stored_responses) > _MAX_STORED_RESPONSES:
             self.stored_responses.popitem(last=False)
 
@@ -268,7 +269,8 @@ async def _answer_responses(request: web.Request, renderer: ResponsesRenderer, s
         except ConnectionResetError:
             return answer  # the client left before the end: nothing was stored
     if renderer.body.get("store") is not False:
-        request.app[STATE].store_response(renderer.req_id, generation.prompt_tokens + generation.output_tokens)
+        request.app[STATE].store_response(renderer.req_id, generation.prompt_tokens + generation.output_tokens,
+                                          renderer.full(stream.num_cached_tokens))
     return answer
 
 
@@ -285,8 +287,16 @@ async def responses(request: web.Request) -> web.StreamResponse:
         found = state.stored_responses.get(previous) if isinstance(previous, str) else None
         if found is None:
             return _error(f"Previous response with id {str(previous)[:200]!r} not found.", 400, "previous_response_id")
-        context_tokens = found
+        context_tokens = found[0]
     return await _serve(request, lambda b, m, d: parse_responses(b, m, d, context_tokens), "resp")
+
+
+async def retrieve_response(request: web.Request) -> web.Response:
+    """``GET /v1/responses/{response_id}``: a stored response, or vLLM's 404 for one this replica does not hold."""
+    found = request.app[STATE].stored_responses.get(request.match_info["response_id"])
+    if found is None:
+        return _error(f"Response with id {request.match_info['response_id'][:200]!r} not found.", 404)
+    return web.Response(body=found[1], content_type=_JSON)
 
 
 # --- pooling: embeddings, rerank, score -----------------------------------------------------------
@@ -475,6 +485,7 @@ def build_app(settings: EmulatorSettings) -> web.Application:
         web.post("/v1/completions", completions),
         web.post("/v1/embeddings", embeddings),
         web.post("/v1/responses", responses),
+        web.get("/v1/responses/{response_id}", retrieve_response),
         web.post("/v1/rerank", rerank),
         web.post("/rerank", rerank),
         web.post("/v1/score", score),
