@@ -15,7 +15,7 @@ from fleet.engines.launch import EngineLaunch, argument_problems, launch_argv, l
 from kernels.compiler.gates import LlamacppFlagGate
 from kernels.config import EngineConfig
 from tests.conftest import free_port
-from tests.support.engines import LLAMA_START_TIMEOUT_S, VLLM_START_TIMEOUT_S
+from tests.support.engines import LLAMA_START_TIMEOUT_S, VLLM_START_TIMEOUT_S, chat_both_ways
 from tests.support.procs import start
 
 VLLM_MODULE = ("-m", "vllm.entrypoints.openai.api_server")
@@ -139,10 +139,12 @@ def test_vllm_runs_the_rendered_command_line_on_its_cores_with_its_pool(vllm_pyt
     proc = start([*argv[1:], "--host", "127.0.0.1", "--port", str(port)], port, log, "/health",
                  command=argv[:1], timeout_s=VLLM_START_TIMEOUT_S, env=launch_env(launch, "cpu", ("0",)))
     try:
+        chat_both_ways(proc.url)  # the pool's command line serves the tiny model through the SDK, plain and streamed
         with urllib.request.urlopen(proc.url + "/metrics", timeout=10) as resp:
             metrics = resp.read().decode()
     finally:
         proc.stop()
+    assert "vllm:num_requests_running" in metrics
     info = next(line for line in metrics.splitlines() if line.startswith("vllm:cache_config_info{"))
     assert 'num_gpu_blocks="125"' in info and 'block_size="32"' in info and 'kv_cache_size_tokens="4000"' in info
     assert "core ids=[0]" in log.read_text()  # its OpenMP threads stay on the replica's core
