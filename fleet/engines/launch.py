@@ -3,7 +3,7 @@
 ``launch_argv`` is a replica's command line without ``--host H --port P`` (the actuator appends them;
 llama-server, vLLM's api_server and sglang's launch_server all take both): the engine's command, the
 pool's ``EngineConfig`` rendered by ``kernels.config`` for that engine, the launch settings (served
-model name, metrics, threads), the device's choices, then the operator's ``extra_args`` (last, so
+model name, LoRA adapters, metrics, threads), the device's choices, then the operator's ``extra_args`` (last, so
 they win where a flag repeats). ``launch_env`` is its environment; ``argument_problems`` asks the
 engine's own parser (vLLM, sglang) or ``llama-server --help`` whether it takes the command line.
 """
