@@ -12,9 +12,9 @@ from __future__ import annotations
 
 import os
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import orjson
-from dataclasses import dataclass
 
 from fleet.engines import install
 from kernels.compiler.gates import GateResult, LlamacppFlagGate, ParserGate
