@@ -14,6 +14,8 @@ import yaml
 
 from gateway.config import load_config
 from gateway.yamlsrc import ConfigError
+from loadtest.demo_credentials import DEMO_API_KEY
+from tests.conftest import REPO
 from tests.support.procs import start_emulator, start_gateway, write_tenant
 
 KEY, CHAT_ONLY_KEY = "sk-test-lora", "sk-test-lora-chat-only"
@@ -96,3 +98,16 @@ def test_a_bad_adapter_declaration_is_a_config_error_with_its_line(tmp_path: Pat
     assert info.value.field.startswith(field) and reason in info.value.reason and info.value.file.endswith("config.yaml")
     lines = Path(info.value.file).read_text().splitlines()
     assert info.value.line is not None and lines[info.value.line - 1].lstrip().startswith(key + ":")  # the line that declares it
+
+
+def test_the_lora_example_routes_an_alias_and_an_adapter_to_their_pools(tmp_path: Path) -> None:
+    """examples/lora.yaml, as `make run CONFIG=examples/lora.yaml` serves it (the demo tenant's key)."""
+    gateway = start_gateway(tmp_path, ["--config", str(REPO / "examples" / "lora.yaml"), "--no-access-log"])
+    try:
+        client = openai.OpenAI(base_url=f"{gateway.url}/v1", api_key=DEMO_API_KEY, max_retries=0)
+        aliased = client.completions.with_raw_response.create(model="assistant", prompt="Hi", max_tokens=2)
+        adapted = client.completions.with_raw_response.create(model="chat-lora", prompt="Hi", max_tokens=2)
+    finally:
+        gateway.stop()
+    assert aliased.headers["x-polymorph-pool"] in {"plain", "tuned"} and aliased.parse().model == BASE
+    assert adapted.headers["x-polymorph-pool"] == "tuned" and adapted.parse().model == "chat-lora"
