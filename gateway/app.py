@@ -19,6 +19,7 @@ import orjson
 from aiohttp import web
 
 from classifiers.shape import Shape
+from gateway.adapters import listed_adapters
 from gateway.admin import AdminHandlers
 from gateway.admission import Limiter
 from gateway.config import GatewayConfig, Tenant
@@ -105,7 +106,8 @@ def _met_slo(runtime: Runtime, tier: str, outcome: Outcome) -> bool:
 
 def _resolve_model(runtime: Runtime, tenant: Tenant, body: dict[str, object], model: str, raw: bytes) -> tuple[str | None, str, bytes]:
     """(the alias the client named or None, the served model, the body to send) of a request naming
-    ``model``; raises 404 for a model no pool serves and 403 for one the tenant may not use."""
+    ``model``; raises 404 for a model no pool serves and 403 for one the tenant may not use (an adapter: the
+    adapter and its base model must both be allowed). An adapter keeps its name: engines select it by it."""
     public = None
     alias = runtime.config.aliases.get(model) if runtime.config.aliases else None
     if alias is not None:  # resolved before anything else looks at the model; only aliased requests pay the re-encode
@@ -114,7 +116,9 @@ def _resolve_model(runtime: Runtime, tenant: Tenant, body: dict[str, object], mo
         raw = orjson.dumps(body)
     if not any(pool.serves(model) for pool in runtime.pools):
         raise ApiError(404, f"The model {model[:200]!r} does not exist on this gateway.", "model_not_found", "model")
-    if not (tenant.may_use_model(model) or (public is not None and tenant.may_use_model(public))):
+    base = runtime.adapter_base.get(model)
+    if not (tenant.may_use_adapter(model, base) if base is not None else
+            tenant.may_use_model(model) or (public is not None and tenant.may_use_model(public))):
         raise ApiError(403, f"This key may not use model {model[:200]!r}.", "model_not_allowed", "model")
     return public, model, raw
 
@@ -334,8 +338,9 @@ class Handlers:
         data = [
             {"id": model, "object": "model", "created": 0, "owned_by": "polymorph"}
             for model in runtime.served_models()
-            if tenant.may_use_model(model)
+            if model not in runtime.adapter_base and tenant.may_use_model(model)
         ]
+        data += listed_adapters(runtime.adapter_base, tenant)
         served = set(runtime.served_models())
         data += [
             {"id": public, "object": "model", "created": 0, "owned_by": "polymorph", "root": alias.model}

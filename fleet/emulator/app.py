@@ -59,6 +59,7 @@ class EmulatorSettings:
     speed: float = 1.0  # engine seconds per wall second
     faults: FaultSpec = field(default_factory=FaultSpec)
     embedding_dimensions: int | None = None  # default: the model's hidden size
+    adapters: tuple[tuple[str, str], ...] = ()  # LoRA adapters it answers to as vLLM does: (name, path)
 
 
 class EmulatorState:
@@ -75,6 +76,7 @@ class EmulatorState:
         self.gpu = gpu
         self.perf = perf
         self.served_model_name = settings.served_model_name or model.name
+        self.adapters = dict(settings.adapters)
         self.max_context = model.max_context
         self.driver = EngineDriver([Engine(perf, perf.config) for _ in range(perf.config.dp)], settings.speed)
         self.faults = FaultPlan(settings.faults)
@@ -154,6 +156,9 @@ async def _serve(request: web.Request, parse: Parser, id_prefix: str) -> web.Str
         generation = parse(body, state.max_context, state.domains)
     except BadRequest as exc:
         return _error(str(exc), 400, exc.param)
+    name = _answering_name(state, body)
+    if name is None:
+        return _error(f"The model `{str(body.get('model'))[:200]}` does not exist.", 404, "model")
     # Tokenisation, scheduling and detokenisation cost a real server this much per request; the
     # performance model charges the same to TTFT, so the emulator and the predictions agree.
     await asyncio.sleep(state.perf.request_overhead_s * state.driver.slowdown / state.settings.speed)
@@ -168,8 +173,8 @@ async def _serve(request: web.Request, parse: Parser, id_prefix: str) -> web.Str
         if generation.kind == "generate":
             return await _answer_generate(request, generation, stream, fault)
         if generation.kind == "responses":
-            return await _answer_responses(request, ResponsesRenderer(generation, req_id, state.served_model_name, int(time.time()), body), stream, fault)
-        renderer = OpenAIRenderer(generation, req_id, state.served_model_name, int(time.time()))
+            return await _answer_responses(request, ResponsesRenderer(generation, req_id, name, int(time.time()), body), stream, fault)
+        renderer = OpenAIRenderer(generation, req_id, name, int(time.time()))
         if generation.stream:
             return await _stream_openai(request, renderer, stream, fault)
         await _wait_all(request, stream, fault)
@@ -177,6 +182,18 @@ async def _serve(request: web.Request, parse: Parser, id_prefix: str) -> web.Str
     finally:
         if not stream.is_finished:
             state.driver.abort(req_id)
+
+
+def _answering_name(state: EmulatorState, body: dict[str, Any]) -> str | None:
+    """The model id the response reports: the adapter the request names, else the served model. None: a model
+    this replica does not serve, which only a replica that loads adapters refuses (vLLM's 404); one without
+    adapters answers any name, as it always has (tests and tools name the emulated model loosely)."""
+    asked = body.get("model")
+    if isinstance(asked, str) and asked in state.adapters:
+        return asked
+    if state.adapters and asked is not None and asked != state.served_model_name:
+        return None
+    return state.served_model_name
 
 
 async def _next_tokens(request: web.Request, stream: TokenStream, num_sent: int, fault: RequestFault,
@@ -389,10 +406,12 @@ async def generate(request: web.Request) -> web.StreamResponse:
 async def models(request: web.Request) -> web.Response:
     state = request.app[STATE]
     name = state.served_model_name
+    adapters = [{"id": adapter, "object": "model", "created": 0, "owned_by": "vllm", "root": path, "parent": name}
+                for adapter, path in state.adapters.items()]  # as vLLM lists its LoRA modules
     return _json_response({"object": "list", "data": [{
         "id": name, "object": "model", "created": 0, "owned_by": "sglang", "root": name,
         "max_model_len": state.max_context,
-    }]})
+    }, *adapters]})
 
 
 async def health(request: web.Request) -> web.Response:
