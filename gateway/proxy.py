@@ -20,6 +20,7 @@ from fleet.health import HealthState
 from fleet.pool import PoolState, ReplicaState
 from fleet.router import Reject, Route, RouterSettings, Wait, route
 from fleet.router_steps import work_units
+from gateway.adapters import engine_model, with_model
 from gateway.admission import RetryBudget
 from gateway.config import UpstreamSettings
 from gateway.errors import ApiError, error_body, sse_error_event
@@ -202,6 +203,8 @@ class Proxy:
             pool = next((p for p in runtime.pools if p.name == decision.pool), None)
             priority = engine_priority(pool, tier.priority) if pool is not None and tier is not None and wire.priority else None
             sent_body = upstream_body(raw_body, body, strip_usage, priority)
+            if runtime.adapter_base and pool is not None and (renamed := engine_model(pool.engine_kind, model, runtime.adapter_base.get(model))):
+                sent_body = with_model(sent_body, renamed)
             outcome.pool, outcome.replica = decision.pool, decision.replica
             outcome.attempts += 1
             tried.append(replica.name)
