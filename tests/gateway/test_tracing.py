@@ -10,7 +10,9 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Coroutine, Iterator
+import urllib.request
+from collections.abc import Callable, Coroutine, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -60,6 +62,8 @@ class _Engine:
     """A small OpenAI-compatible engine that records the headers of each completion request."""
 
     seen: list[dict[str, str]] = field(default_factory=list)
+    num_failing: int = 0  # answer the first requests 503 (a retry's first attempt)
+    holding: bool = False  # keep the requests waiting until the test lets them go (a pool queue fills)
 
     async def models(self, request: web.Request) -> web.Response:
         return web.json_response({"object": "list", "data": [{"id": MODEL, "object": "model"}]})
@@ -70,6 +74,10 @@ class _Engine:
     async def chat(self, request: web.Request) -> web.StreamResponse:
         self.seen.append({k.lower(): v for k, v in request.headers.items()})
         body = await request.json()
+        if len(self.seen) <= self.num_failing:
+            return web.json_response({"error": {"message": "overloaded"}}, status=503)
+        while self.holding:
+            await asyncio.sleep(0.01)
         usage = {"prompt_tokens": 5, "completion_tokens": 2, "total_tokens": 7}
         if not body.get("stream"):
             return web.json_response({"id": "c1", "object": "chat.completion", "created": 0, "model": MODEL, "usage": usage,
@@ -100,13 +108,13 @@ async def _serve(app: web.Application, port: int) -> web.AppRunner:
     return runner
 
 
-def _config(tmp_path: Path, engine_url: str, tracing: object = None) -> Path:
+def _config(tmp_path: Path, engine_url: str, tracing: object = None, num_replicas: int = 1, **pool: object) -> Path:
     (tmp_path / "tenants").mkdir(exist_ok=True)
     write_tenant(tmp_path / "tenants", "apps", KEY)
     config: dict[str, object] = {
         "server": {"host": "127.0.0.1", "access_log": False},
         "tenants_dir": "tenants",
-        "fleet": {"pools": [{"name": "main", "model": MODEL, "replicas": {"urls": [engine_url]}}]},
+        "fleet": {"pools": [{"name": "main", "model": MODEL, "replicas": {"urls": [engine_url] * num_replicas}, **pool}]},
     }
     if tracing is not None:
         config["tracing"] = tracing
@@ -122,16 +130,17 @@ class _Gateway:
 
 
 @contextmanager
-def _gateway(tmp_path: Path, exporter: InMemorySpanExporter | None) -> Iterator[_Gateway]:
+def _gateway(tmp_path: Path, exporter: InMemorySpanExporter | None, engine: _Engine | None = None, num_replicas: int = 1,
+             **pool: object) -> Iterator[_Gateway]:
     """A gateway app in this process (tracing on with ``exporter``, else off) before a fake engine; the
     spans are flushed to the exporter when the block ends (the app's cleanup shuts the tracer down)."""
-    loop, engine = _Loop(), _Engine()
+    loop, engine = _Loop(), engine or _Engine()
     engine_port, gateway_port = free_port(), free_port()
     runners: list[web.AppRunner] = []
     try:
         runners.append(loop.run(_serve(engine.app(), engine_port)))
         tracing = {"enabled": True} if exporter is not None else None
-        config = load_config(_config(tmp_path, f"http://127.0.0.1:{engine_port}", tracing))
+        config = load_config(_config(tmp_path, f"http://127.0.0.1:{engine_port}", tracing, num_replicas, **pool))
         runners.append(loop.run(_serve(build_app(config, span_exporter=exporter), gateway_port)))
         yield _Gateway(f"http://127.0.0.1:{gateway_port}", engine)
     finally:
@@ -199,6 +208,54 @@ def test_an_unknown_model_gives_an_error_span_and_no_upstream_call(tmp_path: Pat
     assert request.parent is None  # no traceparent came: the trace starts here
 
 
+def test_a_retried_request_has_a_span_per_attempt_and_counts_its_retry(tmp_path: Path) -> None:
+    exporter = InMemorySpanExporter()
+    with _gateway(tmp_path, exporter, _Engine(num_failing=1), num_replicas=2) as gateway:
+        assert _chat(gateway, {}) == "hi there"
+    spans = exporter.get_finished_spans()
+    [request] = [s for s in spans if s.kind is SpanKind.SERVER]
+    attempts = sorted((s for s in spans if s.name == "polymorph.upstream"), key=lambda s: s.start_time or 0)
+    assert (request.attributes or {})["polymorph.retries"] == 1 and len(attempts) == 2
+    assert [(a.attributes or {})["http.response.status_code"] for a in attempts] == [503, 200]
+    assert [a.status.status_code for a in attempts] == [StatusCode.ERROR, StatusCode.UNSET]
+    assert (attempts[1].attributes or {})["polymorph.replica"] == (request.attributes or {})["polymorph.replica"]
+    # each attempt told the engine its own span
+    assert [seen["traceparent"].split("-")[2] for seen in gateway.engine.seen] == [f"{a.context.span_id:016x}" for a in attempts if a.context]
+
+
+def test_a_request_that_waits_in_its_pool_queue_gets_a_queue_span(tmp_path: Path) -> None:
+    exporter = InMemorySpanExporter()
+    engine = _Engine(holding=True)
+    with _gateway(tmp_path, exporter, engine, max_in_flight_per_replica=1) as gateway, ThreadPoolExecutor(2) as pool:
+        batch = {"x-polymorph-tier": "batch"}  # a long wait budget: the queued request is not shed while the test looks
+        first = pool.submit(_chat, gateway, batch)
+        _until(lambda: len(engine.seen) == 1)
+        second = pool.submit(_chat, gateway, batch)
+        _until(lambda: 'polymorph_pool_queue_depth{pool="main",tier="batch"} 1.0' in _get(gateway.url + "/metrics"))
+        engine.holding = False
+        assert first.result(30) == second.result(30) == "hi there"
+    spans = exporter.get_finished_spans()
+    queues = [s for s in spans if s.name == "polymorph.queue"]
+    assert len(queues) == 1 and queues[0].parent is not None
+    [waited] = [s for s in spans if s.context is not None and s.context.span_id == queues[0].parent.span_id]
+    attrs = dict(waited.attributes or {})
+    assert attrs["polymorph.queue_wait_s"] == (queues[0].attributes or {})["polymorph.queue_wait_s"]
+    assert float(attrs["polymorph.queue_wait_s"]) > 0  # type: ignore[arg-type]
+    assert "polymorph.slo_chance" in attrs and attrs["polymorph.tier"] == "batch"
+
+
+def _until(condition: Callable[[], bool]) -> None:
+    deadline = time.monotonic() + 20
+    while not condition():
+        assert time.monotonic() < deadline, "the condition did not come true within 20 s"
+        time.sleep(0.02)
+
+
+def _get(url: str) -> str:
+    with urllib.request.urlopen(url, timeout=10) as resp:
+        return str(resp.read().decode())
+
+
 @pytest.mark.parametrize(("sent", "forwarded"), [
     ({"traceparent": TRACEPARENT, "tracestate": "vendor=1"}, {"traceparent": TRACEPARENT, "tracestate": "vendor=1"}),
     ({"traceparent": "00-not-hex-01", "tracestate": "vendor=1"}, {}),
@@ -232,11 +289,13 @@ def test_a_bad_sample_ratio_is_a_config_error_naming_its_line(tmp_path: Path) ->
 
 def test_spans_reach_an_otlp_collector_from_a_polymorph_serve_process(tmp_path: Path) -> None:
     received: list[ExportTraceServiceRequest] = []
+    tokens: list[str] = []  # the configured headers each export carried
 
     async def collect(request: web.Request) -> web.Response:
         message = ExportTraceServiceRequest()
         message.ParseFromString(await request.read())
         received.append(message)
+        tokens.append(request.headers.get("x-collector-token", ""))
         return web.Response(body=b"", content_type="application/x-protobuf")
 
     collector_app = web.Application()
@@ -269,7 +328,7 @@ def test_spans_reach_an_otlp_collector_from_a_polymorph_serve_process(tmp_path: 
     attrs = {a.key: a.value for a in request.attributes}
     assert attrs["polymorph.pool"].string_value == "main" and attrs["http.response.status_code"].int_value == 200
     resources = {a.key: a.value.string_value for r in received for rs in r.resource_spans for a in rs.resource.attributes}
-    assert resources["service.name"] == "polymorph-test"
+    assert resources["service.name"] == "polymorph-test" and set(tokens) == {"t0ken"}
 
 
 def _otlp_spans(received: list[ExportTraceServiceRequest]) -> list[Any]:
