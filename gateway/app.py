@@ -166,6 +166,10 @@ class Handlers:
             response = await state.proxy.forward(request, runtime, shape, model, raw, stream, outcome, body, trace=trace)  # type: ignore[arg-type]
         except Exception as err:  # an ApiError is its envelope; a bug costs one request a 500, never the process or a hang
             response = self._failed(err, outcome, tenant_name, shape)
+        except asyncio.CancelledError:  # the client went away: its span still ends, with no answer
+            if trace is not None:
+                trace.finish(0, tenant_name, tier, model, shape, outcome)
+            raise
         finally:
             if limiter is not None:
                 limiter.release()
@@ -228,6 +232,10 @@ class Handlers:
                 self.response_ids.remember(outcome.response_id, outcome.replica)
         except Exception as err:  # an ApiError is its envelope; a bug costs one request a 500, never the process or a hang
             response = self._failed(err, outcome, tenant_name, shape)
+        except asyncio.CancelledError:  # the client went away: its span still ends, with no answer
+            if trace is not None:
+                trace.finish(0, tenant_name, tier, model, shape, outcome)
+            raise
         finally:
             if limiter is not None:
                 limiter.release()

@@ -134,9 +134,9 @@ class RequestTrace:
         return UpstreamSpan(span, b"".join(b"%s: %s\r\n" % (k.encode("ascii"), v.encode("ascii")) for k, v in carrier.items()))
 
     def finish(self, status: int, tenant: str, tier: str, model: str, shape: Shape | None, outcome: Outcome) -> None:
+        """End the request span with what happened; ``status`` 0: no answer (the client went away)."""
         span = self.span
         attributes: dict[str, str | int | float] = {
-            "http.response.status_code": status,
             "polymorph.tenant": tenant,
             "polymorph.tier": tier,
             "gen_ai.request.model": model,
@@ -145,6 +145,8 @@ class RequestTrace:
             "polymorph.queue_wait_s": self.queue_wait_s,
             "polymorph.retries": max(0, outcome.attempts - 1),
         }
+        if status:
+            attributes["http.response.status_code"] = status
         if shape is not None:
             attributes["polymorph.shape"] = shape.name
             attributes["polymorph.domain"] = shape.domain
@@ -157,7 +159,7 @@ class RequestTrace:
         if outcome.stream_error is not None:
             attributes["polymorph.stream_error"] = outcome.stream_error
         span.set_attributes(attributes)
-        _status_of(span, status, outcome.stream_error)
+        _status_of(span, status, outcome.stream_error or (None if status else "the client went away"))
         span.end()
 
 

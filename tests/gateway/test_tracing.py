@@ -102,7 +102,7 @@ class _Engine:
 
 
 async def _serve(app: web.Application, port: int) -> web.AppRunner:
-    runner = web.AppRunner(app)
+    runner = web.AppRunner(app, handler_cancellation=True)  # as `polymorph serve` runs the gateway: a client gone cancels its handler
     await runner.setup()
     await web.TCPSite(runner, "127.0.0.1", port).start()
     return runner
@@ -242,6 +242,23 @@ def test_a_request_that_waits_in_its_pool_queue_gets_a_queue_span(tmp_path: Path
     assert attrs["polymorph.queue_wait_s"] == (queues[0].attributes or {})["polymorph.queue_wait_s"]
     assert float(attrs["polymorph.queue_wait_s"]) > 0  # type: ignore[arg-type]
     assert "polymorph.slo_chance" in attrs and attrs["polymorph.tier"] == "batch"
+
+
+def test_a_request_whose_client_goes_away_still_ends_its_spans(tmp_path: Path) -> None:
+    exporter = InMemorySpanExporter()
+    engine = _Engine(holding=True)
+    with _gateway(tmp_path, exporter, engine) as gateway:
+        client = openai.OpenAI(base_url=gateway.url + "/v1", api_key=KEY, max_retries=0, timeout=2)
+        with pytest.raises(openai.APITimeoutError):
+            client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hi"}], max_tokens=4)
+        assert len(engine.seen) == 1  # it was waiting on the engine when the client gave up
+        _until(lambda: 'polymorph_requests_in_flight{pool="main"} 0.0' in _get(gateway.url + "/metrics"))  # the handler was cancelled
+        engine.holding = False
+    spans = exporter.get_finished_spans()
+    [request] = [s for s in spans if s.kind is SpanKind.SERVER]
+    [upstream] = [s for s in spans if s.name == "polymorph.upstream"]
+    assert request.status.status_code is StatusCode.ERROR and "http.response.status_code" not in (request.attributes or {})
+    assert upstream.status.status_code is StatusCode.ERROR and (request.attributes or {})["polymorph.replica"] == "main-0"
 
 
 def _until(condition: Callable[[], bool]) -> None:
