@@ -20,6 +20,7 @@ import orjson
 from aiohttp import web
 
 from classifiers.shape import Shape
+from gateway.adapters import listed_adapters
 from gateway.admin import AdminHandlers
 from gateway.admission import Limiter
 from gateway.config import GatewayConfig, Tenant
@@ -32,6 +33,7 @@ from gateway.openapi import DOCUMENT_BYTES
 from gateway.probes import HealthProber
 from gateway.proxy import Outcome, Proxy
 from gateway.response_ids import ResponseIds
+from gateway.response_lookup import find_stored
 from gateway.runtime import Runtime
 from gateway.state import GatewayState
 from gateway.tracing import RequestTracer, build_tracer
@@ -109,7 +111,8 @@ def _met_slo(runtime: Runtime, tier: str, outcome: Outcome) -> bool:
 
 def _resolve_model(runtime: Runtime, tenant: Tenant, body: dict[str, object], model: str, raw: bytes) -> tuple[str | None, str, bytes]:
     """(the alias the client named or None, the served model, the body to send) of a request naming
-    ``model``; raises 404 for a model no pool serves and 403 for one the tenant may not use."""
+    ``model``; raises 404 for a model no pool serves and 403 for one the tenant may not use (an adapter: the
+    adapter and its base model must both be allowed). An adapter keeps its name: engines select it by it."""
     public = None
     alias = runtime.config.aliases.get(model) if runtime.config.aliases else None
     if alias is not None:  # resolved before anything else looks at the model; only aliased requests pay the re-encode
@@ -118,7 +121,9 @@ def _resolve_model(runtime: Runtime, tenant: Tenant, body: dict[str, object], mo
         raw = orjson.dumps(body)
     if not any(pool.serves(model) for pool in runtime.pools):
         raise ApiError(404, f"The model {model[:200]!r} does not exist on this gateway.", "model_not_found", "model")
-    if not (tenant.may_use_model(model) or (public is not None and tenant.may_use_model(public))):
+    base = runtime.adapter_base.get(model)
+    if not (tenant.may_use_adapter(model, base) if base is not None else
+            tenant.may_use_model(model) or (public is not None and tenant.may_use_model(public))):
         raise ApiError(403, f"This key may not use model {model[:200]!r}.", "model_not_allowed", "model")
     return public, model, raw
 
@@ -213,19 +218,15 @@ class Handlers:
             parsed = endpoint.parse(body)
             model = parsed.model
             public, model, raw = _resolve_model(runtime, tenant, body, model, raw)  # type: ignore[arg-type]
-            pinned = None
-            if parsed.previous_response_id is not None:
-                pinned = self.response_ids.replica_of(parsed.previous_response_id)
-                if pinned is None:
-                    raise ApiError(400, f"Previous response {parsed.previous_response_id[:200]!r} is not known to this gateway: each replica stores "
-                                   "its own responses, and this gateway process did not proxy that one (or has forgotten it).",
-                                   "previous_response_not_found", "previous_response_id")
             classify_span = trace.start_classify() if trace is not None else None
             shape = runtime.classifier.classify(parsed.classify_body, chat=parsed.chat, tenant=tenant.name, tier=tier)
             if trace is not None and classify_span is not None:
                 trace.end_classify(classify_span, shape)
             num_tokens = shape.prompt_tokens + ((parsed.max_output_tokens or shape.predicted_output_p50) if parsed.has_output else 0)
             limiter = await self._admit(runtime, tenant.name, tier, shape, num_tokens)
+            pinned = None
+            if parsed.previous_response_id is not None:  # after admission: a lookup asks the replicas, and is limited like the request
+                pinned = await self._holder(runtime, parsed.previous_response_id, model)
             assert state.proxy is not None
             response = await state.proxy.forward(request, runtime, shape, model, raw, parsed.stream, outcome, body, endpoint.wire, pinned, trace)  # type: ignore[arg-type]
             if outcome.response_id is not None and parsed.store and outcome.status == 200 and outcome.stream_error is None:
@@ -243,6 +244,41 @@ class Handlers:
         if trace is not None:
             trace.finish(response.status, tenant_name, tier, model, shape, outcome)
         return response
+
+    async def _holder(self, runtime: Runtime, response_id: str, model: str) -> str:
+        """The replica holding the stored response ``response_id`` (of ``model``): the one this process
+        proxied it to, or the one of the model's replicas that answers for it; else 400."""
+        pinned = self.response_ids.replica_of(response_id)
+        if pinned is not None:
+            return pinned
+        now = asyncio.get_running_loop().time()
+        candidates = [r for p in runtime.pools for r in p.replicas if p.serves(model) and r.serves(model) and r.routable(now)]
+        assert self.state.session is not None
+        found = await find_stored(self.state.session, candidates, response_id, runtime.config.upstream.connect_timeout_s)
+        if found is None:
+            raise ApiError(400, f"Previous response {response_id[:200]!r} was not found: no replica serving {model[:200]!r} holds it "
+                           "(each engine stores its own responses; it may have been forgotten or restarted).",
+                           "previous_response_not_found", "previous_response_id")
+        self.response_ids.remember(response_id, found.replica.name)
+        return found.replica.name
+
+    async def retrieve_response(self, request: web.Request) -> web.Response:
+        """``GET /v1/responses/{response_id}``: the stored response, from the replica that holds it."""
+        runtime = self.state.runtime
+        try:
+            _authenticate(request, runtime)
+            response_id = request.match_info["response_id"]
+            now = asyncio.get_running_loop().time()
+            known = runtime.replica_by_name.get(self.response_ids.replica_of(response_id) or "")
+            candidates = [known] if known is not None else [r for p in runtime.pools for r in p.replicas if r.routable(now)]
+            assert self.state.session is not None
+            found = await find_stored(self.state.session, candidates, response_id, runtime.config.upstream.connect_timeout_s)
+            if found is None:
+                raise ApiError(404, f"No replica holds a stored response {response_id[:200]!r}.", "response_not_found")
+        except ApiError as err:
+            return error_response(err)
+        self.response_ids.remember(response_id, found.replica.name)
+        return web.Response(body=found.body, content_type=_JSON, headers={"x-polymorph-pool": found.replica.pool, "x-polymorph-replica": found.replica.name})
 
     async def _admit(self, runtime: Runtime, tenant: str, tier: str, shape: Shape, num_tokens: int) -> Limiter:
         """A classified request counted (the controller's telemetry, the shape metric) and admitted by its
@@ -328,8 +364,9 @@ class Handlers:
         data = [
             {"id": model, "object": "model", "created": 0, "owned_by": "polymorph"}
             for model in runtime.served_models()
-            if tenant.may_use_model(model)
+            if model not in runtime.adapter_base and tenant.may_use_model(model)
         ]
+        data += listed_adapters(runtime.adapter_base, tenant)
         served = set(runtime.served_models())
         data += [
             {"id": public, "object": "model", "created": 0, "owned_by": "polymorph", "root": alias.model}
@@ -416,6 +453,7 @@ def build_app(
     router.add_route("*", "/v1/models", h.models)
     router.add_route("*", "/v1/embeddings", h.embeddings)
     router.add_route("*", "/v1/responses", h.responses)
+    router.add_get("/v1/responses/{response_id}", h.retrieve_response, allow_head=False)
     for path in RERANK_PATHS:
         router.add_route("*", path, h.rerank)
     for path in SCORE_PATHS:

@@ -12,7 +12,7 @@ import os
 import re
 import shlex
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -32,6 +32,7 @@ from loadtest.demo_credentials import DEMO_ADMIN_TOKEN, DEMO_API_KEY
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.:-]{0,62}$")
 _POOL_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.:@-]{0,62}$")  # and the controller's own names, <shape>@<gpu>
 _SHA256 = re.compile(r"^[0-9a-f]{64}$")
+_ADAPTER_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.:/-]{0,127}$")  # as model ids are spelled (org/name allowed)
 
 
 def sha256_hex(secret: str) -> str:
@@ -75,9 +76,13 @@ class Tenant:
     tokens_per_min: float
     max_concurrency: int
     source: str = "<builtin>"
+    adapters: frozenset[str] | None = None  # LoRA adapters it may name; None: every one (its base model must be allowed too)
 
     def may_use_model(self, model: str) -> bool:
         return self.models is None or model in self.models
+
+    def may_use_adapter(self, adapter: str, base: str) -> bool:
+        return (self.adapters is None or adapter in self.adapters) and self.may_use_model(base)
 
 
 @dataclass(frozen=True, slots=True)
@@ -118,6 +123,10 @@ class PoolSpec:
     def config_json(self) -> str:
         """The pool's engine configuration as the controller and the actuators carry it (sorted JSON)."""
         return orjson.dumps(dict(self.engine), option=orjson.OPT_SORT_KEYS).decode()
+
+    @property
+    def adapter_names(self) -> frozenset[str]:
+        return frozenset(name for name, _ in self.launch.adapters)
 
 
 @dataclass(frozen=True, slots=True)
@@ -347,7 +356,8 @@ def _shapes(doc: YamlDoc) -> ShapeRules:
 
 def _pool(doc: YamlDoc, i: int, body: object, shape_names: tuple[str, ...]) -> PoolSpec:
     path: FieldPath = ("fleet", "pools", i)
-    r = _Reader(doc, path, body, {"name", "model", "gpu", "shapes", "engine", "replicas", "min_replicas", "max_replicas", "max_in_flight_per_replica"})
+    r = _Reader(doc, path, body, {"name", "model", "gpu", "shapes", "engine", "replicas", "min_replicas", "max_replicas", "max_in_flight_per_replica",
+                                  "adapters"})
     name = r.text("name", None)
     if not name or not _POOL_NAME.match(name):
         raise r.error("name", "every pool needs a name (letters, digits, '-', '_', '@')")
@@ -358,7 +368,10 @@ def _pool(doc: YamlDoc, i: int, body: object, shape_names: tuple[str, ...]) -> P
     engine = r.data.get("engine") or {}
     if not isinstance(engine, dict):
         raise r.error("engine", "must be a mapping of engine settings")
-    launch = _launch(doc, (*path, "engine"), engine, model)
+    launch = replace(_launch(doc, (*path, "engine"), engine, model), adapters=_pool_adapters(r, model))
+    if launch.adapters and launch.kind == "llamacpp":
+        raise r.error("adapters", "llama-server selects LoRA adapters by id in each request's `lora` field, not by model name: "
+                                  "adapters are not supported on llamacpp pools (serve them from a vllm or sglang pool)")
     engine = {k: v for k, v in engine.items() if k not in _LAUNCH_KEYS}
     rr = _Reader(doc, (*path, "replicas"), r.data.get("replicas"), {"urls", "emulated", "launch"})
     urls = rr.names("urls", []) or []
@@ -424,6 +437,40 @@ def _launch(doc: YamlDoc, path: FieldPath, engine: dict[str, Any], model: str) -
     )
 
 
+def _pool_adapters(r: _Reader, model: str) -> tuple[tuple[str, str], ...]:
+    """``adapters: {name: path}``: the LoRA adapters (PEFT folders) the pool's engine loads, named as requests name them."""
+    raw = r.data.get("adapters") or {}
+    if not isinstance(raw, dict):
+        raise r.error("adapters", "must map adapter names to the path of each adapter the engine loads")
+    if raw and model == "*":
+        raise r.error("adapters", "a pool that discovers its models (model: '*') has no base model to hold adapters")
+    out = []
+    for name, path in raw.items():
+        if not isinstance(name, str) or not _ADAPTER_NAME.match(name):
+            raise r.doc.error((*r.path, "adapters", str(name)), "adapter names are spelled like model ids (letters, digits, '-', '_', '.', ':', '/')")
+        if name == model:
+            raise r.doc.error((*r.path, "adapters", name), f"{name!r} is the pool's own model; an adapter needs a name of its own")
+        if not isinstance(path, str) or not path:
+            raise r.doc.error((*r.path, "adapters", name), "must be the path of the adapter (a PEFT folder) the engine loads")
+        out.append((name, path))
+    return tuple(out)
+
+
+def _check_adapter_names(doc: YamlDoc, pools: tuple[PoolSpec, ...]) -> None:
+    """An adapter name selects one adapter of one base model fleet-wide: never a served model, never two adapters."""
+    models = {p.model for p in pools}
+    held: dict[str, tuple[str, str, str]] = {}  # adapter -> (base model, path, first pool)
+    for i, pool in enumerate(pools):
+        for name, path in pool.launch.adapters:
+            where = ("fleet", "pools", i, "adapters", name)
+            if name in models:
+                raise doc.error(where, f"{name!r} is a model a pool serves; an adapter needs a name of its own")
+            base, first_path, first = held.setdefault(name, (pool.model, path, pool.name))
+            if (base, first_path) != (pool.model, path):
+                raise doc.error(where, f"pool {first!r} holds adapter {name!r} of {base!r} at {first_path!r}; "
+                                       "pools holding the same adapter name must serve the same base model and path")
+
+
 def _check_engine(doc: YamlDoc, path: FieldPath, model: str | None, gpu: str | None, engine: dict[str, Any]) -> None:
     """Catalog names and engine settings are checked by the compiler's own types, with our line numbers."""
     from kernels.catalog import get_gpu, get_model
@@ -462,6 +509,8 @@ def _aliases(doc: YamlDoc, pools: tuple[PoolSpec, ...]) -> dict[str, Alias]:
             raise r.error(public, f"must name a served model, not itself or another alias ({alias.model!r})")
         if public in declared:
             raise r.error(public, f"{public!r} is a model a pool serves; an alias cannot hide it")
+        if any(public in p.adapter_names for p in pools):
+            raise r.error(public, f"{public!r} is a LoRA adapter a pool holds; an alias cannot hide it")
         if "*" not in declared and alias.model not in declared:
             raise r.error(public, f"no pool serves {alias.model!r} (pools serve: {', '.join(sorted(declared))})")
         out[public] = alias
@@ -526,7 +575,8 @@ def _router(doc: YamlDoc) -> RouterSettings:
     the defaults are today's behaviour). Building the settings composes the steps: once per load."""
     d = RouterSettings()
     r = _Reader(doc, ("router",), doc.data.get("router"), {"affinity_slack", "shed_priority", "shed_load_fraction",
-                                                            "shed_retry_after_s", "good_chance", "shed_chance", "wait_share", *STEPS})
+                                                            "shed_retry_after_s", "good_chance", "shed_chance", "wait_share", "urgent_reserve",
+                                                            *STEPS})
 
     def step(stage: str, default: str) -> str:
         name = r.text(stage, default)
@@ -542,6 +592,7 @@ def _router(doc: YamlDoc) -> RouterSettings:
         good_chance=r.number("good_chance", d.good_chance, lo=0.0, hi=1.0),
         shed_chance=r.number("shed_chance", d.shed_chance, lo=0.0, hi=1.0),
         wait_share=r.number("wait_share", d.wait_share, lo=0.01, hi=1.0),
+        urgent_reserve=r.number("urgent_reserve", d.urgent_reserve, lo=0.0, hi=0.9),
         pool_filter=step("pool_filter", d.pool_filter),
         pool_scorer=step("pool_scorer", d.pool_scorer),
         admission=step("admission", d.admission),
@@ -654,6 +705,7 @@ def _fleet(doc: YamlDoc, shapes: ShapeRules, base: Path) -> tuple[tuple[PoolSpec
     if not isinstance(raw, list) or not raw:
         raise doc.error(("fleet", "pools"), "must be a non-empty list of pools")
     pools = tuple(_pool(doc, i, body, shapes.names) for i, body in enumerate(raw))
+    _check_adapter_names(doc, pools)
     seen: set[str] = set()
     for i, pool in enumerate(pools):
         if pool.name in seen:
@@ -673,7 +725,7 @@ def _fleet(doc: YamlDoc, shapes: ShapeRules, base: Path) -> tuple[tuple[PoolSpec
 
 
 def parse_tenant(doc: YamlDoc, tiers: Mapping[str, TierSlo]) -> Tenant:
-    known = {"name", "api_key_sha256", "models", "tiers", "default_tier", "objectives", "rate_limits", "max_concurrency"}
+    known = {"name", "api_key_sha256", "models", "tiers", "default_tier", "objectives", "rate_limits", "max_concurrency", "adapters"}
     r = _Reader(doc, (), doc.data, known)
     name = r.text("name", None)
     if not name or not _NAME.match(name):
@@ -685,6 +737,7 @@ def parse_tenant(doc: YamlDoc, tiers: Mapping[str, TierSlo]) -> Tenant:
         if not _SHA256.match(h):
             raise doc.error(("api_key_sha256", i), "must be 64 lowercase hex digits (a SHA-256 of the key)")
     models = r.names("models", ["*"]) or ["*"]
+    adapters = r.names("adapters", ["*"]) or []  # `adapters: []`: none
     allowed = r.names("tiers", list(tiers), tuple(tiers)) or []
     if not allowed:
         raise r.error("tiers", "a tenant needs at least one tier")
@@ -711,6 +764,7 @@ def parse_tenant(doc: YamlDoc, tiers: Mapping[str, TierSlo]) -> Tenant:
         tokens_per_min=limits.number("tokens_per_min", 1e9, lo=1, hi=1e15),
         max_concurrency=r.number("max_concurrency", 256, lo=1, hi=10**7, integer=True),
         source=doc.file,
+        adapters=None if "*" in adapters else frozenset(adapters),
     )
 
 

@@ -9,11 +9,12 @@ from __future__ import annotations
 
 import zlib
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from classifiers.request import RequestClassifier
 from fleet.health import CircuitBreaker
 from fleet.pool import PoolState, ReplicaState
+from gateway.adapters import adapter_bases
 from gateway.admission import Limiter, TenantLimiter
 from gateway.config import GatewayConfig, PoolSpec, Tenant
 from gateway.limits_shared import SharedTenantLimiter, attached_table, num_local_workers
@@ -33,6 +34,7 @@ class Runtime:
     replica_by_name: Mapping[str, ReplicaState]
     real_pools: frozenset[str]  # config pools of real replicas (URLs, real engines): their latencies are wall time
     limit_store: LimitStore | None = None  # limits.store: the tenants' limits live there (read at start; kept across reloads)
+    adapter_base: Mapping[str, str] = field(default_factory=dict)  # LoRA adapter name -> its base model (gateway.adapters)
 
     def served_models(self) -> list[str]:
         models: set[str] = set()
@@ -64,7 +66,7 @@ def _build_pools(
         discover = spec.model == "*"
         pool = PoolState(
             name=spec.name,
-            models=None if discover else frozenset({spec.model}),
+            models=None if discover else frozenset({spec.model, *spec.adapter_names}),  # a request naming an adapter goes where it is loaded
             shapes=frozenset(spec.shapes),
             gpu=spec.gpu,
             max_running_per_replica=spec.max_in_flight_per_replica or _max_running(spec),
@@ -140,4 +142,5 @@ def build_runtime(
         replica_by_name={r.name: r for pool in pools for r in pool.replicas},
         real_pools=frozenset(spec.name for spec in config.pools if spec.urls or spec.engine_kind != "emulated"),
         limit_store=limit_store,
+        adapter_base=adapter_bases(config.pools),
     )

@@ -1,0 +1,24 @@
+"""LoRA adapters on the request path: the base model each adapter name stands for, and how /v1/models lists them.
+
+A request names an adapter as its ``model``; it is routed and sent by that name (vLLM selects the adapter so), to
+the pools that hold it (their ``PoolState.models`` carry their adapters). The classifier never reads the model
+name and the performance model times each pool's base model, so an adapter costs what its base costs.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+
+from gateway.config import PoolSpec, Tenant
+
+
+def adapter_bases(pools: Sequence[PoolSpec]) -> dict[str, str]:
+    """Adapter name -> the base model it adapts (config validation makes that one model fleet-wide)."""
+    return {name: pool.model for pool in pools for name in pool.adapter_names}
+
+
+def listed_adapters(bases: Mapping[str, str], tenant: Tenant) -> list[dict[str, object]]:
+    """/v1/models entries of the adapters ``tenant`` may use: with their ``parent`` as vLLM lists them, but no
+    ``root``, which would show tenants a path on the engines' hosts."""
+    return [{"id": name, "object": "model", "created": 0, "owned_by": "polymorph", "parent": base}
+            for name, base in sorted(bases.items()) if tenant.may_use_adapter(name, base)]
