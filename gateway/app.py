@@ -13,6 +13,7 @@ import sys
 import time
 import traceback
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import aiohttp
 import orjson
@@ -35,8 +36,12 @@ from gateway.response_ids import ResponseIds
 from gateway.response_lookup import find_stored
 from gateway.runtime import Runtime
 from gateway.state import GatewayState
+from gateway.tracing import RequestTracer, build_tracer
 from gateway.upstream import UpstreamPool
 from gateway.validate import validate_body
+
+if TYPE_CHECKING:
+    from opentelemetry.sdk.trace.export import SpanExporter
 
 _JSON = "application/json"
 _UNAUTHENTICATED = "_unauthenticated"
@@ -124,8 +129,9 @@ def _resolve_model(runtime: Runtime, tenant: Tenant, body: dict[str, object], mo
 
 
 class Handlers:
-    def __init__(self, state: GatewayState) -> None:
+    def __init__(self, state: GatewayState, tracer: RequestTracer | None = None) -> None:
         self.state = state
+        self.tracer = tracer
         self.response_ids = ResponseIds()  # Responses ids this process proxied -> the replica holding each
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
@@ -145,6 +151,7 @@ class Handlers:
         public = None  # the alias the client named, when it named one
         shape = None
         limiter = None
+        trace = self.tracer.start(request.method, request.path, request.headers) if self.tracer is not None else None
         try:
             tenant = _authenticate(request, runtime)
             tenant_name = tenant.name
@@ -153,18 +160,27 @@ class Handlers:
             raw, body = await _read_json(request, server.max_body_bytes, server.body_read_timeout_s)
             model, stream, max_tokens = validate_body(body, chat)
             public, model, raw = _resolve_model(runtime, tenant, body, model, raw)  # type: ignore[arg-type]
+            classify_span = trace.start_classify() if trace is not None else None
             shape = runtime.classifier.classify(body, chat=chat, tenant=tenant.name, tier=tier)  # type: ignore[arg-type]
+            if trace is not None and classify_span is not None:
+                trace.end_classify(classify_span, shape)
             # every choice generated counts: n completions (best_of candidates) of up to max_tokens each
             choices = max(body.get("n") or 1, body.get("best_of") or 1)
             limiter = await self._admit(runtime, tenant.name, tier, shape, shape.prompt_tokens + choices * (max_tokens or shape.predicted_output_p50))
             assert state.proxy is not None
-            response = await state.proxy.forward(request, runtime, shape, model, raw, stream, outcome, body)  # type: ignore[arg-type]
+            response = await state.proxy.forward(request, runtime, shape, model, raw, stream, outcome, body, trace=trace)  # type: ignore[arg-type]
         except Exception as err:  # an ApiError is its envelope; a bug costs one request a 500, never the process or a hang
             response = self._failed(err, outcome, tenant_name, shape)
+        except asyncio.CancelledError:  # the client went away: its span still ends, with no answer
+            if trace is not None:
+                trace.finish(0, tenant_name, tier, model, shape, outcome)
+            raise
         finally:
             if limiter is not None:
                 limiter.release()
         self._record(runtime, tenant_name, tier, model, shape, outcome, loop.time() - started_at, public, CHAT_METER if chat else COMPLETIONS_METER)
+        if trace is not None:
+            trace.finish(response.status, tenant_name, tier, model, shape, outcome)
         return response
 
     async def embeddings(self, request: web.Request) -> web.StreamResponse:
@@ -192,6 +208,7 @@ class Handlers:
         public = None
         shape = None
         limiter = None
+        trace = self.tracer.start(request.method, request.path, request.headers) if self.tracer is not None else None
         try:
             tenant = _authenticate(request, runtime)
             tenant_name = tenant.name
@@ -201,22 +218,31 @@ class Handlers:
             parsed = endpoint.parse(body)
             model = parsed.model
             public, model, raw = _resolve_model(runtime, tenant, body, model, raw)  # type: ignore[arg-type]
+            classify_span = trace.start_classify() if trace is not None else None
             shape = runtime.classifier.classify(parsed.classify_body, chat=parsed.chat, tenant=tenant.name, tier=tier)
+            if trace is not None and classify_span is not None:
+                trace.end_classify(classify_span, shape)
             num_tokens = shape.prompt_tokens + ((parsed.max_output_tokens or shape.predicted_output_p50) if parsed.has_output else 0)
             limiter = await self._admit(runtime, tenant.name, tier, shape, num_tokens)
             pinned = None
             if parsed.previous_response_id is not None:  # after admission: a lookup asks the replicas, and is limited like the request
                 pinned = await self._holder(runtime, parsed.previous_response_id, model)
             assert state.proxy is not None
-            response = await state.proxy.forward(request, runtime, shape, model, raw, parsed.stream, outcome, body, endpoint.wire, pinned)  # type: ignore[arg-type]
+            response = await state.proxy.forward(request, runtime, shape, model, raw, parsed.stream, outcome, body, endpoint.wire, pinned, trace)  # type: ignore[arg-type]
             if outcome.response_id is not None and parsed.store and outcome.status == 200 and outcome.stream_error is None:
                 self.response_ids.remember(outcome.response_id, outcome.replica)
         except Exception as err:  # an ApiError is its envelope; a bug costs one request a 500, never the process or a hang
             response = self._failed(err, outcome, tenant_name, shape)
+        except asyncio.CancelledError:  # the client went away: its span still ends, with no answer
+            if trace is not None:
+                trace.finish(0, tenant_name, tier, model, shape, outcome)
+            raise
         finally:
             if limiter is not None:
                 limiter.release()
         self._record(runtime, tenant_name, tier, model, shape, outcome, loop.time() - started_at, public, endpoint.meter)
+        if trace is not None:
+            trace.finish(response.status, tenant_name, tier, model, shape, outcome)
         return response
 
     async def _holder(self, runtime: Runtime, response_id: str, model: str) -> str:
@@ -406,16 +432,19 @@ def build_app(
     config: GatewayConfig,
     replica_urls: dict[str, list[str]] | None = None,
     live_fleet: Callable[[GatewayState], LiveFleet] | None = None,
+    span_exporter: SpanExporter | None = None,
 ) -> web.Application:
     """The gateway as an aiohttp app. Raises ClassifierLoadError early if the classifier cannot load.
 
-    ``live_fleet`` builds the control loop over the replicas an actuator started (fleet.controller)."""
+    ``live_fleet`` builds the control loop over the replicas an actuator started (fleet.controller);
+    ``span_exporter`` replaces the OTLP exporter when ``tracing`` is enabled (tests: in memory)."""
     state = GatewayState(config, replica_urls or {})
     if live_fleet is not None:
         state.live = live_fleet(state)
     app = web.Application(client_max_size=config.server.max_body_bytes)
     app[STATE_KEY] = state
-    h = Handlers(state)
+    tracer = build_tracer(config.tracing, span_exporter)
+    h = Handlers(state, tracer)
     app[ENGINE_SCRAPER_KEY] = EngineScraper(state, config.upstream.engine_metrics_interval_s)
     admin = AdminHandlers(state, app[ENGINE_SCRAPER_KEY])
     router = app.router
@@ -445,4 +474,6 @@ def build_app(
     router.add_route("*", "/{tail:.*}", h.not_found)
     app.on_startup.append(_on_startup)
     app.on_cleanup.append(_on_cleanup)
+    if tracer is not None:
+        app.on_cleanup.append(lambda _: tracer.shutdown())
     return app

@@ -7,6 +7,7 @@ are never mutated after load; a reload builds a new ``GatewayConfig`` and swaps 
 from __future__ import annotations
 
 import hashlib
+import importlib.util
 import os
 import re
 import shlex
@@ -177,6 +178,17 @@ class LimitsSettings:
 
 
 @dataclass(frozen=True, slots=True)
+class TracingSettings:
+    """``tracing:``: OpenTelemetry spans for each request, exported over OTLP/HTTP (gateway/tracing.py)."""
+
+    enabled: bool = False
+    otlp_endpoint: str = "http://127.0.0.1:4318/v1/traces"
+    service_name: str = "polymorph"
+    sample_ratio: float = 1.0  # of the traces that start here; a client's sampled flag decides for its own (parent-based)
+    headers: Mapping[str, str] = field(default_factory=dict)  # sent with each export, e.g. a collector's auth
+
+
+@dataclass(frozen=True, slots=True)
 class GatewayConfig:
     source: str
     server: ServerSettings
@@ -197,6 +209,7 @@ class GatewayConfig:
     router: RouterSettings = field(default_factory=RouterSettings)  # `router:`: how pools and replicas are chosen
     aliases: Mapping[str, Alias] = field(default_factory=dict)  # public model name -> the served one
     limits: LimitsSettings = field(default_factory=LimitsSettings)
+    tracing: TracingSettings = field(default_factory=TracingSettings)
     watched_files: tuple[Path, ...] = field(default=())
     tenants_dir: Path | None = None
 
@@ -528,6 +541,35 @@ def _limits(doc: YamlDoc) -> LimitsSettings:
     return settings
 
 
+def _installed(module: str) -> bool:
+    try:
+        return importlib.util.find_spec(module) is not None
+    except ModuleNotFoundError:  # a parent package is missing
+        return False
+
+
+def _tracing(doc: YamlDoc) -> TracingSettings:
+    r = _Reader(doc, ("tracing",), doc.data.get("tracing"), set(TracingSettings.__dataclass_fields__))
+    d = TracingSettings()
+    endpoint = r.text("otlp_endpoint", d.otlp_endpoint) or ""
+    if not endpoint.startswith(("http://", "https://")):
+        raise r.error("otlp_endpoint", f"must be an http:// or https:// URL (OTLP over HTTP), not {endpoint!r}")
+    headers = r.data.get("headers", {})
+    if not isinstance(headers, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in headers.items()):
+        raise r.error("headers", "must be a mapping of header names to string values")
+    settings = TracingSettings(
+        enabled=r.flag("enabled", d.enabled),
+        otlp_endpoint=endpoint,
+        service_name=r.text("service_name", d.service_name) or d.service_name,
+        sample_ratio=r.number("sample_ratio", d.sample_ratio, lo=0.0, hi=1.0),
+        headers=headers,
+    )
+    # found, not imported: a config that leaves tracing off must not load OpenTelemetry
+    if settings.enabled and not all(_installed(m) for m in ("opentelemetry.sdk", "opentelemetry.exporter.otlp.proto.http")):
+        raise r.error("enabled", "needs the OpenTelemetry packages: pip install 'polymorph[tracing]'")
+    return settings
+
+
 def _router(doc: YamlDoc) -> RouterSettings:
     """``router:``: the router's knobs and named steps (fleet.router.RouterSettings, fleet.router_steps.STEPS;
     the defaults are today's behaviour). Building the settings composes the steps: once per load."""
@@ -774,7 +816,7 @@ def load_config(path: Path) -> GatewayConfig:
     doc = load_yaml(path)
     if not isinstance(doc.data, dict):
         raise doc.error((), "the config must be a YAML mapping")
-    known = {"server", "upstream", "tenants_dir", "tiers", "classifier", "shapes", "default_shape", "fleet", "router", "aliases", "limits"}
+    known = {"server", "upstream", "tenants_dir", "tiers", "classifier", "shapes", "default_shape", "fleet", "router", "aliases", "limits", "tracing"}
     _Reader(doc, (), doc.data, known)
     tiers = _tiers(doc)
     shapes = _shapes(doc)
@@ -798,6 +840,7 @@ def load_config(path: Path) -> GatewayConfig:
         router=_router(doc),
         aliases=_aliases(doc, pools),
         limits=_limits(doc),
+        tracing=_tracing(doc),
         watched_files=(path, *tenant_files),
         tenants_dir=tenants_dir,
     )
