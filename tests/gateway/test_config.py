@@ -145,3 +145,5 @@ def test_router_settings_are_read_and_a_bad_one_names_its_line(tmp_path: Path) -
     err = _error_for(tmp_path, "  good_chance: 0.9", "  good_chance: 1.5")
     assert err.field == "router.good_chance" and "between 0 and 1" in err.reason
     assert err.line == _line_of(Path(err.file), "good_chance: 1.5")
+    err = _error_for(tmp_path, "  urgent_reserve: 0.0", "  urgent_reserve: 1.0")
+    assert err.field == "router.urgent_reserve" and "between 0 and 0.9" in err.reason
