@@ -74,6 +74,7 @@ class Outcome:
     completion_tokens: int | None = None
     stream_error: str | None = None
     response_id: str | None = None  # a Responses answer's id (the replica holds it for follow-ups)
+    engine_share_s: float = 0.0  # its share of its replicas' engine time over all attempts (fleet.engine_share)
 
 
 def _is_json_object(body: bytes, array_ok: bool = False) -> bool:
@@ -209,6 +210,7 @@ class Proxy:
             replica.begin(budget_tokens, decision.work)  # an overflow from another shape weighs what the router weighed
             gauge = self.metrics.child(self.metrics.in_flight, decision.pool)
             gauge.inc()
+            share_mark = replica.share.begin(loop.time())
             try:
                 result = await self._attempt(request, decision, replica, sent_body, stream, strip_usage, shape, settings, outcome, wire)
             except ApiError as err:
@@ -219,6 +221,7 @@ class Proxy:
                 continue
             finally:
                 replica.end(budget_tokens, decision.work)
+                outcome.engine_share_s += replica.share.end(loop.time(), share_mark)
                 gauge.dec()
                 if self.waits.num_waiting:
                     self.waits.wake(replica.pool, loop.time())
