@@ -228,6 +228,8 @@ class Handlers:
             state.live.telemetry.record_arrival(state.live.now(), shape.name, tier, shape.prompt_tokens)
         state.metrics.child(state.metrics.shapes, shape.name, shape.domain).inc()
         limiter = runtime.limiters[tenant]
+        if limiter.tenant.budget_monthly_usd is not None:
+            await runtime.spend.refresh(tenant)  # a limits store: what every gateway charged
         over_budget = budget_refusal(runtime.spend, limiter.tenant, time.time())  # before the limiter: a refusal takes no rate
         if over_budget is not None:
             raise ApiError(429, over_budget.message, over_budget.code, retry_after_s=over_budget.retry_after_s)

@@ -54,6 +54,7 @@ class SpendBook(Protocol):
     def add(self, tenant: str, usd: float) -> None: ...
     def spent_usd(self, tenant: str) -> float: ...
     def period(self) -> Period: ...
+    async def refresh(self, tenant: str) -> None: ...  # read what other gateways charged (a store's round trip)
 
 
 class SpendLedger:
@@ -77,6 +78,9 @@ class SpendLedger:
     def spent_usd(self, tenant: str) -> float:
         self.period()
         return self._spent_usd.get(tenant, 0.0)
+
+    async def refresh(self, tenant: str) -> None:
+        return None  # this process is the only one charging
 
 
 # The shared slot holds the period and the spend in one int64, so one write under the table's lock
@@ -114,6 +118,9 @@ class SharedSpendLedger:
     def spent_usd(self, tenant: str) -> float:
         slot = self.slot_of.get(tenant)
         return 0.0 if slot is None else self._read(slot, self.period().index) / _UNITS_PER_USD
+
+    async def refresh(self, tenant: str) -> None:
+        return None  # every worker charges the same shared slot
 
 
 def tenant_spend(book: SpendBook, tenant: Tenant) -> TenantSpend:

@@ -16,6 +16,7 @@ from fleet.health import CircuitBreaker
 from fleet.pool import PoolState, ReplicaState
 from gateway.admission import Limiter, TenantLimiter
 from gateway.budgets import SharedSpendLedger, SpendBook, SpendLedger
+from gateway.budgets_store import StoreSpendLedger
 from gateway.config import GatewayConfig, PoolSpec, Tenant
 from gateway.costs import replica_price_per_hour_usd
 from gateway.limits_shared import SharedTenantLimiter, attached_table, num_local_workers
@@ -120,8 +121,11 @@ def _build_limiters(config: GatewayConfig, previous: Runtime | None, now: float)
     return store, limiters
 
 
-def _spend_book(config: GatewayConfig, previous: Runtime | None, now: float) -> SpendBook:
-    """The spend carried over from ``previous``, or a new ledger: in this host's shared table with ``--workers`` > 1, else in the process."""
+def _spend_book(config: GatewayConfig, previous: Runtime | None, limit_store: LimitStore | None, now: float) -> SpendBook:
+    """The spend carried over from ``previous``, or a new ledger: in the limits store (limits.store), in this
+    host's shared table with ``--workers`` > 1, else in the process."""
+    if limit_store is not None:  # the store is chosen at start and kept across reloads: so is its ledger
+        return previous.spend if previous is not None else StoreSpendLedger(limit_store)
     table = attached_table()
     if table is not None:  # the figures live in the table; the new tenants need their rows
         return SharedSpendLedger(table, config.tenants, now)
@@ -152,6 +156,6 @@ def build_runtime(
         replica_by_name={r.name: r for pool in pools for r in pool.replicas},
         real_pools=frozenset(spec.name for spec in config.pools if spec.urls or spec.engine_kind != "emulated"),
         limit_store=limit_store,
-        spend=_spend_book(config, previous, now),
+        spend=_spend_book(config, previous, limit_store, now),
         price_per_hour_usd={spec.name: replica_price_per_hour_usd(spec) for spec in config.pools},
     )
