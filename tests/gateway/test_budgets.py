@@ -9,6 +9,7 @@ import json
 import re
 import time
 import urllib.request
+from collections.abc import Iterator
 from datetime import UTC, datetime
 from pathlib import Path
 
@@ -19,7 +20,9 @@ import pytest
 from gateway.budgets import SpendLedger, budget_refusal, period_of
 from gateway.config import Tenant, load_config
 from gateway.yamlsrc import ConfigError
+from tests.gateway.test_shared_limits import RedisServer
 from tests.support.procs import Proc, running, start_gateway, write_tenant
+from tests.support.tools import redis_server_bin  # noqa: F401  (the fixture)
 
 MODEL = "llama-3.1-8b"
 THRIFTY_KEY, RICH_KEY = "sk-test-thrifty", "sk-test-rich"
@@ -34,7 +37,7 @@ def _write_tenants(tmp: Path, thrifty_budget_usd: float) -> None:
     write_tenant(tenants, "rich", RICH_KEY)
 
 
-def _config(tmp: Path, thrifty_budget_usd: float, body_read_timeout_s: float = 30.0) -> Path:
+def _config(tmp: Path, thrifty_budget_usd: float, body_read_timeout_s: float = 30.0, limits: dict[str, object] | None = None) -> Path:
     _write_tenants(tmp, thrifty_budget_usd)
     config = {
         "server": {"host": "127.0.0.1", "access_log": True, "admin_token": ADMIN_TOKEN, "body_read_timeout_s": body_read_timeout_s},
@@ -44,6 +47,8 @@ def _config(tmp: Path, thrifty_budget_usd: float, body_read_timeout_s: float = 3
         "fleet": {"pools": [{"name": "chat", "model": MODEL, "gpu": "H100-SXM", "price_per_hour_usd": 1e6, "replicas": {"emulated": 1}}],
                   "emulator_speed": 20.0},
     }
+    if limits is not None:
+        config["limits"] = limits
     path = tmp / "config.yaml"
     path.write_text(json.dumps(config))
     return path
@@ -154,6 +159,39 @@ def test_with_two_workers_the_budget_holds_across_both(tmp_path: Path) -> None:
     # one spend for both workers: each worker keeping its own would have let one request through on each
     assert answers == [(200, None)] + [(429, "budget_exceeded")] * 11, answers
     assert isinstance(spent["spent_usd"], float) and spent["spent_usd"] > 0.001
+
+
+@pytest.fixture
+def redis(redis_server_bin: str, tmp_path: Path) -> Iterator[RedisServer]:  # noqa: F811
+    server = RedisServer(redis_server_bin, tmp_path)
+    server.start()
+    yield server
+    server.kill()
+
+
+def test_two_gateways_share_one_spend_through_redis(tmp_path: Path, redis: RedisServer) -> None:
+    import redis as redis_client
+
+    config = _config(tmp_path, thrifty_budget_usd=0.001, limits={"store": redis.url, "num_gateways": 2, "call_timeout_s": 1.0})
+    gateways = [start_gateway(tmp_path, ["--config", str(config)], name=f"gateway{i}") for i in range(2)]
+    with running(*gateways):
+        first, second = (openai.OpenAI(base_url=f"{g.url}/v1", api_key=THRIFTY_KEY, max_retries=0) for g in gateways)
+        assert first.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=8).choices  # type: ignore[arg-type]
+        key = f"polymorph:spend:thrifty:{period_of(time.time()).key}"
+        store = redis_client.Redis.from_url(redis.url)
+        deadline = time.monotonic() + 10
+        while store.get(key) is None:  # the charge is sent after the response
+            assert time.monotonic() < deadline, "the first gateway's charge never reached the store"
+            time.sleep(0.05)
+        assert float(store.get(key)) > 0.001 and 0 < store.ttl(key) <= period_of(time.time()).end_s - time.time() + 86400 + 5
+        store.close()
+        with pytest.raises(openai.RateLimitError) as refused:  # the second gateway has charged nothing itself
+            second.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=8)  # type: ignore[arg-type]
+        assert refused.value.code == "budget_exceeded"
+        redis.kill()  # without the store each gateway keeps the last total it read, and its own charges
+        with pytest.raises(openai.RateLimitError) as still_refused:
+            second.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=8)  # type: ignore[arg-type]
+        assert still_refused.value.code == "budget_exceeded"
 
 
 def test_the_ledger_starts_afresh_each_utc_month() -> None:
