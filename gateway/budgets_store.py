@@ -74,6 +74,10 @@ class StoreSpendLedger:
         # totals only grow within a period: an answer overtaken by a later one's must not lower it
         self._total_usd[tenant] = max(self._total_usd.get(tenant, 0.0), float(total))
 
+    async def close(self) -> None:
+        if self._background:
+            await asyncio.gather(*self._background, return_exceptions=True)
+
     async def _get(self, key: str) -> Any:
         return await self.store.client.get(key)
 
