@@ -17,8 +17,9 @@ import aiohttp
 import openai
 import pytest
 
-from gateway.budgets import SpendLedger, budget_refusal, period_of
+from gateway.budgets import SharedSpendLedger, SpendLedger, budget_refusal, period_of
 from gateway.config import Tenant, load_config
+from gateway.limits_shared import SharedLimitTable, SharedTenantLimiter
 from gateway.yamlsrc import ConfigError
 from tests.gateway.test_shared_limits import RedisServer
 from tests.support.procs import Proc, running, start_gateway, write_tenant
@@ -206,6 +207,33 @@ def test_the_ledger_starts_afresh_each_utc_month() -> None:
     assert "2026-12" in refusal.message and "2027-01-01T00:00:00Z" in refusal.message
     wall[0] += 61.0  # a new month
     assert ledger.period().key == "2027-01" and ledger.spent_usd("t") == 0.0 and budget_refusal(ledger, tenant, wall[0]) is None
+
+
+def test_workers_charge_one_shared_slot_which_starts_afresh_each_month() -> None:
+    wall = [datetime(2026, 12, 31, 23, 59, 0, tzinfo=UTC).timestamp()]
+    tenant = Tenant("t", frozenset(), None, ("standard",), "standard", {}, 60, 6000, 4, budget_monthly_usd=2.0)
+    table = SharedLimitTable.create(num_rows=8)
+    sibling = SharedLimitTable.attach(table.handle)  # what a second worker maps
+    try:
+        a, b = SharedSpendLedger(table, (tenant,), 0.0, lambda: wall[0]), SharedSpendLedger(sibling, (tenant,), 0.0, lambda: wall[0])
+        a.add("t", 1.25)
+        b.add("t", 0.75)
+        assert a.spent_usd("t") == b.spent_usd("t") == pytest.approx(2.0)
+        refusal = budget_refusal(b, tenant, wall[0])
+        assert refusal is not None and refusal.code == "budget_exceeded"
+        # the charges share the tenant's rate-limit row and leave its buckets alone: a minute's burst of 60 is all there
+        limiter = SharedTenantLimiter(table, tenant, now=0.0)
+        for _ in range(60):
+            assert limiter.admit(1, now=0.0) is None
+            limiter.release()
+        assert limiter.admit(1, now=0.0) is not None
+        wall[0] += 61.0
+        assert a.spent_usd("t") == 0.0 and budget_refusal(a, tenant, wall[0]) is None
+        b.add("t", 0.5)
+        assert a.spent_usd("t") == pytest.approx(0.5)
+    finally:
+        sibling.close()
+        table.close()
 
 
 def test_a_bad_budget_or_price_names_file_line_and_field(tmp_path: Path) -> None:
