@@ -87,6 +87,8 @@ class AdminHandlers:
         except ApiError as err:
             return error_response(err)
         runtime = self.state.runtime
+        for tenant in runtime.config.tenants:  # with a limits store, what every gateway charged
+            await runtime.spend.refresh(tenant.name)
         now = asyncio.get_running_loop().time()
         engine_by_pool = {spec.name: dict(spec.engine) for spec in runtime.config.pools}
         attainment = self.state.series.slo_attainment(time.time(), 300.0)

@@ -192,6 +192,7 @@ def test_two_gateways_share_one_spend_through_redis(tmp_path: Path, redis: Redis
         with pytest.raises(openai.RateLimitError) as refused:  # the second gateway has charged nothing itself
             second.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=8)  # type: ignore[arg-type]
         assert refused.value.code == "budget_exceeded"
+        assert _spend(gateways[1], "thrifty")["spent_usd"] == pytest.approx(float(total), abs=1e-6)  # the store's figure, not its own
         redis.kill()  # without the store each gateway keeps the last total it read, and its own charges
         with pytest.raises(openai.RateLimitError) as still_refused:
             second.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=8)  # type: ignore[arg-type]
