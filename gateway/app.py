@@ -228,11 +228,11 @@ class Handlers:
             state.live.telemetry.record_arrival(state.live.now(), shape.name, tier, shape.prompt_tokens)
         state.metrics.child(state.metrics.shapes, shape.name, shape.domain).inc()
         limiter = runtime.limiters[tenant]
-        if limiter.tenant.budget_monthly_usd is not None:
+        if limiter.tenant.budget_monthly_usd is not None:  # before the limiter: a refusal takes no rate
             await runtime.spend.refresh(tenant)  # a limits store: what every gateway charged
-        over_budget = budget_refusal(runtime.spend, limiter.tenant, time.time())  # before the limiter: a refusal takes no rate
-        if over_budget is not None:
-            raise ApiError(429, over_budget.message, over_budget.code, retry_after_s=over_budget.retry_after_s)
+            over_budget = budget_refusal(runtime.spend, limiter.tenant, time.time())
+            if over_budget is not None:
+                raise ApiError(429, over_budget.message, over_budget.code, retry_after_s=over_budget.retry_after_s)
         now = asyncio.get_running_loop().time()
         # a limits store (limits.store) answers over the network; the in-process and shared-memory limiters at once
         refusal = limiter.admit(num_tokens, now) if limiter.synchronous else await limiter.admit_async(num_tokens, now)
