@@ -56,6 +56,10 @@ def _config(tmp: Path, thrifty_budget_usd: float, body_read_timeout_s: float = 3
     return path
 
 
+def _client(gateway: Proc, key: str) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{gateway.url}/v1", api_key=key, max_retries=0)
+
+
 def _get(gateway: Proc, path: str) -> bytes:
     request = urllib.request.Request(gateway.url + path, headers={"Authorization": f"Bearer {ADMIN_TOKEN}"})
     with urllib.request.urlopen(request, timeout=5) as resp:
@@ -100,9 +104,7 @@ def _spend_until_refused(client: openai.OpenAI, max_requests: int = 200) -> tupl
 def test_a_tenant_over_its_budget_is_refused_others_are_not_and_the_spend_survives_reloads(tmp_path: Path) -> None:
     config = _config(tmp_path, thrifty_budget_usd=50.0)
     gateway = start_gateway(tmp_path, ["--config", str(config)])
-    with running(gateway):
-        thrifty = openai.OpenAI(base_url=f"{gateway.url}/v1", api_key=THRIFTY_KEY, max_retries=0)
-        rich = openai.OpenAI(base_url=f"{gateway.url}/v1", api_key=RICH_KEY, max_retries=0)
+    with running(gateway), _client(gateway, THRIFTY_KEY) as thrifty, _client(gateway, RICH_KEY) as rich:
         served, refusal = _spend_until_refused(thrifty)
         assert served >= 1
         assert refusal.status_code == 429 and refusal.code == "budget_exceeded"
@@ -176,8 +178,7 @@ def test_two_gateways_share_one_spend_through_redis(tmp_path: Path, redis: Redis
 
     config = _config(tmp_path, thrifty_budget_usd=0.001, limits={"store": redis.url, "num_gateways": 2, "call_timeout_s": 1.0})
     gateways = [start_gateway(tmp_path, ["--config", str(config)], name=f"gateway{i}") for i in range(2)]
-    with running(*gateways):
-        first, second = (openai.OpenAI(base_url=f"{g.url}/v1", api_key=THRIFTY_KEY, max_retries=0) for g in gateways)
+    with running(*gateways), _client(gateways[0], THRIFTY_KEY) as first, _client(gateways[1], THRIFTY_KEY) as second:
         assert first.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=8).choices  # type: ignore[arg-type]
         key = f"polymorph:spend:thrifty:{period_of(time.time()).key}"
         store = redis_client.Redis.from_url(redis.url)
