@@ -9,7 +9,7 @@ CONFIG ?= config.example.yaml
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install -q --disable-pip-version-check -e '.[test,ray,engines,kubernetes]'
+	$(PY) -m pip install -q --disable-pip-version-check -e '.[test,ray,engines,kubernetes,tracing]'
 	touch $(STAMP)
 
 venv: $(STAMP)

@@ -28,6 +28,8 @@ def register(commands: argparse._SubParsersAction) -> None:  # type: ignore[type
     p.add_argument("--host", default="127.0.0.1", help="address to listen on")
     p.add_argument("--speed", type=float, default=1.0, help="engine seconds per wall second (2 runs twice as fast)")
     p.add_argument("--served-model-name", default=None, help="model id reported to clients (default: the catalogue name)")
+    p.add_argument("--adapter", action="append", default=[], metavar="NAME=PATH",
+                   help="a LoRA adapter requests may name (repeatable); a replica with adapters answers 404 for other models, as vLLM does")
     faults = p.add_argument_group("fault injection")
     faults.add_argument("--fail-after-requests", type=int, default=None, metavar="N",
                         help="answer every inference request after the Nth with --error-status")

@@ -2,7 +2,8 @@
 
 The gateway (gateway/pool_wait.py, on its event loop) and the simulator (fleet/simulator/world.py, in
 virtual time) both run ``pump``: most urgent first, while a routable replica of the pool carries less
-than ``max_running_per_replica`` work, the next waiter is taken from the queue (those whose deadline
+work than the waiter's tier may hold there (``max_running_per_replica``, less ``urgent_reserve`` for
+batch: fleet.router_steps.slots_per_replica), the next waiter is taken from the queue (those whose deadline
 passed meanwhile are shed) and placed on a replica by the router's ``pick_replica`` (the replica filter
 and picker ``settings`` composed: the steps ``route`` uses), avoiding replicas that already failed it
 while another has room. Placing it is the caller's ``admit``, called at once:
@@ -19,6 +20,7 @@ from classifiers.shape import Shape
 from fleet.pool import PoolState, ReplicaState
 from fleet.queueing import PoolQueue, Shed
 from fleet.router import RouterSettings, pick_replica
+from fleet.router_steps import slots_per_replica
 
 T = TypeVar("T")
 
@@ -44,7 +46,8 @@ def pump(
     """Admit ``queue``'s waiters onto ``pool``'s replicas with room; ``admit(item, None)``: no replica
     with room serves its model (route it again)."""
     while len(queue):
-        room = pool.replicas_with_room(now)
+        head = queue.head_priority()  # the room a waiter may take depends on its tier (RouterSettings.urgent_reserve)
+        room = pool.replicas_with_room(now, slots_per_replica(pool, head, settings) if head is not None else None)
         if not room:
             return
         item, expired = queue.take(now)

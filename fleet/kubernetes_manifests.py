@@ -117,7 +117,7 @@ def container_argv(pool: EnginePool) -> list[str]:
     """The engine container's command line. ValueError when a real engine's pool names no model_path:
     the local default (the tiny test model) exists only on the host that installed it."""
     if pool.launch.kind == "emulated":
-        argv = emulated_replica_argv(("polymorph", "emulate"), pool.model, pool.gpu, config_json(pool.config), pool.emulator_speed)
+        argv = emulated_replica_argv(("polymorph", "emulate"), pool.model, pool.gpu, config_json(pool.config), pool.emulator_speed, pool.launch.adapters)
     else:
         if pool.launch.model_path is None:
             raise ValueError(f"pool {pool.name!r} ({pool.launch.kind}): name the checkpoint its container loads in engine.model_path "

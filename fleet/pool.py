@@ -105,10 +105,11 @@ class PoolState:
         or the operator's declared limit), not just the engines' batch cap."""
         return self.rate_per_replica_rps > 0 or self.declared_limit
 
-    def replicas_with_room(self, now: float) -> list[ReplicaState]:
-        """Routable replicas carrying less than ``max_running_per_replica`` work: where a queued request may start."""
-        return [r for r in self.replicas
-                if r.routable(now) and r.work_in_flight < self.max_running_per_replica]
+    def replicas_with_room(self, now: float, per_replica: float | None = None) -> list[ReplicaState]:
+        """Routable replicas carrying less than ``per_replica`` work (default ``max_running_per_replica``):
+        where a queued request may start."""
+        limit = self.max_running_per_replica if per_replica is None else per_replica
+        return [r for r in self.replicas if r.routable(now) and r.work_in_flight < limit]
 
     def load_fraction(self, now: float) -> float:
         """Work in flight over what the available replicas run at once (inf when none is available)."""

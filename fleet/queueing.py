@@ -76,6 +76,12 @@ class PoolQueue(Generic[Item]):
         """Live entries served before a newcomer of ``priority`` (its own priority and the more urgent ones)."""
         return sum(n for p, n in self._priority_to_num.items() if p <= priority)
 
+    def head_priority(self) -> int | None:
+        """The priority of the entry ``take`` would consider first (None: the queue is empty)."""
+        while self._urgent and not self._urgent[0].live:
+            heapq.heappop(self._urgent)
+        return self._urgent[0].priority if self._urgent else None
+
     def take(self, now: float) -> tuple[Item | None, list[Shed[Item]]]:
         """The most urgent entry still within its deadline, and the entries shed because theirs passed."""
         expired: list[Shed[Item]] = []

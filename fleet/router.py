@@ -53,6 +53,13 @@ class RouterSettings:
     good_chance: float = 0.9  # a pool at least this likely to meet the SLO is good enough: own shape, then cost
     shed_chance: float = 0.05  # below this, a request is shed at once instead of waiting in a queue
     wait_share: float = 0.5  # share of the tier's TTFT objective a request may spend waiting for a replica
+    # Share of each replica's running slots (``max_running_per_replica``) that tiers at or below
+    # ``shed_priority`` may not take, in pools that keep a queue: a batch flood then leaves room in the
+    # engine's batch, and a more urgent request starts at its next step instead of waiting for a batch
+    # request to finish (an engine's priority scheduler orders its waiting queue but does not preempt a
+    # full batch for a newcomer). 0 (default): batch may fill the slots; its throughput then pays nothing
+    # when no urgent traffic comes. See `polymorph bench priority` for the measured trade-off.
+    urgent_reserve: float = 0.0
     # The steps, by name (fleet.router_steps.STEPS lists each stage's; these are the defaults).
     pool_filter: str = "serves_model"
     pool_scorer: str = "slo_chance"

@@ -129,7 +129,7 @@ def slo_chance_score(
     # own requests miss their SLO; an overflow heavier than those (a long prompt into a chat pool)
     # would stall them with its prefill, so only a model's word sends it there.
     heavy_unmodelled = has_own and other and work > 1.0 and pool.rate_per_replica_rps <= 0
-    chance = 0.0 if heavy_unmodelled else slo_chance(pool, now, priority, wait_s, work)
+    chance = 0.0 if heavy_unmodelled else slo_chance(pool, now, priority, wait_s, work, slots_per_replica(pool, priority, settings))
     if chance >= settings.good_chance:
         return (0.0, float(other), pool.cost_per_request() if other else 0.0, _balance_load(pool, now))
     return (1.0, -chance, float(other), _balance_load(pool, now))
@@ -150,11 +150,12 @@ def queue_or_shed(
 ) -> Wait | Reject | None:
     best, work = ranked[0]
     n = best.num_routable(now)
-    if best.queue is not None and n > 0 and _num_to_leave(best, now, slo.priority, n, work) > 0:
-        chance = slo_chance(best, now, slo.priority, wait_s, work)
+    slots = slots_per_replica(best, slo.priority, settings)
+    if best.queue is not None and n > 0 and _num_to_leave(best, now, slo.priority, n, work, slots) > 0:
+        chance = slo_chance(best, now, slo.priority, wait_s, work, slots)
         if chance < settings.shed_chance and best.rate_per_replica_rps > 0:
             return Reject(429, "shed", f"capacity is short; a tier {shape.tier!r} request would miss its SLO",
-                          max(settings.shed_retry_after_s, _clear_s(best, now, slo.priority, work)))
+                          max(settings.shed_retry_after_s, _clear_s(best, now, slo.priority, work, slots)))
         return Wait(best.name, slo.priority, now + wait_s, chance, overflow=shape.name not in best.shapes)
     return shed_only(shape, ranked, now, slo, wait_s, settings, tiers)
 
@@ -255,12 +256,21 @@ def _step(registry: Mapping[str, S], stage: str, name: str) -> S:
 # --- the closed forms the steps share ------------------------------------------------------------
 
 
-def slo_chance(pool: PoolState, now: float, priority: int, wait_s: float, work: float = 1.0) -> float:
-    """Predicted chance that a request of ``priority`` and ``work`` gets a running slot in ``pool`` within ``wait_s``."""
+def slots_per_replica(pool: PoolState, priority: int, settings: RouterSettings) -> float:
+    """The running slots per replica a request of ``priority`` may take in ``pool``: all of them, less the
+    ``urgent_reserve`` for tiers at or below ``shed_priority`` in a pool with a queue (at least one)."""
+    if settings.urgent_reserve <= 0 or priority < settings.shed_priority or pool.queue is None:
+        return pool.max_running_per_replica
+    return max(1, math.floor(pool.max_running_per_replica * (1.0 - settings.urgent_reserve)))
+
+
+def slo_chance(pool: PoolState, now: float, priority: int, wait_s: float, work: float = 1.0, slots: float | None = None) -> float:
+    """Predicted chance that a request of ``priority`` and ``work`` gets a running slot in ``pool`` within
+    ``wait_s``; ``slots``: the running slots per replica it may take (default all)."""
     n = pool.num_routable(now)
     if n == 0:
         return 0.0
-    k = _num_to_leave(pool, now, priority, n, work)
+    k = _num_to_leave(pool, now, priority, n, work, pool.max_running_per_replica if slots is None else slots)
     if k <= 0:
         return 1.0
     return poisson_at_least(k, n * pool.rate_per_replica_rps * wait_s)
@@ -307,18 +317,19 @@ def work_units(shape: Shape, pool: PoolState) -> float:
     return max(1.0, (shape.prompt_tokens + shape.predicted_output_p50) * num_in_flight / tokens)
 
 
-def _num_to_leave(pool: PoolState, now: float, priority: int, num_routable: int, work: float) -> int:
-    """Own-shape requests that must leave ``pool`` before a newcomer of ``priority`` and ``work`` runs."""
+def _num_to_leave(pool: PoolState, now: float, priority: int, num_routable: int, work: float, slots: float) -> int:
+    """Own-shape requests that must leave ``pool`` before a newcomer of ``priority`` and ``work`` runs,
+    when it may take ``slots`` running slots per replica."""
     in_flight = sum(r.work_in_flight for r in pool.replicas if r.routable(now))
     ahead = in_flight + (pool.queue.num_ahead(priority) if pool.queue is not None else 0)
-    return math.ceil(ahead + work - num_routable * pool.max_running_per_replica - 1e-9)
+    return math.ceil(ahead + work - num_routable * slots - 1e-9)
 
 
-def _clear_s(pool: PoolState, now: float, priority: int, work: float) -> float:
+def _clear_s(pool: PoolState, now: float, priority: int, work: float, slots: float) -> float:
     """Expected time until a newcomer of ``priority`` would get a slot: when to retry."""
     n = pool.num_routable(now)
     rate = n * pool.rate_per_replica_rps
-    return max(0, _num_to_leave(pool, now, priority, n, work)) / rate if rate > 0 else 0.0
+    return max(0, _num_to_leave(pool, now, priority, n, work, slots)) / rate if rate > 0 else 0.0
 
 
 def _balance_load(pool: PoolState, now: float) -> float:

@@ -13,12 +13,14 @@ import sys
 import time
 import traceback
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import aiohttp
 import orjson
 from aiohttp import web
 
 from classifiers.shape import Shape
+from gateway.adapters import listed_adapters
 from gateway.admin import AdminHandlers
 from gateway.admission import Limiter
 from gateway.budgets import budget_refusal
@@ -33,10 +35,15 @@ from gateway.openapi import DOCUMENT_BYTES
 from gateway.probes import HealthProber
 from gateway.proxy import Outcome, Proxy
 from gateway.response_ids import ResponseIds
+from gateway.response_lookup import find_stored
 from gateway.runtime import Runtime
 from gateway.state import GatewayState
+from gateway.tracing import RequestTracer, build_tracer
 from gateway.upstream import UpstreamPool
 from gateway.validate import validate_body
+
+if TYPE_CHECKING:
+    from opentelemetry.sdk.trace.export import SpanExporter
 
 _JSON = "application/json"
 _UNAUTHENTICATED = "_unauthenticated"
@@ -106,7 +113,8 @@ def _met_slo(runtime: Runtime, tier: str, outcome: Outcome) -> bool:
 
 def _resolve_model(runtime: Runtime, tenant: Tenant, body: dict[str, object], model: str, raw: bytes) -> tuple[str | None, str, bytes]:
     """(the alias the client named or None, the served model, the body to send) of a request naming
-    ``model``; raises 404 for a model no pool serves and 403 for one the tenant may not use."""
+    ``model``; raises 404 for a model no pool serves and 403 for one the tenant may not use (an adapter: the
+    adapter and its base model must both be allowed). An adapter keeps its name: engines select it by it."""
     public = None
     alias = runtime.config.aliases.get(model) if runtime.config.aliases else None
     if alias is not None:  # resolved before anything else looks at the model; only aliased requests pay the re-encode
@@ -115,14 +123,17 @@ def _resolve_model(runtime: Runtime, tenant: Tenant, body: dict[str, object], mo
         raw = orjson.dumps(body)
     if not any(pool.serves(model) for pool in runtime.pools):
         raise ApiError(404, f"The model {model[:200]!r} does not exist on this gateway.", "model_not_found", "model")
-    if not (tenant.may_use_model(model) or (public is not None and tenant.may_use_model(public))):
+    base = runtime.adapter_base.get(model)
+    if not (tenant.may_use_adapter(model, base) if base is not None else
+            tenant.may_use_model(model) or (public is not None and tenant.may_use_model(public))):
         raise ApiError(403, f"This key may not use model {model[:200]!r}.", "model_not_allowed", "model")
     return public, model, raw
 
 
 class Handlers:
-    def __init__(self, state: GatewayState) -> None:
+    def __init__(self, state: GatewayState, tracer: RequestTracer | None = None) -> None:
         self.state = state
+        self.tracer = tracer
         self.response_ids = ResponseIds()  # Responses ids this process proxied -> the replica holding each
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
@@ -142,6 +153,7 @@ class Handlers:
         public = None  # the alias the client named, when it named one
         shape = None
         limiter = None
+        trace = self.tracer.start(request.method, request.path, request.headers) if self.tracer is not None else None
         try:
             tenant = _authenticate(request, runtime)
             tenant_name = tenant.name
@@ -150,18 +162,27 @@ class Handlers:
             raw, body = await _read_json(request, server.max_body_bytes, server.body_read_timeout_s)
             model, stream, max_tokens = validate_body(body, chat)
             public, model, raw = _resolve_model(runtime, tenant, body, model, raw)  # type: ignore[arg-type]
+            classify_span = trace.start_classify() if trace is not None else None
             shape = runtime.classifier.classify(body, chat=chat, tenant=tenant.name, tier=tier)  # type: ignore[arg-type]
+            if trace is not None and classify_span is not None:
+                trace.end_classify(classify_span, shape)
             # every choice generated counts: n completions (best_of candidates) of up to max_tokens each
             choices = max(body.get("n") or 1, body.get("best_of") or 1)
             limiter = await self._admit(runtime, tenant.name, tier, shape, shape.prompt_tokens + choices * (max_tokens or shape.predicted_output_p50))
             assert state.proxy is not None
-            response = await state.proxy.forward(request, runtime, shape, model, raw, stream, outcome, body)  # type: ignore[arg-type]
+            response = await state.proxy.forward(request, runtime, shape, model, raw, stream, outcome, body, trace=trace)  # type: ignore[arg-type]
         except Exception as err:  # an ApiError is its envelope; a bug costs one request a 500, never the process or a hang
             response = self._failed(err, outcome, tenant_name, shape)
+        except asyncio.CancelledError:  # the client went away: its span still ends, with no answer
+            if trace is not None:
+                trace.finish(0, tenant_name, tier, model, shape, outcome)
+            raise
         finally:
             if limiter is not None:
                 limiter.release()
         self._record(runtime, tenant_name, tier, model, shape, outcome, loop.time() - started_at, public, CHAT_METER if chat else COMPLETIONS_METER)
+        if trace is not None:
+            trace.finish(response.status, tenant_name, tier, model, shape, outcome)
         return response
 
     async def embeddings(self, request: web.Request) -> web.StreamResponse:
@@ -189,6 +210,7 @@ class Handlers:
         public = None
         shape = None
         limiter = None
+        trace = self.tracer.start(request.method, request.path, request.headers) if self.tracer is not None else None
         try:
             tenant = _authenticate(request, runtime)
             tenant_name = tenant.name
@@ -198,27 +220,67 @@ class Handlers:
             parsed = endpoint.parse(body)
             model = parsed.model
             public, model, raw = _resolve_model(runtime, tenant, body, model, raw)  # type: ignore[arg-type]
-            pinned = None
-            if parsed.previous_response_id is not None:
-                pinned = self.response_ids.replica_of(parsed.previous_response_id)
-                if pinned is None:
-                    raise ApiError(400, f"Previous response {parsed.previous_response_id[:200]!r} is not known to this gateway: each replica stores "
-                                   "its own responses, and this gateway process did not proxy that one (or has forgotten it).",
-                                   "previous_response_not_found", "previous_response_id")
+            classify_span = trace.start_classify() if trace is not None else None
             shape = runtime.classifier.classify(parsed.classify_body, chat=parsed.chat, tenant=tenant.name, tier=tier)
+            if trace is not None and classify_span is not None:
+                trace.end_classify(classify_span, shape)
             num_tokens = shape.prompt_tokens + ((parsed.max_output_tokens or shape.predicted_output_p50) if parsed.has_output else 0)
             limiter = await self._admit(runtime, tenant.name, tier, shape, num_tokens)
+            pinned = None
+            if parsed.previous_response_id is not None:  # after admission: a lookup asks the replicas, and is limited like the request
+                pinned = await self._holder(runtime, parsed.previous_response_id, model)
             assert state.proxy is not None
-            response = await state.proxy.forward(request, runtime, shape, model, raw, parsed.stream, outcome, body, endpoint.wire, pinned)  # type: ignore[arg-type]
+            response = await state.proxy.forward(request, runtime, shape, model, raw, parsed.stream, outcome, body, endpoint.wire, pinned, trace)  # type: ignore[arg-type]
             if outcome.response_id is not None and parsed.store and outcome.status == 200 and outcome.stream_error is None:
                 self.response_ids.remember(outcome.response_id, outcome.replica)
         except Exception as err:  # an ApiError is its envelope; a bug costs one request a 500, never the process or a hang
             response = self._failed(err, outcome, tenant_name, shape)
+        except asyncio.CancelledError:  # the client went away: its span still ends, with no answer
+            if trace is not None:
+                trace.finish(0, tenant_name, tier, model, shape, outcome)
+            raise
         finally:
             if limiter is not None:
                 limiter.release()
         self._record(runtime, tenant_name, tier, model, shape, outcome, loop.time() - started_at, public, endpoint.meter)
+        if trace is not None:
+            trace.finish(response.status, tenant_name, tier, model, shape, outcome)
         return response
+
+    async def _holder(self, runtime: Runtime, response_id: str, model: str) -> str:
+        """The replica holding the stored response ``response_id`` (of ``model``): the one this process
+        proxied it to, or the one of the model's replicas that answers for it; else 400."""
+        pinned = self.response_ids.replica_of(response_id)
+        if pinned is not None:
+            return pinned
+        now = asyncio.get_running_loop().time()
+        candidates = [r for p in runtime.pools for r in p.replicas if p.serves(model) and r.serves(model) and r.routable(now)]
+        assert self.state.session is not None
+        found = await find_stored(self.state.session, candidates, response_id, runtime.config.upstream.connect_timeout_s)
+        if found is None:
+            raise ApiError(400, f"Previous response {response_id[:200]!r} was not found: no replica serving {model[:200]!r} holds it "
+                           "(each engine stores its own responses; it may have been forgotten or restarted).",
+                           "previous_response_not_found", "previous_response_id")
+        self.response_ids.remember(response_id, found.replica.name)
+        return found.replica.name
+
+    async def retrieve_response(self, request: web.Request) -> web.Response:
+        """``GET /v1/responses/{response_id}``: the stored response, from the replica that holds it."""
+        runtime = self.state.runtime
+        try:
+            _authenticate(request, runtime)
+            response_id = request.match_info["response_id"]
+            now = asyncio.get_running_loop().time()
+            known = runtime.replica_by_name.get(self.response_ids.replica_of(response_id) or "")
+            candidates = [known] if known is not None else [r for p in runtime.pools for r in p.replicas if r.routable(now)]
+            assert self.state.session is not None
+            found = await find_stored(self.state.session, candidates, response_id, runtime.config.upstream.connect_timeout_s)
+            if found is None:
+                raise ApiError(404, f"No replica holds a stored response {response_id[:200]!r}.", "response_not_found")
+        except ApiError as err:
+            return error_response(err)
+        self.response_ids.remember(response_id, found.replica.name)
+        return web.Response(body=found.body, content_type=_JSON, headers={"x-polymorph-pool": found.replica.pool, "x-polymorph-replica": found.replica.name})
 
     async def _admit(self, runtime: Runtime, tenant: str, tier: str, shape: Shape, num_tokens: int) -> Limiter:
         """A classified request counted (the controller's telemetry, the shape metric) and admitted by its
@@ -325,8 +387,9 @@ class Handlers:
         data = [
             {"id": model, "object": "model", "created": 0, "owned_by": "polymorph"}
             for model in runtime.served_models()
-            if tenant.may_use_model(model)
+            if model not in runtime.adapter_base and tenant.may_use_model(model)
         ]
+        data += listed_adapters(runtime.adapter_base, tenant)
         served = set(runtime.served_models())
         data += [
             {"id": public, "object": "model", "created": 0, "owned_by": "polymorph", "root": alias.model}
@@ -392,16 +455,19 @@ def build_app(
     config: GatewayConfig,
     replica_urls: dict[str, list[str]] | None = None,
     live_fleet: Callable[[GatewayState], LiveFleet] | None = None,
+    span_exporter: SpanExporter | None = None,
 ) -> web.Application:
     """The gateway as an aiohttp app. Raises ClassifierLoadError early if the classifier cannot load.
 
-    ``live_fleet`` builds the control loop over the replicas an actuator started (fleet.controller)."""
+    ``live_fleet`` builds the control loop over the replicas an actuator started (fleet.controller);
+    ``span_exporter`` replaces the OTLP exporter when ``tracing`` is enabled (tests: in memory)."""
     state = GatewayState(config, replica_urls or {})
     if live_fleet is not None:
         state.live = live_fleet(state)
     app = web.Application(client_max_size=config.server.max_body_bytes)
     app[STATE_KEY] = state
-    h = Handlers(state)
+    tracer = build_tracer(config.tracing, span_exporter)
+    h = Handlers(state, tracer)
     app[ENGINE_SCRAPER_KEY] = EngineScraper(state, config.upstream.engine_metrics_interval_s)
     admin = AdminHandlers(state, app[ENGINE_SCRAPER_KEY])
     router = app.router
@@ -410,6 +476,7 @@ def build_app(
     router.add_route("*", "/v1/models", h.models)
     router.add_route("*", "/v1/embeddings", h.embeddings)
     router.add_route("*", "/v1/responses", h.responses)
+    router.add_get("/v1/responses/{response_id}", h.retrieve_response, allow_head=False)
     for path in RERANK_PATHS:
         router.add_route("*", path, h.rerank)
     for path in SCORE_PATHS:
@@ -430,4 +497,6 @@ def build_app(
     router.add_route("*", "/{tail:.*}", h.not_found)
     app.on_startup.append(_on_startup)
     app.on_cleanup.append(_on_cleanup)
+    if tracer is not None:
+        app.on_cleanup.append(lambda _: tracer.shutdown())
     return app

@@ -7,11 +7,12 @@ are never mutated after load; a reload builds a new ``GatewayConfig`` and swaps 
 from __future__ import annotations
 
 import hashlib
+import importlib.util
 import os
 import re
 import shlex
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -31,6 +32,7 @@ from loadtest.demo_credentials import DEMO_ADMIN_TOKEN, DEMO_API_KEY
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.:-]{0,62}$")
 _POOL_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.:@-]{0,62}$")  # and the controller's own names, <shape>@<gpu>
 _SHA256 = re.compile(r"^[0-9a-f]{64}$")
+_ADAPTER_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.:/-]{0,127}$")  # as model ids are spelled (org/name allowed)
 
 
 def sha256_hex(secret: str) -> str:
@@ -75,9 +77,13 @@ class Tenant:
     max_concurrency: int
     source: str = "<builtin>"
     budget_monthly_usd: float | None = None  # `budget: {monthly_usd}`: refused with 429 budget_exceeded once the month's spend reaches it
+    adapters: frozenset[str] | None = None  # LoRA adapters it may name; None: every one (its base model must be allowed too)
 
     def may_use_model(self, model: str) -> bool:
         return self.models is None or model in self.models
+
+    def may_use_adapter(self, adapter: str, base: str) -> bool:
+        return (self.adapters is None or adapter in self.adapters) and self.may_use_model(base)
 
 
 @dataclass(frozen=True, slots=True)
@@ -119,6 +125,10 @@ class PoolSpec:
     def config_json(self) -> str:
         """The pool's engine configuration as the controller and the actuators carry it (sorted JSON)."""
         return orjson.dumps(dict(self.engine), option=orjson.OPT_SORT_KEYS).decode()
+
+    @property
+    def adapter_names(self) -> frozenset[str]:
+        return frozenset(name for name, _ in self.launch.adapters)
 
 
 @dataclass(frozen=True, slots=True)
@@ -170,6 +180,17 @@ class LimitsSettings:
 
 
 @dataclass(frozen=True, slots=True)
+class TracingSettings:
+    """``tracing:``: OpenTelemetry spans for each request, exported over OTLP/HTTP (gateway/tracing.py)."""
+
+    enabled: bool = False
+    otlp_endpoint: str = "http://127.0.0.1:4318/v1/traces"
+    service_name: str = "polymorph"
+    sample_ratio: float = 1.0  # of the traces that start here; a client's sampled flag decides for its own (parent-based)
+    headers: Mapping[str, str] = field(default_factory=dict)  # sent with each export, e.g. a collector's auth
+
+
+@dataclass(frozen=True, slots=True)
 class GatewayConfig:
     source: str
     server: ServerSettings
@@ -190,6 +211,7 @@ class GatewayConfig:
     router: RouterSettings = field(default_factory=RouterSettings)  # `router:`: how pools and replicas are chosen
     aliases: Mapping[str, Alias] = field(default_factory=dict)  # public model name -> the served one
     limits: LimitsSettings = field(default_factory=LimitsSettings)
+    tracing: TracingSettings = field(default_factory=TracingSettings)
     watched_files: tuple[Path, ...] = field(default=())
     tenants_dir: Path | None = None
 
@@ -337,7 +359,7 @@ def _shapes(doc: YamlDoc) -> ShapeRules:
 def _pool(doc: YamlDoc, i: int, body: object, shape_names: tuple[str, ...]) -> PoolSpec:
     path: FieldPath = ("fleet", "pools", i)
     r = _Reader(doc, path, body, {"name", "model", "gpu", "shapes", "engine", "replicas", "min_replicas", "max_replicas", "max_in_flight_per_replica",
-                                    "price_per_hour_usd"})
+                                  "adapters", "price_per_hour_usd"})
     name = r.text("name", None)
     if not name or not _POOL_NAME.match(name):
         raise r.error("name", "every pool needs a name (letters, digits, '-', '_', '@')")
@@ -348,7 +370,10 @@ def _pool(doc: YamlDoc, i: int, body: object, shape_names: tuple[str, ...]) -> P
     engine = r.data.get("engine") or {}
     if not isinstance(engine, dict):
         raise r.error("engine", "must be a mapping of engine settings")
-    launch = _launch(doc, (*path, "engine"), engine, model)
+    launch = replace(_launch(doc, (*path, "engine"), engine, model), adapters=_pool_adapters(r, model))
+    if launch.adapters and launch.kind == "llamacpp":
+        raise r.error("adapters", "llama-server selects LoRA adapters by id in each request's `lora` field, not by model name: "
+                                  "adapters are not supported on llamacpp pools (serve them from a vllm or sglang pool)")
     engine = {k: v for k, v in engine.items() if k not in _LAUNCH_KEYS}
     rr = _Reader(doc, (*path, "replicas"), r.data.get("replicas"), {"urls", "emulated", "launch"})
     urls = rr.names("urls", []) or []
@@ -415,6 +440,40 @@ def _launch(doc: YamlDoc, path: FieldPath, engine: dict[str, Any], model: str) -
     )
 
 
+def _pool_adapters(r: _Reader, model: str) -> tuple[tuple[str, str], ...]:
+    """``adapters: {name: path}``: the LoRA adapters (PEFT folders) the pool's engine loads, named as requests name them."""
+    raw = r.data.get("adapters") or {}
+    if not isinstance(raw, dict):
+        raise r.error("adapters", "must map adapter names to the path of each adapter the engine loads")
+    if raw and model == "*":
+        raise r.error("adapters", "a pool that discovers its models (model: '*') has no base model to hold adapters")
+    out = []
+    for name, path in raw.items():
+        if not isinstance(name, str) or not _ADAPTER_NAME.match(name):
+            raise r.doc.error((*r.path, "adapters", str(name)), "adapter names are spelled like model ids (letters, digits, '-', '_', '.', ':', '/')")
+        if name == model:
+            raise r.doc.error((*r.path, "adapters", name), f"{name!r} is the pool's own model; an adapter needs a name of its own")
+        if not isinstance(path, str) or not path:
+            raise r.doc.error((*r.path, "adapters", name), "must be the path of the adapter (a PEFT folder) the engine loads")
+        out.append((name, path))
+    return tuple(out)
+
+
+def _check_adapter_names(doc: YamlDoc, pools: tuple[PoolSpec, ...]) -> None:
+    """An adapter name selects one adapter of one base model fleet-wide: never a served model, never two adapters."""
+    models = {p.model for p in pools}
+    held: dict[str, tuple[str, str, str]] = {}  # adapter -> (base model, path, first pool)
+    for i, pool in enumerate(pools):
+        for name, path in pool.launch.adapters:
+            where = ("fleet", "pools", i, "adapters", name)
+            if name in models:
+                raise doc.error(where, f"{name!r} is a model a pool serves; an adapter needs a name of its own")
+            base, first_path, first = held.setdefault(name, (pool.model, path, pool.name))
+            if (base, first_path) != (pool.model, path):
+                raise doc.error(where, f"pool {first!r} holds adapter {name!r} of {base!r} at {first_path!r}; "
+                                       "pools holding the same adapter name must serve the same base model and path")
+
+
 def _check_engine(doc: YamlDoc, path: FieldPath, model: str | None, gpu: str | None, engine: dict[str, Any]) -> None:
     """Catalog names and engine settings are checked by the compiler's own types, with our line numbers."""
     from kernels.catalog import get_gpu, get_model
@@ -453,6 +512,8 @@ def _aliases(doc: YamlDoc, pools: tuple[PoolSpec, ...]) -> dict[str, Alias]:
             raise r.error(public, f"must name a served model, not itself or another alias ({alias.model!r})")
         if public in declared:
             raise r.error(public, f"{public!r} is a model a pool serves; an alias cannot hide it")
+        if any(public in p.adapter_names for p in pools):
+            raise r.error(public, f"{public!r} is a LoRA adapter a pool holds; an alias cannot hide it")
         if "*" not in declared and alias.model not in declared:
             raise r.error(public, f"no pool serves {alias.model!r} (pools serve: {', '.join(sorted(declared))})")
         out[public] = alias
@@ -483,12 +544,42 @@ def _limits(doc: YamlDoc) -> LimitsSettings:
     return settings
 
 
+def _installed(module: str) -> bool:
+    try:
+        return importlib.util.find_spec(module) is not None
+    except ModuleNotFoundError:  # a parent package is missing
+        return False
+
+
+def _tracing(doc: YamlDoc) -> TracingSettings:
+    r = _Reader(doc, ("tracing",), doc.data.get("tracing"), set(TracingSettings.__dataclass_fields__))
+    d = TracingSettings()
+    endpoint = r.text("otlp_endpoint", d.otlp_endpoint) or ""
+    if not endpoint.startswith(("http://", "https://")):
+        raise r.error("otlp_endpoint", f"must be an http:// or https:// URL (OTLP over HTTP), not {endpoint!r}")
+    headers = r.data.get("headers", {})
+    if not isinstance(headers, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in headers.items()):
+        raise r.error("headers", "must be a mapping of header names to string values")
+    settings = TracingSettings(
+        enabled=r.flag("enabled", d.enabled),
+        otlp_endpoint=endpoint,
+        service_name=r.text("service_name", d.service_name) or d.service_name,
+        sample_ratio=r.number("sample_ratio", d.sample_ratio, lo=0.0, hi=1.0),
+        headers=headers,
+    )
+    # found, not imported: a config that leaves tracing off must not load OpenTelemetry
+    if settings.enabled and not all(_installed(m) for m in ("opentelemetry.sdk", "opentelemetry.exporter.otlp.proto.http")):
+        raise r.error("enabled", "needs the OpenTelemetry packages: pip install 'polymorph[tracing]'")
+    return settings
+
+
 def _router(doc: YamlDoc) -> RouterSettings:
     """``router:``: the router's knobs and named steps (fleet.router.RouterSettings, fleet.router_steps.STEPS;
     the defaults are today's behaviour). Building the settings composes the steps: once per load."""
     d = RouterSettings()
     r = _Reader(doc, ("router",), doc.data.get("router"), {"affinity_slack", "shed_priority", "shed_load_fraction",
-                                                            "shed_retry_after_s", "good_chance", "shed_chance", "wait_share", *STEPS})
+                                                            "shed_retry_after_s", "good_chance", "shed_chance", "wait_share", "urgent_reserve",
+                                                            *STEPS})
 
     def step(stage: str, default: str) -> str:
         name = r.text(stage, default)
@@ -504,6 +595,7 @@ def _router(doc: YamlDoc) -> RouterSettings:
         good_chance=r.number("good_chance", d.good_chance, lo=0.0, hi=1.0),
         shed_chance=r.number("shed_chance", d.shed_chance, lo=0.0, hi=1.0),
         wait_share=r.number("wait_share", d.wait_share, lo=0.01, hi=1.0),
+        urgent_reserve=r.number("urgent_reserve", d.urgent_reserve, lo=0.0, hi=0.9),
         pool_filter=step("pool_filter", d.pool_filter),
         pool_scorer=step("pool_scorer", d.pool_scorer),
         admission=step("admission", d.admission),
@@ -616,6 +708,7 @@ def _fleet(doc: YamlDoc, shapes: ShapeRules, base: Path) -> tuple[tuple[PoolSpec
     if not isinstance(raw, list) or not raw:
         raise doc.error(("fleet", "pools"), "must be a non-empty list of pools")
     pools = tuple(_pool(doc, i, body, shapes.names) for i, body in enumerate(raw))
+    _check_adapter_names(doc, pools)
     seen: set[str] = set()
     for i, pool in enumerate(pools):
         if pool.name in seen:
@@ -635,7 +728,7 @@ def _fleet(doc: YamlDoc, shapes: ShapeRules, base: Path) -> tuple[tuple[PoolSpec
 
 
 def parse_tenant(doc: YamlDoc, tiers: Mapping[str, TierSlo]) -> Tenant:
-    known = {"name", "api_key_sha256", "models", "tiers", "default_tier", "objectives", "rate_limits", "max_concurrency", "budget"}
+    known = {"name", "api_key_sha256", "models", "tiers", "default_tier", "objectives", "rate_limits", "max_concurrency", "adapters", "budget"}
     r = _Reader(doc, (), doc.data, known)
     name = r.text("name", None)
     if not name or not _NAME.match(name):
@@ -647,6 +740,7 @@ def parse_tenant(doc: YamlDoc, tiers: Mapping[str, TierSlo]) -> Tenant:
         if not _SHA256.match(h):
             raise doc.error(("api_key_sha256", i), "must be 64 lowercase hex digits (a SHA-256 of the key)")
     models = r.names("models", ["*"]) or ["*"]
+    adapters = r.names("adapters", ["*"]) or []  # `adapters: []`: none
     allowed = r.names("tiers", list(tiers), tuple(tiers)) or []
     if not allowed:
         raise r.error("tiers", "a tenant needs at least one tier")
@@ -675,6 +769,7 @@ def parse_tenant(doc: YamlDoc, tiers: Mapping[str, TierSlo]) -> Tenant:
         max_concurrency=r.number("max_concurrency", 256, lo=1, hi=10**7, integer=True),
         source=doc.file,
         budget_monthly_usd=budget.number("monthly_usd", 0.0, lo=0.0, hi=1e12) if "monthly_usd" in budget.data else None,
+        adapters=None if "*" in adapters else frozenset(adapters),
     )
 
 
@@ -726,7 +821,7 @@ def load_config(path: Path) -> GatewayConfig:
     doc = load_yaml(path)
     if not isinstance(doc.data, dict):
         raise doc.error((), "the config must be a YAML mapping")
-    known = {"server", "upstream", "tenants_dir", "tiers", "classifier", "shapes", "default_shape", "fleet", "router", "aliases", "limits"}
+    known = {"server", "upstream", "tenants_dir", "tiers", "classifier", "shapes", "default_shape", "fleet", "router", "aliases", "limits", "tracing"}
     _Reader(doc, (), doc.data, known)
     tiers = _tiers(doc)
     shapes = _shapes(doc)
@@ -750,6 +845,7 @@ def load_config(path: Path) -> GatewayConfig:
         router=_router(doc),
         aliases=_aliases(doc, pools),
         limits=_limits(doc),
+        tracing=_tracing(doc),
         watched_files=(path, *tenant_files),
         tenants_dir=tenants_dir,
     )

@@ -170,7 +170,8 @@ class ControllerService:
             self.ray.add_slot(record.slot, record.gpu, pool, config_json)
             self.ray.start(record.slot, pool, config_json, self.now())
             return dataclasses.replace(record, pool=pool, config_json=config_json, phase="starting", url=None, pid=None)  # URL once healthy
-        argv = emulated_replica_argv(self.command, self.model, record.gpu, config_json, self.speed)
+        adapters = next((p.launch.adapters for p in self.config.pools if p.name == pool), ())  # a declared pool's LoRA adapters
+        argv = emulated_replica_argv(self.command, self.model, record.gpu, config_json, self.speed, adapters)
         name = f"{record.slot.replace('/', '-')}-{time.time_ns()}"
         replica = self.local.start(LaunchSpec(name, argv))
         self.local.replicas.remove(replica)  # this service tracks its processes by slot

@@ -171,6 +171,11 @@ DOCUMENT: dict[str, Any] = {
         ),
         "/v1/embeddings": _post("Embeddings (classified by input tokens; the tenant's token limits charge the input)", _EMBEDDINGS),
         "/v1/responses": _post("Responses API, passed through to engines that implement it (JSON, or typed SSE events when stream is true)", _RESPONSES),
+        "/v1/responses/{response_id}": {"get": {
+            **_get("A stored response, from the replica that holds it (asked of the replicas when this process did not proxy it)",
+                   "application/json", True, 401, 404)["get"],
+            "parameters": [{"name": "response_id", "in": "path", "required": True, "schema": {"type": "string", "pattern": "^[A-Za-z0-9_-]{1,200}$"}}],
+        }},
         "/v1/rerank": _post("Rerank documents against a query (vLLM, sglang)", _RERANK),
         "/rerank": _post("Rerank documents against a query (vLLM)", _RERANK),
         "/v1/score": _post("Score text pairs (vLLM)", _SCORE),

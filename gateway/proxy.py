@@ -20,6 +20,7 @@ from fleet.health import HealthState
 from fleet.pool import PoolState, ReplicaState
 from fleet.router import Reject, Route, RouterSettings, Wait, route
 from fleet.router_steps import work_units
+from gateway.adapters import engine_model, with_model
 from gateway.admission import RetryBudget
 from gateway.config import UpstreamSettings
 from gateway.errors import ApiError, error_body, sse_error_event
@@ -27,6 +28,7 @@ from gateway.metrics import GatewayMetrics
 from gateway.pool_wait import PoolWaits
 from gateway.runtime import Runtime
 from gateway.stream_usage import UsageChunkFilter, asked_for_usage, upstream_body
+from gateway.tracing import RequestTrace, UpstreamSpan, forwarded_trace_headers
 from gateway.upstream import UpstreamError, UpstreamPool, UpstreamResponse
 
 _DONE = b"data: [DONE]"
@@ -166,11 +168,13 @@ class Proxy:
         body: Mapping[str, object],
         wire: Wire = CHAT_WIRE,
         pinned: str | None = None,
+        trace: RequestTrace | None = None,
     ) -> web.StreamResponse:
         """Route and send one request; ``body`` is ``raw_body`` as the request path parsed it.
 
         ``wire`` says how the endpoint's answers read; ``pinned`` names the one replica that may take
-        the request (it holds the state the request refers to), instead of the router's choice."""
+        the request (it holds the state the request refers to), instead of the router's choice;
+        ``trace`` (tracing on) gets the route, the queue wait and a span per attempt."""
         settings = runtime.config.upstream
         loop = asyncio.get_running_loop()
         tried: list[str] = []
@@ -180,6 +184,8 @@ class Proxy:
         strip_usage = stream and wire.ask_stream_usage and not asked_for_usage(body)
         tier = runtime.config.tiers.get(shape.tier)
         last_error: ApiError | None = None
+        # tracing off: the client's own trace context goes on to the engine; on: each attempt's span's
+        trace_headers = forwarded_trace_headers(request.headers) if trace is None else b""
         while True:
             now = loop.time()
             decision: Route | Wait | Reject
@@ -193,16 +199,26 @@ class Proxy:
                     raise last_error
                 raise ApiError(decision.status, decision.reason, decision.code, "model" if decision.status == 404 else None, decision.retry_after_s or None)
             if isinstance(decision, Wait):  # its pool is saturated: wait in the pool's queue for a replica's room
-                placed = await self.waits.wait(decision, shape, model, tried, budget_tokens)
+                queue_span = trace.start_queue(decision) if trace is not None else None
+                placed = None
+                try:
+                    placed = await self.waits.wait(decision, shape, model, tried, budget_tokens)
+                finally:
+                    if trace is not None and queue_span is not None:
+                        trace.end_queue(queue_span, placed is not None)
                 if placed is None:  # the pools changed and that one has no routable replica: route it again
                     runtime = self.waits.runtime or runtime
                     continue
                 decision, replica = placed
             else:
                 replica = runtime.replica_by_name[decision.replica]
+                if trace is not None:
+                    trace.routed(runtime, shape, decision, now)
             pool = next((p for p in runtime.pools if p.name == decision.pool), None)
             priority = engine_priority(pool, tier.priority) if pool is not None and tier is not None and wire.priority else None
             sent_body = upstream_body(raw_body, body, strip_usage, priority)
+            if runtime.adapter_base and pool is not None and (renamed := engine_model(pool.engine_kind, model, runtime.adapter_base.get(model))):
+                sent_body = with_model(sent_body, renamed)
             outcome.pool, outcome.replica = decision.pool, decision.replica
             outcome.attempts += 1
             tried.append(replica.name)
@@ -211,15 +227,21 @@ class Proxy:
             gauge = self.metrics.child(self.metrics.in_flight, decision.pool)
             gauge.inc()
             share_mark = replica.share.begin(loop.time())
+            span: UpstreamSpan | None = trace.start_upstream(decision, request.path) if trace is not None else None
             try:
-                result = await self._attempt(request, decision, replica, sent_body, stream, strip_usage, shape, settings, outcome, wire)
+                result = await self._attempt(request, decision, replica, sent_body, stream, strip_usage, shape, settings, outcome, wire,
+                                             trace_headers if span is None else span.headers)
             except ApiError as err:
                 last_error = err
+                if span is not None:
+                    span.end(err.status, err.code)
                 if outcome.attempts >= settings.max_attempts or not self.retry_budget.try_spend(loop.time()):
                     raise
                 self.metrics.child(self.metrics.retries, decision.pool).inc()
                 continue
             finally:
+                if span is not None:
+                    span.end(outcome.status, outcome.stream_error)
                 replica.end(budget_tokens, decision.work)
                 outcome.engine_share_s += replica.share.end(loop.time(), share_mark)
                 gauge.dec()
@@ -249,13 +271,14 @@ class Proxy:
         settings: UpstreamSettings,
         outcome: Outcome,
         wire: Wire,
+        trace_headers: bytes = b"",
     ) -> web.StreamResponse:
         loop = asyncio.get_running_loop()
         started_at = loop.time()
         first_byte_deadline = started_at + settings.first_byte_timeout_s
         try:
             # The deadline covers the head and the body (a stream: its first piece), on one timer.
-            upstream = await self.pool.post(decision.url, request.path, raw_body, settings.connect_timeout_s, first_byte_deadline)
+            upstream = await self.pool.post(decision.url, request.path, raw_body, settings.connect_timeout_s, first_byte_deadline, trace_headers)
         except TimeoutError:
             self.mark_failure(replica)
             raise ApiError(504, f"Replica {replica.name} did not answer within {settings.first_byte_timeout_s:g} s.", "upstream_timeout") from None

@@ -91,7 +91,7 @@ def launcher(config: GatewayConfig, command: tuple[str, ...]) -> LaunchFor:
         model = spec.model if spec is not None else ""
         launch = spec.launch if spec is not None else EngineLaunch("emulated")
         if launch.kind == "emulated":
-            return LaunchSpec("", emulated_replica_argv(command, model, gpu, config_json, config.emulator_speed))
+            return LaunchSpec("", emulated_replica_argv(command, model, gpu, config_json, config.emulator_speed, launch.adapters))
         engine = EngineConfig.from_dict(orjson.loads(config_json))
         env = launch_env(launch, gpu, devices)
         changed = {k: v for k, v in env.items() if os.environ.get(k) != v}  # the process inherits the rest

@@ -2,8 +2,8 @@
 
 An engine keeps a stored response in its own memory: a request naming ``previous_response_id`` can
 only be answered by the replica that produced it. The map is bounded (least recently used first
-out) and per process: with ``--workers N`` a follow-up that lands on another worker is not found
-there and is answered 400, as is one whose id has fallen out of the map.
+out) and per process; an id it does not hold (another ``--workers`` process or gateway host proxied it,
+or it fell out of the map) is looked up among the replicas (``gateway.response_lookup``) and then kept.
 """
 
 from __future__ import annotations

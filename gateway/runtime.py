@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from classifiers.request import RequestClassifier
 from fleet.health import CircuitBreaker
 from fleet.pool import PoolState, ReplicaState
+from gateway.adapters import adapter_bases
 from gateway.admission import Limiter, TenantLimiter
 from gateway.budgets import SharedSpendLedger, SpendBook, SpendLedger
 from gateway.budgets_store import StoreSpendLedger
@@ -38,6 +39,7 @@ class Runtime:
     limit_store: LimitStore | None = None  # limits.store: the tenants' limits live there (read at start; kept across reloads)
     spend: SpendBook = field(default_factory=SpendLedger)  # tenants' spend this budget period (gateway.budgets; kept across reloads)
     price_per_hour_usd: Mapping[str, float] = field(default_factory=dict)  # a config pool's replica price (gateway.costs)
+    adapter_base: Mapping[str, str] = field(default_factory=dict)  # LoRA adapter name -> its base model (gateway.adapters)
 
     def served_models(self) -> list[str]:
         models: set[str] = set()
@@ -69,7 +71,7 @@ def _build_pools(
         discover = spec.model == "*"
         pool = PoolState(
             name=spec.name,
-            models=None if discover else frozenset({spec.model}),
+            models=None if discover else frozenset({spec.model, *spec.adapter_names}),  # a request naming an adapter goes where it is loaded
             shapes=frozenset(spec.shapes),
             gpu=spec.gpu,
             max_running_per_replica=spec.max_in_flight_per_replica or _max_running(spec),
@@ -158,4 +160,5 @@ def build_runtime(
         limit_store=limit_store,
         spend=_spend_book(config, previous, limit_store, now),
         price_per_hour_usd={spec.name: replica_price_per_hour_usd(spec) for spec in config.pools},
+        adapter_base=adapter_bases(config.pools),
     )

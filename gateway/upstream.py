@@ -370,14 +370,15 @@ class UpstreamPool:
         return conn
 
     async def post(
-        self, base_url: str, path: str, body: bytes, connect_timeout_s: float, deadline: float | None = None
+        self, base_url: str, path: str, body: bytes, connect_timeout_s: float, deadline: float | None = None, extra_headers: bytes = b""
     ) -> UpstreamResponse:
         """Send ``body`` to ``base_url + path`` and wait for the response head.
 
         With ``deadline`` (loop time), the head and the body must arrive by then, or the waiting read
-        raises TimeoutError (``UpstreamResponse.limit_gaps`` lifts it for a stream)."""
+        raises TimeoutError (``UpstreamResponse.limit_gaps`` lifts it for a stream). ``extra_headers``:
+        whole header lines (``Name: value\\r\\n``, already checked), e.g. the trace context."""
         host, port, head = self._target(base_url, path)
-        request = b"".join((head, b"Content-Length: %d\r\n\r\n" % len(body), body))
+        request = b"".join((head, extra_headers, b"Content-Length: %d\r\n\r\n" % len(body), body))
         idle = self.idle.get((host, port))
         while idle:
             conn = idle.pop()

@@ -269,6 +269,9 @@ def _register_bench_priority(benches: argparse._SubParsersAction) -> None:  # ty
     p.add_argument("--flood-max-tokens", type=int, default=32, help="output tokens of each batch request (ignore_eos)")
     p.add_argument("--flood-warmup", type=float, default=3.0, metavar="S", help="flood time before the first interactive send")
     p.add_argument("--max-num-seqs", type=int, default=4, help="vLLM's batch size: the flood beyond it queues inside the engine")
+    p.add_argument("--urgent-reserve", type=float, default=0.25, metavar="F",
+                   help="router.urgent_reserve of the priority pool: the share of the engine's batch the gateway keeps from batch requests "
+                        "(they wait in its queue), so an interactive request starts at the next step; 0: batch may fill it")
     p.add_argument("--start-timeout", type=float, default=300.0, metavar="S", help="how long vLLM may take to become healthy")
     p.add_argument("--vllm-python", help="python of a vLLM venv (default: fleet.engines.install.vllm_python(), installed on first use)")
     p.add_argument("--model-dir", help="Hugging Face model folder (default: fleet.engines.install.tiny_model_hf())")

@@ -135,7 +135,10 @@ class LocalActuator:
             self.stop(replica)
 
 
-def emulated_replica_argv(command: Sequence[str], model: str, gpu: str, engine_json: str, speed: float) -> tuple[str, ...]:
-    """The command line of an emulated replica; ``command`` is how to invoke ``polymorph emulate``."""
-    return (*command, "--model", model, "--gpu", gpu, "--config", engine_json, "--speed", f"{speed:g}", "--served-model-name", model)
+def emulated_replica_argv(command: Sequence[str], model: str, gpu: str, engine_json: str, speed: float,
+                          adapters: Sequence[tuple[str, str]] = ()) -> tuple[str, ...]:
+    """The command line of an emulated replica; ``command`` is how to invoke ``polymorph emulate``; ``adapters``
+    the LoRA adapters (name, path) its pool holds."""
+    return (*command, "--model", model, "--gpu", gpu, "--config", engine_json, "--speed", f"{speed:g}", "--served-model-name", model,
+            *(arg for name, path in adapters for arg in ("--adapter", f"{name}={path}")))
 

@@ -59,6 +59,7 @@ class EmulatorSettings:
     speed: float = 1.0  # engine seconds per wall second
     faults: FaultSpec = field(default_factory=FaultSpec)
     embedding_dimensions: int | None = None  # default: the model's hidden size
+    adapters: tuple[tuple[str, str], ...] = ()  # LoRA adapters it answers to as vLLM does: (name, path)
 
 
 class EmulatorState:
@@ -75,6 +76,7 @@ class EmulatorState:
         self.gpu = gpu
         self.perf = perf
         self.served_model_name = settings.served_model_name or model.name
+        self.adapters = dict(settings.adapters)
         self.max_context = model.max_context
         self.driver = EngineDriver([Engine(perf, perf.config) for _ in range(perf.config.dp)], settings.speed)
         self.faults = FaultPlan(settings.faults)
@@ -83,17 +85,18 @@ class EmulatorState:
         self.ids = itertools.count(1)
         self.id_prefix = f"{os.getpid():x}"
         self.embedding_dimensions = settings.embedding_dimensions or model.hidden_size
-        # Responses this replica stored: id -> the tokens of the conversation so far, which a follow-up
-        # naming it as previous_response_id carries in its prompt.
-        self.stored_responses: OrderedDict[str, int] = OrderedDict()
+        # Responses this replica stored: id -> the tokens of the conversation so far (which a follow-up
+        # naming it as previous_response_id carries in its prompt) and the response object, which
+        # GET /v1/responses/{id} answers, as vLLM's does
+        self.stored_responses: OrderedDict[str, tuple[int, bytes]] = OrderedDict()
         # Set by the server once it listens; closes the listening socket for a while.
         self.refuse_connections: Callable[[float], Coroutine[Any, Any, None]] | None = None
 
     def new_req_id(self, prefix: str) -> str:
         return f"{prefix}-{self.id_prefix}{next(self.ids):08x}"
 
-    def store_response(self, response_id: str, context_tokens: int) -> None:
-        self.stored_responses[response_id] = context_tokens
+    def store_response(self, response_id: str, context_tokens: int, response: bytes) -> None:
+        self.stored_responses[response_id] = (context_tokens, response)
         if len(self.stored_responses) > _MAX_STORED_RESPONSES:
             self.stored_responses.popitem(last=False)
 
@@ -153,6 +156,9 @@ async def _serve(request: web.Request, parse: Parser, id_prefix: str) -> web.Str
         generation = parse(body, state.max_context, state.domains)
     except BadRequest as exc:
         return _error(str(exc), 400, exc.param)
+    name = _answering_name(state, body)
+    if name is None:
+        return _error(f"The model `{str(body.get('model'))[:200]}` does not exist.", 404, "model")
     # Tokenisation, scheduling and detokenisation cost a real server this much per request; the
     # performance model charges the same to TTFT, so the emulator and the predictions agree.
     await asyncio.sleep(state.perf.request_overhead_s * state.driver.slowdown / state.settings.speed)
@@ -167,8 +173,8 @@ async def _serve(request: web.Request, parse: Parser, id_prefix: str) -> web.Str
         if generation.kind == "generate":
             return await _answer_generate(request, generation, stream, fault)
         if generation.kind == "responses":
-            return await _answer_responses(request, ResponsesRenderer(generation, req_id, state.served_model_name, int(time.time()), body), stream, fault)
-        renderer = OpenAIRenderer(generation, req_id, state.served_model_name, int(time.time()))
+            return await _answer_responses(request, ResponsesRenderer(generation, req_id, name, int(time.time()), body), stream, fault)
+        renderer = OpenAIRenderer(generation, req_id, name, int(time.time()))
         if generation.stream:
             return await _stream_openai(request, renderer, stream, fault)
         await _wait_all(request, stream, fault)
@@ -176,6 +182,18 @@ async def _serve(request: web.Request, parse: Parser, id_prefix: str) -> web.Str
     finally:
         if not stream.is_finished:
             state.driver.abort(req_id)
+
+
+def _answering_name(state: EmulatorState, body: dict[str, Any]) -> str | None:
+    """The model id the response reports: the adapter the request names, else the served model. None: a model
+    this replica does not serve, which only a replica that loads adapters refuses (vLLM's 404); one without
+    adapters answers any name, as it always has (tests and tools name the emulated model loosely)."""
+    asked = body.get("model")
+    if isinstance(asked, str) and asked in state.adapters:
+        return asked
+    if state.adapters and asked is not None and asked != state.served_model_name:
+        return None
+    return state.served_model_name
 
 
 async def _next_tokens(request: web.Request, stream: TokenStream, num_sent: int, fault: RequestFault,
@@ -268,7 +286,8 @@ async def _answer_responses(request: web.Request, renderer: ResponsesRenderer, s
         except ConnectionResetError:
             return answer  # the client left before the end: nothing was stored
     if renderer.body.get("store") is not False:
-        request.app[STATE].store_response(renderer.req_id, generation.prompt_tokens + generation.output_tokens)
+        request.app[STATE].store_response(renderer.req_id, generation.prompt_tokens + generation.output_tokens,
+                                          renderer.full(stream.num_cached_tokens))
     return answer
 
 
@@ -285,8 +304,16 @@ async def responses(request: web.Request) -> web.StreamResponse:
         found = state.stored_responses.get(previous) if isinstance(previous, str) else None
         if found is None:
             return _error(f"Previous response with id {str(previous)[:200]!r} not found.", 400, "previous_response_id")
-        context_tokens = found
+        context_tokens = found[0]
     return await _serve(request, lambda b, m, d: parse_responses(b, m, d, context_tokens), "resp")
+
+
+async def retrieve_response(request: web.Request) -> web.Response:
+    """``GET /v1/responses/{response_id}``: a stored response, or vLLM's 404 for one this replica does not hold."""
+    found = request.app[STATE].stored_responses.get(request.match_info["response_id"])
+    if found is None:
+        return _error(f"Response with id {request.match_info['response_id'][:200]!r} not found.", 404)
+    return web.Response(body=found[1], content_type=_JSON)
 
 
 # --- pooling: embeddings, rerank, score -----------------------------------------------------------
@@ -379,10 +406,12 @@ async def generate(request: web.Request) -> web.StreamResponse:
 async def models(request: web.Request) -> web.Response:
     state = request.app[STATE]
     name = state.served_model_name
+    adapters = [{"id": adapter, "object": "model", "created": 0, "owned_by": "vllm", "root": path, "parent": name}
+                for adapter, path in state.adapters.items()]  # as vLLM lists its LoRA modules
     return _json_response({"object": "list", "data": [{
         "id": name, "object": "model", "created": 0, "owned_by": "sglang", "root": name,
         "max_model_len": state.max_context,
-    }]})
+    }, *adapters]})
 
 
 async def health(request: web.Request) -> web.Response:
@@ -475,6 +504,7 @@ def build_app(settings: EmulatorSettings) -> web.Application:
         web.post("/v1/completions", completions),
         web.post("/v1/embeddings", embeddings),
         web.post("/v1/responses", responses),
+        web.get("/v1/responses/{response_id}", retrieve_response),
         web.post("/v1/rerank", rerank),
         web.post("/rerank", rerank),
         web.post("/v1/score", score),

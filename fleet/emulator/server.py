@@ -115,6 +115,14 @@ async def serve(settings: EmulatorSettings, host: str, port: int, ready_line: bo
         await runner.cleanup()
 
 
+def _adapter(item: str) -> tuple[str, str]:
+    """``--adapter NAME=PATH`` (vLLM's ``--lora-modules`` item form)."""
+    name, sep, path = item.partition("=")
+    if not sep or not name or not path:
+        raise ValueError(f"--adapter takes NAME=PATH, not {item!r}")
+    return name, path
+
+
 def main_emulate(args: argparse.Namespace) -> int:
     """Entry point of `polymorph emulate`."""
     import uvloop
@@ -125,6 +133,7 @@ def main_emulate(args: argparse.Namespace) -> int:
             gpu=args.gpu,
             config=load_engine_config(args.config),
             served_model_name=args.served_model_name,
+            adapters=tuple(_adapter(item) for item in args.adapter),
             speed=args.speed,
             faults=faults_from_args(args),
         )

@@ -3,7 +3,7 @@
 ``launch_argv`` is a replica's command line without ``--host H --port P`` (the actuator appends them;
 llama-server, vLLM's api_server and sglang's launch_server all take both): the engine's command, the
 pool's ``EngineConfig`` rendered by ``kernels.config`` for that engine, the launch settings (served
-model name, metrics, threads), the device's choices, then the operator's ``extra_args`` (last, so
+model name, LoRA adapters, metrics, threads), the device's choices, then the operator's ``extra_args`` (last, so
 they win where a flag repeats). ``launch_env`` is its environment; ``argument_problems`` asks the
 engine's own parser (vLLM, sglang) or ``llama-server --help`` whether it takes the command line.
 """
@@ -13,6 +13,8 @@ from __future__ import annotations
 import os
 from collections.abc import Sequence
 from dataclasses import dataclass
+
+import orjson
 
 from fleet.engines import install
 from kernels.compiler.gates import GateResult, LlamacppFlagGate, ParserGate
@@ -44,6 +46,7 @@ class EngineLaunch:
     threads: int | None = None
     extra_args: tuple[str, ...] = ()
     env: tuple[tuple[str, str], ...] = ()
+    adapters: tuple[tuple[str, str], ...] = ()  # LoRA adapters the engine loads: (name requests select it by, PEFT folder)
 
 
 def launch_argv(launch: EngineLaunch, config: EngineConfig, device_kind: str, *, probe: bool = True) -> tuple[str, ...]:
@@ -102,12 +105,15 @@ def _command_and_args(launch: EngineLaunch, config: EngineConfig, device_kind: s
         command = (*(launch.command or (str(install.vllm_python()),)), *_VLLM_MODULE)
         args = ["--model", launch.model_path or str(install.tiny_model_hf()), *config.vllm_flags()]
         args += ["--served-model-name", name] if name else []
+        args += _vllm_lora_args(launch.adapters, name)
         device = _VLLM_CPU_ARGS if device_kind == "cpu" else ()
     elif launch.kind == "sglang":
         if launch.model_path is None:
             raise ValueError("an sglang pool names its engine's model_path (sglang has no default model)")
         command = (*(launch.command or ("python3",)), *_SGLANG_MODULE)
         args = config.to_sglang_args(launch.model_path) + ["--enable-metrics", *(["--served-model-name", name] if name else [])]
+        if launch.adapters:
+            args += ["--enable-lora", "--lora-paths", *(f"{adapter}={path}" for adapter, path in launch.adapters)]
         device = ()
     else:
         raise ValueError(f"a {launch.kind!r} replica is not launched from a command line")
@@ -115,6 +121,16 @@ def _command_and_args(launch: EngineLaunch, config: EngineConfig, device_kind: s
         if not _sets(args, choice[0]) and not _sets(launch.extra_args, choice[0]):
             args += choice
     return command, [*args, *launch.extra_args]
+
+
+def _vllm_lora_args(adapters: tuple[tuple[str, str], ...], base: str) -> list[str]:
+    """vLLM's LoRA flags: each adapter as a JSON item (a ``name=path`` item cannot carry a path with a comma, nor
+    the base model name its /v1/models lists as ``parent``); ``--max-loras``: every adapter may run in one batch
+    (vLLM's default is 1). ``--max-lora-rank`` depends on the adapters' weights: the operator's ``args``."""
+    if not adapters:
+        return []
+    items = [orjson.dumps({"name": adapter, "path": path, **({"base_model_name": base} if base else {})}).decode() for adapter, path in adapters]
+    return ["--enable-lora", "--lora-modules", *items, "--max-loras", str(len(adapters))]
 
 
 def _sets(args: Sequence[str], flag: str) -> bool:

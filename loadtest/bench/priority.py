@@ -71,18 +71,20 @@ def _vllm_argv(python: Path, model_dir: Path, port: int, max_num_seqs: int) -> l
             "--host", "127.0.0.1", "--port", str(port), "--scheduling-policy", "priority", "--max-num-seqs", str(max_num_seqs)]
 
 
-def _write_gateway_config(run_dir: Path, vllm_url: str) -> Path:
+def _write_gateway_config(run_dir: Path, vllm_url: str, max_num_seqs: int, urgent_reserve: float) -> Path:
     tenants = run_dir / "tenants"
     tenants.mkdir(parents=True, exist_ok=True)
     tenant = {"name": "bench", "api_key_sha256": [hashlib.sha256(API_KEY.encode()).hexdigest()], "tiers": ["interactive", "batch"],
               "default_tier": "interactive", "max_concurrency": 10000, "rate_limits": {"requests_per_min": 1000000, "tokens_per_min": 1000000000}}
     (tenants / "bench.yaml").write_text(json.dumps(tenant))  # JSON is YAML
     pools = [
-        {"name": "priority", "model": MODEL, "engine": {"kind": "vllm", "schedule_policy": "priority"}, "replicas": {"urls": [vllm_url]}},
+        # the gateway admits the engine's batch size and queues the rest by tier, keeping urgent_reserve of it from batch
+        {"name": "priority", "model": MODEL, "engine": {"kind": "vllm", "schedule_policy": "priority"}, "replicas": {"urls": [vllm_url]},
+         "max_in_flight_per_replica": max_num_seqs},
         {"name": "flat", "model": FLAT_MODEL, "engine": {"kind": "vllm"}, "replicas": {"urls": [vllm_url]}},
     ]
     config = {"server": {"host": "127.0.0.1"}, "upstream": {"first_byte_timeout_s": 300, "between_chunks_timeout_s": 120},
-              "tenants_dir": "tenants", "fleet": {"pools": pools}}
+              "tenants_dir": "tenants", "fleet": {"pools": pools}, "router": {"urgent_reserve": urgent_reserve}}
     path = run_dir / "gateway.yaml"
     path.write_text(json.dumps(config))
     return path
@@ -174,7 +176,7 @@ def _ms(value: float | None) -> str:
     return f"{value * 1000:9.1f}" if value is not None else f"{'-':>9}"
 
 
-def report(results: Sequence[PhaseResult], settings: Settings, max_num_seqs: int) -> dict[str, object]:
+def report(results: Sequence[PhaseResult], settings: Settings, max_num_seqs: int, urgent_reserve: float) -> dict[str, object]:
     """Print the table; return the JSON line's object."""
     print(f"{'phase':<20} {'n':>3} {'failed':>6} {'ttft p50 ms':>11} {'ttft p99 ms':>11} {'ttft max ms':>11} {'flood done':>10}")
     p99: dict[str, float | None] = {}
@@ -194,7 +196,7 @@ def report(results: Sequence[PhaseResult], settings: Settings, max_num_seqs: int
         "failed": sum(r.num_failed for r in results),
         "settings": {"num_interactive": settings.num_interactive, "interactive_every_s": settings.interactive_every_s,
                      "flood_concurrency": settings.flood_concurrency, "flood_max_tokens": settings.flood_max_tokens,
-                     "max_num_seqs": max_num_seqs},
+                     "max_num_seqs": max_num_seqs, "urgent_reserve": urgent_reserve},
     }
 
 
@@ -213,10 +215,10 @@ def main_bench(args: argparse.Namespace) -> int:
         _say(f"bench priority: starting vLLM (--scheduling-policy priority --max-num-seqs {args.max_num_seqs}), about 40 s ...")
         stack.enter_context(_child(_vllm_argv(python, model_dir, vllm_port, args.max_num_seqs), vllm_url + "/health",
                                    run_dir / "vllm.log", args.start_timeout, _VLLM_ENV))
-        config = _write_gateway_config(run_dir, vllm_url)
+        config = _write_gateway_config(run_dir, vllm_url, args.max_num_seqs, args.urgent_reserve)
         gateway_argv = [sys.executable, "-m", "gateway.cli", "serve", "--config", str(config), "--port", str(gateway_port), "--no-access-log"]
         stack.enter_context(_child(gateway_argv, gateway_url + "/readyz", run_dir / "gateway.log", 60.0))
         results = asyncio.run(_run_phases(gateway_url, settings))
-    summary = report(results, settings, args.max_num_seqs)
+    summary = report(results, settings, args.max_num_seqs, args.urgent_reserve)
     print(json.dumps(summary, sort_keys=True))
     return 0 if summary["failed"] == 0 else 1

@@ -1,4 +1,5 @@
-"""The cached CPU engines and the tiny model: installed once, and really served by llama.cpp and vLLM."""
+"""The cached CPU engines and the tiny model: installed once, and really served by llama.cpp (vLLM serves
+it through the SDK in tests/engines/test_launch.py, started from the command line a pool renders)."""
 
 from __future__ import annotations
 
@@ -8,20 +9,13 @@ import shutil
 import subprocess
 import sys
 import urllib.request
-from collections.abc import Iterator
 from pathlib import Path
-
-import openai
-import pytest
-from openai.types.chat import ChatCompletionMessageParam
 
 from fleet.engines import install
 from fleet.engines.tiny_model import TinyLlamaShape, read_tokenizer, write_tiny_llama
 from tests.conftest import REPO
-from tests.support.engines import llama_server, vllm_server
-from tests.support.procs import POLYMORPH, Proc
-
-MESSAGES: list[ChatCompletionMessageParam] = [{"role": "user", "content": "Name three colours."}]
+from tests.support.engines import chat_both_ways, llama_server
+from tests.support.procs import POLYMORPH
 
 
 def test_installers_return_the_cached_path_and_do_nothing_the_second_time(llama_server_bin: Path, tiny_gguf: Path) -> None:
@@ -90,29 +84,6 @@ def test_the_tiny_model_is_the_same_for_a_seed_and_carries_the_llama_tokenizer(t
     assert paths[0].read_bytes() != paths[2].read_bytes()
 
 
-def _chat_both_ways(url: str) -> None:
-    """A plain and a streamed chat completion through the real OpenAI SDK: both produce tokens and usage."""
-    client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=120)
-    try:
-        reply = client.chat.completions.create(model=install.TINY_MODEL, messages=MESSAGES, max_tokens=8, temperature=0)
-        assert reply.choices[0].message.content
-        assert reply.usage is not None and reply.usage.prompt_tokens > 0 and reply.usage.completion_tokens > 0
-
-        stream = client.chat.completions.create(model=install.TINY_MODEL, messages=MESSAGES, max_tokens=8, temperature=0,
-                                                stream=True, stream_options={"include_usage": True})
-        text = ""
-        usage = None
-        for chunk in stream:
-            if chunk.choices:
-                text += chunk.choices[0].delta.content or ""
-            if chunk.usage is not None:
-                usage = chunk.usage
-        assert text
-        assert usage is not None and usage.completion_tokens > 0 and usage.prompt_tokens == reply.usage.prompt_tokens
-    finally:
-        client.close()
-
-
 def _metrics(url: str) -> str:
     with urllib.request.urlopen(url + "/metrics", timeout=10) as resp:
         return str(resp.read().decode())
@@ -120,19 +91,7 @@ def _metrics(url: str) -> str:
 
 def test_llama_server_serves_the_tiny_model_through_the_openai_sdk(llama_server_bin: Path, tiny_gguf: Path, tmp_path: Path) -> None:
     with llama_server(llama_server_bin, tiny_gguf, "--metrics", log_path=tmp_path / "llama-server.log") as server:
-        _chat_both_ways(server.url)
+        chat_both_ways(server.url)
         metrics = _metrics(server.url)
     assert "llamacpp:requests_processing" in metrics
     assert "llamacpp:tokens_predicted_total" in metrics
-
-
-@pytest.fixture(scope="module")
-def vllm_replica(vllm_python: Path, tiny_hf: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Proc]:
-    with vllm_server(vllm_python, tiny_hf, log_path=tmp_path_factory.mktemp("vllm") / "vllm.log") as server:
-        yield server
-
-
-@pytest.mark.slow
-def test_vllm_serves_the_tiny_model_through_the_openai_sdk(vllm_replica: Proc) -> None:
-    _chat_both_ways(vllm_replica.url)
-    assert "vllm:num_requests_running" in _metrics(vllm_replica.url)

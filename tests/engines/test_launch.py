@@ -15,7 +15,7 @@ from fleet.engines.launch import EngineLaunch, argument_problems, launch_argv, l
 from kernels.compiler.gates import LlamacppFlagGate
 from kernels.config import EngineConfig
 from tests.conftest import free_port
-from tests.support.engines import LLAMA_START_TIMEOUT_S, VLLM_START_TIMEOUT_S
+from tests.support.engines import LLAMA_START_TIMEOUT_S, VLLM_START_TIMEOUT_S, chat_both_ways
 from tests.support.procs import start
 
 VLLM_MODULE = ("-m", "vllm.entrypoints.openai.api_server")
@@ -139,10 +139,43 @@ def test_vllm_runs_the_rendered_command_line_on_its_cores_with_its_pool(vllm_pyt
     proc = start([*argv[1:], "--host", "127.0.0.1", "--port", str(port)], port, log, "/health",
                  command=argv[:1], timeout_s=VLLM_START_TIMEOUT_S, env=launch_env(launch, "cpu", ("0",)))
     try:
+        chat_both_ways(proc.url)  # the pool's command line serves the tiny model through the SDK, plain and streamed
         with urllib.request.urlopen(proc.url + "/metrics", timeout=10) as resp:
             metrics = resp.read().decode()
     finally:
         proc.stop()
+    assert "vllm:num_requests_running" in metrics
     info = next(line for line in metrics.splitlines() if line.startswith("vllm:cache_config_info{"))
     assert 'num_gpu_blocks="125"' in info and 'block_size="32"' in info and 'kv_cache_size_tokens="4000"' in info
     assert "core ids=[0]" in log.read_text()  # its OpenMP threads stay on the replica's core
+
+
+ADAPTERS = (("sql-lora", "/adapters/sql"), ("chat-lora", "/adapters/chat,v2"))
+
+
+def test_a_pools_adapters_are_rendered_as_each_engine_loads_lora_modules() -> None:
+    vllm = launch_argv(EngineLaunch("vllm", command=("python",), model_path="/m", served_model_name="base", adapters=ADAPTERS), CONFIG, "H100")
+    assert "--enable-lora" in vllm and _value(vllm, "--max-loras") == "2"
+    modules = [json.loads(item) for item in vllm[vllm.index("--lora-modules") + 1:vllm.index("--max-loras")]]
+    assert modules == [{"name": "sql-lora", "path": "/adapters/sql", "base_model_name": "base"},
+                       {"name": "chat-lora", "path": "/adapters/chat,v2", "base_model_name": "base"}]  # JSON carries the comma
+    sglang = launch_argv(EngineLaunch("sglang", model_path="/m", adapters=ADAPTERS), CONFIG, "H100")
+    paths = sglang.index("--lora-paths")
+    assert "--enable-lora" in sglang and sglang[paths + 1:paths + 3] == ("sql-lora=/adapters/sql", "chat-lora=/adapters/chat,v2")
+    assert EngineConfig.from_sglang_args(sglang) == CONFIG  # the adapters leave the engine configuration as it was
+    assert "--enable-lora" not in launch_argv(EngineLaunch("vllm", command=("python",), model_path="/m"), CONFIG, "H100")
+
+
+def test_vllm_pool_with_adapters_passes_vllms_own_parser(vllm_python: Path, tiny_hf: Path) -> None:
+    launch = EngineLaunch("vllm", served_model_name="tiny-llama", adapters=ADAPTERS, extra_args=("--max-lora-rank", "8"))
+    assert argument_problems(launch, CONFIG, "cpu") == []
+
+
+def test_sglang_pool_with_adapters_passes_sglangs_own_parser() -> None:
+    from tests.kernels.compiler.test_compiler_sglang_parser import MODEL_PATH, _sglang_python
+
+    python = _sglang_python()
+    if python is None:
+        pytest.skip("no sglang environment (see tests/kernels/compiler/test_compiler_sglang_parser.py)")
+    launch = EngineLaunch("sglang", command=(python,), model_path=MODEL_PATH, adapters=ADAPTERS)
+    assert argument_problems(launch, CONFIG, "H100") == []

@@ -246,3 +246,41 @@ def test_pool_scores_count_foreign_requests() -> None:
     assert slo_chance(chat, 0.0, 1, 1.0) < 1.0 and chat.load_fraction(0.0) == 1.0
     decision = route(SHAPE, "m", [chat, long], 0.0, SETTINGS)
     assert isinstance(decision, Route) and decision.pool == "long" and decision.overflow
+
+
+def test_an_urgent_reserve_keeps_batch_out_of_the_last_slots_and_lets_interactive_in() -> None:
+    """With ``urgent_reserve`` a batch flood leaves a queued pool's last running slots free: batch waits in
+    the pool's queue once a replica holds its share, an interactive request still starts at once, and
+    the dispatcher wakes batch only into the share it may take."""
+    from fleet.dispatch import Queued, pump
+
+    settings = RouterSettings(urgent_reserve=0.25)
+    pool = _pool("chat", {"short-chat"}, num_replicas=1, max_running=4)
+    pool.queue = PoolQueue(max_len=64)
+    batch, interactive = replace(SHAPE, tier="batch"), replace(SHAPE, tier="interactive")
+    pool.replicas[0].num_in_flight = 3  # batch's share of 4 slots, less a quarter
+
+    assert isinstance(route(batch, "m", [pool], 0.0, settings, tiers=DEFAULT_TIERS), Wait)
+    assert isinstance(route(interactive, "m", [pool], 0.0, settings, tiers=DEFAULT_TIERS), Route)
+    assert isinstance(route(batch, "m", [pool], 0.0, SETTINGS, tiers=DEFAULT_TIERS), Route)  # no reserve: batch takes the 4th
+
+    placed: list[tuple[str, str | None]] = []
+    shapes = {"b": batch, "i": interactive}
+    pool.queue.offer("b", DEFAULT_TIERS["batch"].priority, 100.0)
+
+    def admit(item: str, replica: ReplicaState | None) -> None:
+        placed.append((item, None if replica is None else replica.name))
+        if replica is not None:
+            replica.num_in_flight += 1
+
+    def wake() -> None:
+        pump(pool, pool.queue, 0.0, settings, lambda item: Queued(shapes[item], "m"), admit, lambda shed: None)  # type: ignore[arg-type]
+
+    wake()
+    assert placed == [] and len(pool.queue) == 1  # the reserved slot is not batch's
+    pool.queue.offer("i", DEFAULT_TIERS["interactive"].priority, 100.0)
+    wake()
+    assert placed == [("i", "chat-0")] and len(pool.queue) == 1  # interactive, queued behind nobody, takes it
+    pool.replicas[0].num_in_flight = 2  # two finished: batch may hold one more
+    wake()
+    assert placed[-1] == ("b", "chat-0") and len(pool.queue) == 0

@@ -216,6 +216,34 @@ def test_previous_response_id_goes_to_the_replica_that_holds_it(stack: Stack, st
     assert followed == homes
 
 
+def test_another_gateway_process_finds_the_replica_holding_a_response(stack: Stack) -> None:
+    """A conversation begun through one gateway continues through another (another worker or host): the
+    second asks the replicas which one holds the id, continues there, and retrieves it there."""
+    tmp = stack.gateway.log_path.parent
+    other = start_gateway(tmp, ["--config", str(tmp / "config.yaml")], name="gateway-other")
+    try:
+        homes, followed, shown = [], [], []
+        with stack.client() as client, openai.OpenAI(base_url=other.url + "/v1", api_key=KEY, max_retries=0, timeout=30) as elsewhere:
+            for turn in range(6):
+                first = client.responses.with_raw_response.create(model=MODEL, input="Hello.", instructions=f"You are helper {turn}.",
+                                                                  max_output_tokens=4)
+                homes.append(first.headers["x-polymorph-replica"])
+                follow = elsewhere.responses.with_raw_response.create(model=MODEL, input="And then?", previous_response_id=first.parse().id,
+                                                                      max_output_tokens=4)
+                followed.append(follow.headers["x-polymorph-replica"])
+                retrieved = elsewhere.responses.with_raw_response.retrieve(follow.parse().id)
+                assert (retrieved.parse().id, retrieved.parse().usage) == (follow.parse().id, follow.parse().usage)
+                shown.append(retrieved.headers["x-polymorph-replica"])
+            with pytest.raises(openai.NotFoundError) as missing:
+                elsewhere.responses.retrieve("resp_never_made")
+    finally:
+        other.stop()
+
+    assert set(homes) == {"main-0", "main-1"}
+    assert followed == homes and shown == homes
+    assert isinstance(missing.value.body, dict) and missing.value.body["code"] == "response_not_found"
+
+
 def test_a_responses_stream_that_breaks_ends_with_an_error_event(stack: Stack) -> None:
     for emulator in stack.emulators:
         set_faults(emulator.url, crash_after_tokens=3, crash_mode="cut")

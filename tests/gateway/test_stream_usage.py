@@ -170,9 +170,9 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
         pools = [
             {"name": "main", "model": MODEL, "replicas": {"urls": [emulator.url]}},
             _pool("vllm-prio", [echo.url], {"kind": "vllm", "schedule_policy": "priority"}),
-            _pool("sglang-prio", [echo.url], {"kind": "sglang", "schedule_policy": "priority"}),
+            {**_pool("sglang-prio", [echo.url], {"kind": "sglang", "schedule_policy": "priority"}), "adapters": {"sg-sql": "/adapters/sql"}},
             _pool("llamacpp", [echo.url], {"kind": "llamacpp"}),
-            _pool("vllm-fcfs", [echo.url], {"kind": "vllm"}),
+            {**_pool("vllm-fcfs", [echo.url], {"kind": "vllm"}), "adapters": {"vl-sql": "/adapters/sql"}},
         ]
         config = {"server": {"host": "127.0.0.1"}, "upstream": {"health_interval_s": 0.3}, "tenants_dir": "tenants", "fleet": {"pools": pools}}
         (tmp / "config.yaml").write_text(json.dumps(config))
@@ -291,3 +291,12 @@ def test_a_real_llama_server_stream_counts_its_tokens_without_showing_usage(llam
                 assert not asked[-1].choices and asked[-1].usage is not None and asked[-1].usage.completion_tokens == 8
         finally:
             gateway.stop()
+
+
+def test_an_adapter_is_named_to_each_engine_as_it_selects_one(stack: Stack) -> None:
+    """vLLM selects a LoRA adapter by its name as the model; sglang by "<base>:<adapter>" (a bare adapter
+    name would be answered by the base model)."""
+    assert _sent(stack, "vl-sql", "standard")["model"] == "vl-sql"
+    assert _sent(stack, "sg-sql", "standard")["model"] == "sglang-prio:sg-sql"
+    assert _sent(stack, "sglang-prio", "standard")["model"] == "sglang-prio"  # the base model is sent as it came
+

@@ -14,7 +14,9 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING, TypeVar
 
+import openai
 import pytest
+from openai.types.chat import ChatCompletionMessageParam
 
 from fleet.engines import install
 
@@ -24,6 +26,7 @@ if TYPE_CHECKING:
     from tests.support.procs import Proc
 
 __all__ = [
+    "chat_both_ways",
     "installing",
     "llama_server",
     "llama_server_bin",
@@ -114,3 +117,29 @@ def vllm_server(python: Path, hf_dir: Path, *extra_args: str, log_path: Path | N
         yield proc
     finally:
         proc.stop()
+
+
+_MESSAGES: list[ChatCompletionMessageParam] = [{"role": "user", "content": "Name three colours."}]
+
+
+def chat_both_ways(url: str) -> None:
+    """A plain and a streamed chat completion through the real OpenAI SDK: both produce tokens and usage."""
+    client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=120)
+    try:
+        reply = client.chat.completions.create(model=install.TINY_MODEL, messages=_MESSAGES, max_tokens=8, temperature=0)
+        assert reply.choices[0].message.content
+        assert reply.usage is not None and reply.usage.prompt_tokens > 0 and reply.usage.completion_tokens > 0
+
+        stream = client.chat.completions.create(model=install.TINY_MODEL, messages=_MESSAGES, max_tokens=8, temperature=0,
+                                                stream=True, stream_options={"include_usage": True})
+        text = ""
+        usage = None
+        for chunk in stream:
+            if chunk.choices:
+                text += chunk.choices[0].delta.content or ""
+            if chunk.usage is not None:
+                usage = chunk.usage
+        assert text
+        assert usage is not None and usage.completion_tokens > 0 and usage.prompt_tokens == reply.usage.prompt_tokens
+    finally:
+        client.close()
