@@ -9,6 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from fleet.engine_share import ShareClock
 from fleet.engines.load import EngineLoad
 from fleet.health import CircuitBreaker
 from fleet.queueing import PoolQueue
@@ -31,6 +32,7 @@ class ReplicaState:
     # Requests the engine held at that scrape beyond this gateway's own in flight there (another
     # gateway's or a direct client's): counted as load until the next scrape. 0 without engine figures.
     foreign_requests: int = 0
+    share: ShareClock = field(default_factory=ShareClock)  # splits its engine time among the requests in flight (cost per tenant)
 
     def serves(self, model: str) -> bool:
         return self.models is None or model in self.models

@@ -12,6 +12,7 @@ from fleet.decisions import read_decision
 from fleet.evidence import PlanEvidence, VerifyEvidence
 from fleet.operator import MoveRefused
 from fleet.pool import ReplicaState
+from gateway.budgets import TenantSpend, tenant_spend
 from gateway.dashboard import is_admin_request
 from gateway.engine_scrape import EngineScraper
 from gateway.errors import ApiError, error_response
@@ -62,6 +63,12 @@ def _engine(replica: ReplicaState, engines: EngineScraper | None, now: float) ->
     return {"engine": record, "engine_error": error}  # an error here: the last read failed, the figures before it still stand
 
 
+def _spend(spend: TenantSpend) -> dict[str, object]:
+    remaining = spend.remaining_usd
+    return {"period": spend.period, "spent_usd": round(spend.spent_usd, 6), "budget_usd": spend.budget_usd,
+            "remaining_usd": None if remaining is None else round(remaining, 6)}
+
+
 class AdminHandlers:
     def __init__(self, state: GatewayState, engines: EngineScraper | None = None) -> None:
         self.state = state
@@ -80,6 +87,8 @@ class AdminHandlers:
         except ApiError as err:
             return error_response(err)
         runtime = self.state.runtime
+        for tenant in runtime.config.tenants:  # with a limits store, what every gateway charged
+            await runtime.spend.refresh(tenant.name)
         now = asyncio.get_running_loop().time()
         engine_by_pool = {spec.name: dict(spec.engine) for spec in runtime.config.pools}
         attainment = self.state.series.slo_attainment(time.time(), 300.0)
@@ -121,7 +130,8 @@ class AdminHandlers:
             "config": {"version": runtime.version, "source": runtime.config.source},
             "uptime_s": round(time.time() - self.state.started_at, 1),
             "tenants": [
-                {"name": t.name, "tiers": list(t.tiers), "in_flight": runtime.limiters[t.name].num_in_flight}
+                {"name": t.name, "tiers": list(t.tiers), "in_flight": runtime.limiters[t.name].num_in_flight,
+                 "spend": _spend(tenant_spend(runtime.spend, t))}
                 for t in runtime.config.tenants
             ],
             "shapes": list(runtime.config.shapes.names),

@@ -23,7 +23,9 @@ from classifiers.shape import Shape
 from gateway.adapters import listed_adapters
 from gateway.admin import AdminHandlers
 from gateway.admission import Limiter
+from gateway.budgets import budget_refusal
 from gateway.config import GatewayConfig, Tenant
+from gateway.costs import request_cost_usd
 from gateway.dashboard import add_dashboard_routes, is_admin_request
 from gateway.endpoints import CHAT_METER, COMPLETIONS_METER, EMBEDDINGS, RERANK, RERANK_PATHS, RESPONSES, SCORE, SCORE_PATHS, Endpoint, Meter
 from gateway.engine_scrape import EngineScraper
@@ -288,6 +290,11 @@ class Handlers:
             state.live.telemetry.record_arrival(state.live.now(), shape.name, tier, shape.prompt_tokens)
         state.metrics.child(state.metrics.shapes, shape.name, shape.domain).inc()
         limiter = runtime.limiters[tenant]
+        if limiter.tenant.budget_monthly_usd is not None:  # before the limiter: a refusal takes no rate
+            await runtime.spend.refresh(tenant)  # a limits store: what every gateway charged
+            over_budget = budget_refusal(runtime.spend, limiter.tenant, time.time())
+            if over_budget is not None:
+                raise ApiError(429, over_budget.message, over_budget.code, retry_after_s=over_budget.retry_after_s)
         now = asyncio.get_running_loop().time()
         # a limits store (limits.store) answers over the network; the in-process and shared-memory limiters at once
         refusal = limiter.admit(num_tokens, now) if limiter.synchronous else await limiter.admit_async(num_tokens, now)
@@ -329,6 +336,7 @@ class Handlers:
                 runtime.classifier.observe(shape, outcome.completion_tokens)
         if outcome.prompt_tokens is not None:
             metrics.child(metrics.tokens, tenant, meter.input_kind).inc(outcome.prompt_tokens)
+        cost_usd = self._charge(runtime, tenant, outcome)
         log = self.state.access_log
         if log is not None:
             log.write(
@@ -350,8 +358,23 @@ class Handlers:
                     "prompt_tokens": outcome.prompt_tokens,
                     "completion_tokens": outcome.completion_tokens,
                     "stream_error": outcome.stream_error,
+                    "cost_usd": round(cost_usd, 9),
                 }
             )
+
+    def _charge(self, runtime: Runtime, tenant: str, outcome: Outcome) -> float:
+        """The request's cost, counted for its tenant and pool and added to the tenant's spend this period."""
+        cost_usd = request_cost_usd(runtime, outcome.pool, outcome.engine_share_s)
+        if cost_usd <= 0.0 or tenant == _UNAUTHENTICATED:
+            return cost_usd
+        metrics = self.state.metrics
+        metrics.child(metrics.tenant_cost, tenant, outcome.pool).inc(cost_usd)
+        runtime.spend.add(tenant, cost_usd)
+        limiter = runtime.limiters.get(tenant)
+        budget = limiter.tenant.budget_monthly_usd if limiter is not None else None
+        if budget is not None:
+            metrics.child(metrics.budget_remaining, tenant).set(max(0.0, budget - runtime.spend.spent_usd(tenant)))
+        return cost_usd
 
     async def models(self, request: web.Request) -> web.Response:
         if request.method != "GET":

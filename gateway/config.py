@@ -76,6 +76,7 @@ class Tenant:
     tokens_per_min: float
     max_concurrency: int
     source: str = "<builtin>"
+    budget_monthly_usd: float | None = None  # `budget: {monthly_usd}`: refused with 429 budget_exceeded once the month's spend reaches it
     adapters: frozenset[str] | None = None  # LoRA adapters it may name; None: every one (its base model must be allowed too)
 
     def may_use_model(self, model: str) -> bool:
@@ -114,6 +115,7 @@ class PoolSpec:
     # engine's max_running_requests marks saturation but the engine queues beyond it itself
     max_in_flight_per_replica: int | None = None
     launch: EngineLaunch = EngineLaunch("emulated")
+    price_per_hour_usd: float | None = None  # one replica's price; None: its GPUs' catalog price (gateway.costs)
 
     @property
     def engine_kind(self) -> str:
@@ -357,7 +359,7 @@ def _shapes(doc: YamlDoc) -> ShapeRules:
 def _pool(doc: YamlDoc, i: int, body: object, shape_names: tuple[str, ...]) -> PoolSpec:
     path: FieldPath = ("fleet", "pools", i)
     r = _Reader(doc, path, body, {"name", "model", "gpu", "shapes", "engine", "replicas", "min_replicas", "max_replicas", "max_in_flight_per_replica",
-                                  "adapters"})
+                                  "adapters", "price_per_hour_usd"})
     name = r.text("name", None)
     if not name or not _POOL_NAME.match(name):
         raise r.error("name", "every pool needs a name (letters, digits, '-', '_', '@')")
@@ -404,6 +406,7 @@ def _pool(doc: YamlDoc, i: int, body: object, shape_names: tuple[str, ...]) -> P
         launch=launch,
         max_in_flight_per_replica=(r.number("max_in_flight_per_replica", 1, lo=1, hi=1_000_000, integer=True)
                                    if "max_in_flight_per_replica" in r.data else None),
+        price_per_hour_usd=r.number("price_per_hour_usd", 0.0, lo=0.0, hi=1e6) if "price_per_hour_usd" in r.data else None,
     )
 
 
@@ -725,7 +728,7 @@ def _fleet(doc: YamlDoc, shapes: ShapeRules, base: Path) -> tuple[tuple[PoolSpec
 
 
 def parse_tenant(doc: YamlDoc, tiers: Mapping[str, TierSlo]) -> Tenant:
-    known = {"name", "api_key_sha256", "models", "tiers", "default_tier", "objectives", "rate_limits", "max_concurrency", "adapters"}
+    known = {"name", "api_key_sha256", "models", "tiers", "default_tier", "objectives", "rate_limits", "max_concurrency", "adapters", "budget"}
     r = _Reader(doc, (), doc.data, known)
     name = r.text("name", None)
     if not name or not _NAME.match(name):
@@ -753,6 +756,7 @@ def parse_tenant(doc: YamlDoc, tiers: Mapping[str, TierSlo]) -> Tenant:
             raise doc.error(("objectives", tier), f"unknown tier (configured tiers: {', '.join(tiers)})")
         objectives[tier] = _objectives(doc, ("objectives", tier), body, tiers[tier])
     limits = _Reader(doc, ("rate_limits",), r.data.get("rate_limits"), {"requests_per_min", "tokens_per_min"})
+    budget = _Reader(doc, ("budget",), r.data.get("budget"), {"monthly_usd"})
     return Tenant(
         name=name,
         key_sha256=frozenset(hashes),
@@ -764,6 +768,7 @@ def parse_tenant(doc: YamlDoc, tiers: Mapping[str, TierSlo]) -> Tenant:
         tokens_per_min=limits.number("tokens_per_min", 1e9, lo=1, hi=1e15),
         max_concurrency=r.number("max_concurrency", 256, lo=1, hi=10**7, integer=True),
         source=doc.file,
+        budget_monthly_usd=budget.number("monthly_usd", 0.0, lo=0.0, hi=1e12) if "monthly_usd" in budget.data else None,
         adapters=None if "*" in adapters else frozenset(adapters),
     )
 

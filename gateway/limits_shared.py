@@ -25,6 +25,7 @@ from gateway.config import Tenant
 # A row is one 64-byte cache line: 8 slots of 8 bytes, read as int64 ("q") or float64 ("d").
 _SLOTS = 8
 _KEY, _LIMITS, _REQ_LEVEL, _REQ_AT, _TOK_LEVEL, _TOK_AT, _IN_FLIGHT = range(7)
+SPARE_SLOT = 7  # gateway.budgets keeps the tenant's spend this period here
 DEFAULT_NUM_ROWS = 4096  # tenants ever seen by this serve (rows are not reused): 256 KiB
 
 

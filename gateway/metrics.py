@@ -35,6 +35,8 @@ class GatewayMetrics:
         self.rejections = Counter("polymorph_rejections", "Requests refused by the gateway, by reason.", ["tenant", "reason"], registry=r)
         self.shapes = Counter("polymorph_classified", "Requests classified, by shape and domain.", ["shape", "domain"], registry=r)
         self.replica_up = Gauge("polymorph_replica_healthy", "1 when the replica takes traffic, 0 when ejected.", ["pool", "replica"], registry=r, multiprocess_mode="livemin")
+        self.tenant_cost = Counter("polymorph_tenant_cost_usd", "GPU cost of tenants' requests in USD: each request's share of its replica's engine time at its pool's price.", ["tenant", "pool"], registry=r)
+        self.budget_remaining = Gauge("polymorph_tenant_budget_remaining_usd", "What is left of a tenant's monthly budget this period (tenants with a budget).", ["tenant"], registry=r, multiprocess_mode="livemin")
         self.tokens = Counter("polymorph_tokens", "Tokens in usage reports, by tenant and kind (prompt, completion).", ["tenant", "kind"], registry=r)
         self.reloads = Counter("polymorph_config_reloads", "Config reload attempts, by result (applied, rejected).", ["result"], registry=r)
         self.config_version = Gauge("polymorph_config_version", "Number of the config version being served.", registry=r, multiprocess_mode="livemax")

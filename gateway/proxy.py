@@ -76,6 +76,7 @@ class Outcome:
     completion_tokens: int | None = None
     stream_error: str | None = None
     response_id: str | None = None  # a Responses answer's id (the replica holds it for follow-ups)
+    engine_share_s: float = 0.0  # its share of its replicas' engine time over all attempts (fleet.engine_share)
 
 
 def _is_json_object(body: bytes, array_ok: bool = False) -> bool:
@@ -225,6 +226,7 @@ class Proxy:
             replica.begin(budget_tokens, decision.work)  # an overflow from another shape weighs what the router weighed
             gauge = self.metrics.child(self.metrics.in_flight, decision.pool)
             gauge.inc()
+            share_mark = replica.share.begin(loop.time())
             span: UpstreamSpan | None = trace.start_upstream(decision, request.path) if trace is not None else None
             try:
                 result = await self._attempt(request, decision, replica, sent_body, stream, strip_usage, shape, settings, outcome, wire,
@@ -241,6 +243,7 @@ class Proxy:
                 if span is not None:
                     span.end(outcome.status, outcome.stream_error)
                 replica.end(budget_tokens, decision.work)
+                outcome.engine_share_s += replica.share.end(loop.time(), share_mark)
                 gauge.dec()
                 if self.waits.num_waiting:
                     self.waits.wake(replica.pool, loop.time())

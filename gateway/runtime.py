@@ -16,7 +16,10 @@ from fleet.health import CircuitBreaker
 from fleet.pool import PoolState, ReplicaState
 from gateway.adapters import adapter_bases
 from gateway.admission import Limiter, TenantLimiter
+from gateway.budgets import SharedSpendLedger, SpendBook, SpendLedger
+from gateway.budgets_store import StoreSpendLedger
 from gateway.config import GatewayConfig, PoolSpec, Tenant
+from gateway.costs import replica_price_per_hour_usd
 from gateway.limits_shared import SharedTenantLimiter, attached_table, num_local_workers
 from gateway.limits_store import LimitStore, StoreTenantLimiter
 
@@ -34,6 +37,8 @@ class Runtime:
     replica_by_name: Mapping[str, ReplicaState]
     real_pools: frozenset[str]  # config pools of real replicas (URLs, real engines): their latencies are wall time
     limit_store: LimitStore | None = None  # limits.store: the tenants' limits live there (read at start; kept across reloads)
+    spend: SpendBook = field(default_factory=SpendLedger)  # tenants' spend this budget period (gateway.budgets; kept across reloads)
+    price_per_hour_usd: Mapping[str, float] = field(default_factory=dict)  # a config pool's replica price (gateway.costs)
     adapter_base: Mapping[str, str] = field(default_factory=dict)  # LoRA adapter name -> its base model (gateway.adapters)
 
     def served_models(self) -> list[str]:
@@ -118,6 +123,17 @@ def _build_limiters(config: GatewayConfig, previous: Runtime | None, now: float)
     return store, limiters
 
 
+def _spend_book(config: GatewayConfig, previous: Runtime | None, limit_store: LimitStore | None, now: float) -> SpendBook:
+    """The spend carried over from ``previous``, or a new ledger: in the limits store (limits.store), in this
+    host's shared table with ``--workers`` > 1, else in the process."""
+    if limit_store is not None:  # the store is chosen at start and kept across reloads: so is its ledger
+        return previous.spend if previous is not None else StoreSpendLedger(limit_store)
+    table = attached_table()
+    if table is not None:  # the figures live in the table; the new tenants need their rows
+        return SharedSpendLedger(table, config.tenants, now)
+    return previous.spend if previous is not None else SpendLedger()
+
+
 def build_runtime(
     config: GatewayConfig,
     replica_urls: Mapping[str, Sequence[str]],
@@ -142,5 +158,7 @@ def build_runtime(
         replica_by_name={r.name: r for pool in pools for r in pool.replicas},
         real_pools=frozenset(spec.name for spec in config.pools if spec.urls or spec.engine_kind != "emulated"),
         limit_store=limit_store,
+        spend=_spend_book(config, previous, limit_store, now),
+        price_per_hour_usd={spec.name: replica_price_per_hour_usd(spec) for spec in config.pools},
         adapter_base=adapter_bases(config.pools),
     )

@@ -144,6 +144,10 @@ async def _serve(
         await watcher.stop()
     await runner.cleanup()
     if limit_store is not None:
+        from gateway.budgets_store import StoreSpendLedger
+
+        if isinstance(spend := app[STATE_KEY].runtime.spend, StoreSpendLedger):
+            await spend.close()  # the last charges reach the store before its client closes
         await limit_store.close()
 
 
