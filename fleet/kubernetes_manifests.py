@@ -24,7 +24,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from fleet.actuators.local import emulated_replica_argv
-from fleet.engines.launch import EngineLaunch, launch_argv
+from fleet.engines.launch import EngineLaunch, launch_argv, pool_env_defaults
 from fleet.options import config_json
 from kernels.catalog import get_gpu
 from kernels.config import EngineConfig
@@ -149,7 +149,9 @@ def engine_deployment(pool: EnginePool, settings: KubernetesSettings) -> dict[st
         # a pod being deleted (scale-down, node drain, rollout) keeps serving while the gateway drains it
         "lifecycle": {"preStop": {"exec": {"command": ["sleep", str(settings.drain_grace_s)]}}},
     }
-    env = [*pool.launch.env, *_QUIET_ENV.get(pool.launch.kind, ())]
+    own = dict(pool.launch.env)
+    defaults = [(k, v) for k, v in pool_env_defaults(pool.launch.kind).items() if k not in own]
+    env = [*defaults, *pool.launch.env, *_QUIET_ENV.get(pool.launch.kind, ())]
     if env:
         container["env"] = [{"name": k, "value": v} for k, v in env]
     pod: dict[str, Any] = {"terminationGracePeriodSeconds": grace_s, "containers": [container]}

@@ -28,6 +28,8 @@ _VLLM_CPU_ARGS: tuple[tuple[str, ...], ...] = (("--enforce-eager",), ("--dtype",
 # On GPUs llama-server keeps every layer in VRAM; a CPU build has no such choice.
 _LLAMACPP_GPU_ARGS: tuple[tuple[str, ...], ...] = (("--n-gpu-layers", "all"),)
 _VLLM_CPU_KVCACHE_GIB = 1
+# Defaults a pool's ``env`` may override (launch_env).
+_POOL_ENV_DEFAULTS: dict[str, dict[str, str]] = {"vllm": {"VLLM_ENABLE_RESPONSES_API_STORE": "1"}}
 
 
 @dataclass(frozen=True, slots=True)
@@ -61,8 +63,11 @@ def launch_argv(launch: EngineLaunch, config: EngineConfig, device_kind: str, *,
 def launch_env(launch: EngineLaunch, device_kind: str, device_ids: tuple[str, ...]) -> dict[str, str]:
     """The replica's environment: ours, the pool's ``env``, then what its devices and engine need.
     GPUs: ``CUDA_VISIBLE_DEVICES``. vLLM: telemetry and hub lookups off; on CPU a 1 GiB KV space and
-    its OpenMP threads bound to the given CPU ids (two replicas never share a core)."""
-    env = {**os.environ, **dict(launch.env)}
+    its OpenMP threads bound to the given CPU ids (two replicas never share a core). vLLM also keeps
+    the Responses it answers, unless the pool's ``env`` says otherwise: without its store a follow-up's
+    ``previous_response_id`` and ``GET /v1/responses/{id}`` are 404 there (vLLM keeps them in memory
+    without eviction: a pool serving heavy Responses traffic may set ``VLLM_ENABLE_RESPONSES_API_STORE: 0``)."""
+    env = {**os.environ, **pool_env_defaults(launch.kind), **dict(launch.env)}
     if device_kind != "cpu" and device_ids:
         env["CUDA_VISIBLE_DEVICES"] = ",".join(device_ids)
     if launch.kind == "vllm":
@@ -72,6 +77,12 @@ def launch_env(launch: EngineLaunch, device_kind: str, device_ids: tuple[str, ..
             if device_ids:
                 env["VLLM_CPU_OMP_THREADS_BIND"] = ",".join(device_ids)
     return env
+
+
+def pool_env_defaults(kind: str) -> dict[str, str]:
+    """What an engine of ``kind`` gets in its environment unless its pool's ``env`` sets it (a replica
+    process here, or a pod's container: fleet.kubernetes_manifests)."""
+    return dict(_POOL_ENV_DEFAULTS.get(kind, {}))
 
 
 def argument_problems(launch: EngineLaunch, config: EngineConfig, device_kind: str) -> list[str]:
