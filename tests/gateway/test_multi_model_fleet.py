@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import asyncio
 import json
+import subprocess
+import sys
 import time
 import urllib.error
 import urllib.request
@@ -105,3 +107,17 @@ def _move(url: str, replica: str, pool: str) -> tuple[int, dict[str, object]]:
             return resp.status, json.loads(resp.read())
     except urllib.error.HTTPError as err:
         return err.code, json.loads(err.read())
+
+
+def test_the_external_controller_refuses_a_config_launching_two_models(tmp_path: Path) -> None:
+    (tmp_path / "tenants").mkdir()
+    write_tenant(tmp_path / "tenants", "live", KEY)
+    pool = {"gpu": "H100-SXM", "shapes": ["short-chat"], "replicas": {"emulated": 1}}
+    config = {"tenants_dir": "tenants", "fleet": {"pools": [{**pool, "name": "llama-chat", "model": LLAMA}, {**pool, "name": "qwen-chat", "model": QWEN}],
+                        "controller": {"enabled": True, "mode": "external", "url": "http://127.0.0.1:9", "state_file": "state.json"}}}
+    path = tmp_path / "config.yaml"
+    path.write_text(json.dumps(config))
+    done = subprocess.run([sys.executable, "-m", "gateway.cli", "controller", "--config", str(path)], capture_output=True, text=True,
+                          timeout=60, cwd=tmp_path)
+    assert done.returncode == 2, done.stderr
+    assert "plans one model" in done.stderr and "'llama-3.1-8b', 'qwen3-8b'" in done.stderr, done.stderr
