@@ -125,7 +125,6 @@ class LiveFleet:
     def __init__(self, state: GatewayState, control: ReplicaControl, models: tuple[str, ...], speed: float, settings: ControllerSettingsFile) -> None:
         self.state = state
         self.control = control
-        self.models = models
         self.speed = speed
         self.settings = settings
         self.loop: asyncio.AbstractEventLoop | None = None
