@@ -46,6 +46,7 @@ class Decision:
     at: float  # seconds on the controller's clock
     evidence: Evidence
     moves: tuple[Move, ...] = field(default=())
+    model: str = ""  # the model whose controller decided (fleet.multi); "" when one controller runs alone
 
     @property
     def kind(self) -> str:
@@ -56,7 +57,10 @@ class Decision:
         evidence = self.evidence.to_json()
         if self.moves:
             evidence["moves"] = [[m.slot, m.from_pool, m.to_pool] for m in self.moves]
-        return {"at_unix_s": round(self.at + clock_offset_s, 3), "kind": self.kind, "evidence": evidence}
+        line = {"at_unix_s": round(self.at + clock_offset_s, 3), "kind": self.kind, "evidence": evidence}
+        if self.model:  # an added key: readers of the older lines ignore it
+            line["model"] = self.model
+        return line
 
 
 @dataclass(frozen=True, slots=True)
@@ -75,6 +79,7 @@ class LoggedDecision:
     at_unix_s: float
     evidence: Evidence
     moves: tuple[LoggedMove, ...] = ()
+    model: str = ""  # "" for a line without one (a single controller's, or an older log)
 
     @property
     def kind(self) -> str:
@@ -96,7 +101,9 @@ def read_decision(entry: object) -> LoggedDecision | None:
         isinstance(m, list) and len(m) >= 3 and all(isinstance(part, str) for part in m[:3]) for m in moves
     ):
         return None
-    return LoggedDecision(float(at_unix_s), evidence, tuple(LoggedMove(m[0], m[1], m[2]) for m in moves))
+    model = entry.get("model")
+    return LoggedDecision(float(at_unix_s), evidence, tuple(LoggedMove(m[0], m[1], m[2]) for m in moves),
+                          model if isinstance(model, str) else "")
 
 
 def read_decisions(entries: Iterable[object]) -> list[LoggedDecision]:

@@ -20,18 +20,21 @@ _MAX_PER_ENTRY = 1_000_000  # a report claiming more requests per bucket and bin
 
 
 class TelemetryBatch:
+    """``model`` is taken and not reported: the external controller plans one model (it refuses a config
+    launching several), so every report is that model's and the report format stays as it was."""
+
     def __init__(self, bucket_s: float = 5.0) -> None:
         self.bucket_s = bucket_s
         self._arrivals: dict[tuple[int, str, str, int], list[int]] = {}  # -> [num, prompt tokens]
         self._outcomes: dict[tuple[int, str, str, bool, int], list[int]] = {}  # -> [num, completion tokens]
 
-    def record_arrival(self, now: float, shape: str, tier: str, prompt_tokens: int) -> None:
+    def record_arrival(self, now: float, shape: str, tier: str, prompt_tokens: int, model: str = "") -> None:
         key = (int(now // self.bucket_s), shape, tier, length_bin(prompt_tokens))
         entry = self._arrivals.setdefault(key, [0, 0])
         entry[0] += 1
         entry[1] += prompt_tokens
 
-    def record_outcome(self, now: float, shape: str, pool: str, met_slo: bool, completion_tokens: int) -> None:
+    def record_outcome(self, now: float, shape: str, pool: str, met_slo: bool, completion_tokens: int, model: str = "") -> None:
         key = (int(now // self.bucket_s), shape, pool, met_slo, length_bin(completion_tokens))
         entry = self._outcomes.setdefault(key, [0, 0])
         entry[0] += 1

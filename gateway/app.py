@@ -168,7 +168,7 @@ class Handlers:
                 trace.end_classify(classify_span, shape)
             # every choice generated counts: n completions (best_of candidates) of up to max_tokens each
             choices = max(body.get("n") or 1, body.get("best_of") or 1)
-            limiter = await self._admit(runtime, tenant.name, tier, shape, shape.prompt_tokens + choices * (max_tokens or shape.predicted_output_p50))
+            limiter = await self._admit(runtime, tenant.name, tier, model, shape, shape.prompt_tokens + choices * (max_tokens or shape.predicted_output_p50))
             assert state.proxy is not None
             response = await state.proxy.forward(request, runtime, shape, model, raw, stream, outcome, body, trace=trace)  # type: ignore[arg-type]
         except Exception as err:  # an ApiError is its envelope; a bug costs one request a 500, never the process or a hang
@@ -225,7 +225,7 @@ class Handlers:
             if trace is not None and classify_span is not None:
                 trace.end_classify(classify_span, shape)
             num_tokens = shape.prompt_tokens + ((parsed.max_output_tokens or shape.predicted_output_p50) if parsed.has_output else 0)
-            limiter = await self._admit(runtime, tenant.name, tier, shape, num_tokens)
+            limiter = await self._admit(runtime, tenant.name, tier, model, shape, num_tokens)
             pinned = None
             if parsed.previous_response_id is not None:  # after admission: a lookup asks the replicas, and is limited like the request
                 pinned = await self._holder(runtime, parsed.previous_response_id, model)
@@ -282,12 +282,12 @@ class Handlers:
         self.response_ids.remember(response_id, found.replica.name)
         return web.Response(body=found.body, content_type=_JSON, headers={"x-polymorph-pool": found.replica.pool, "x-polymorph-replica": found.replica.name})
 
-    async def _admit(self, runtime: Runtime, tenant: str, tier: str, shape: Shape, num_tokens: int) -> Limiter:
+    async def _admit(self, runtime: Runtime, tenant: str, tier: str, model: str, shape: Shape, num_tokens: int) -> Limiter:
         """A classified request counted (the controller's telemetry, the shape metric) and admitted by its
         tenant's limiter, which the caller releases when it ends; a refusal raises the 429."""
         state = self.state
         if state.live is not None:
-            state.live.telemetry.record_arrival(state.live.now(), shape.name, tier, shape.prompt_tokens)
+            state.live.telemetry.record_arrival(state.live.now(), shape.name, tier, shape.prompt_tokens, model)
         state.metrics.child(state.metrics.shapes, shape.name, shape.domain).inc()
         limiter = runtime.limiters[tenant]
         if limiter.tenant.budget_monthly_usd is not None:  # before the limiter: a refusal takes no rate
@@ -329,7 +329,7 @@ class Handlers:
             met_slo = _met_slo(runtime, tier, outcome)
             self.state.series.record(time.time(), shape.name, tier, outcome.pool, outcome.status == 200, met_slo, outcome.ttft_s, outcome.tpot_s)
             if self.state.live is not None:
-                self.state.live.telemetry.record_outcome(self.state.live.now(), shape.name, outcome.pool, met_slo, outcome.completion_tokens or 0)
+                self.state.live.telemetry.record_outcome(self.state.live.now(), shape.name, outcome.pool, met_slo, outcome.completion_tokens or 0, model)
         if outcome.completion_tokens is not None:
             metrics.child(metrics.tokens, tenant, meter.output_kind).inc(outcome.completion_tokens)
             if shape is not None and outcome.status == 200 and meter.learns_output:

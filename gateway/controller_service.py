@@ -125,6 +125,10 @@ class ControllerService:
         emulated = [p for p in config.pools if p.num_launched]
         if not emulated:
             raise ValueError("the config declares no emulated replicas (fleet.pools[].replicas.emulated) for the controller to run")
+        models = sorted({p.model for p in emulated})
+        if len(models) > 1:  # its telemetry reports carry no model, and it plans one model (the embedded controller plans several)
+            raise ValueError(f"the external controller plans one model, and the config launches replicas of {', '.join(map(repr, models))}; "
+                             "launch one model's pools per controller, or run the controller in the gateway (fleet.controller.mode: embedded)")
         self.config = config
         self.settings = settings
         self.state_file = state_file

@@ -34,11 +34,11 @@ from fleet.commands import Command, apply
 from fleet.controller import Controller, ControllerSettings, TickOutput
 from fleet.decisions import Decision
 from fleet.health import CircuitBreaker, HealthState
+from fleet.multi import ModelTelemetry, MultiController, SlotSplit, split_slots
 from fleet.operator import MoveRefused, OperatorMoves
 from fleet.options import DeclaredPool, Options, PoolModel, pool_models
 from fleet.pool import PoolState, ReplicaState
 from fleet.rollout import SlotState
-from fleet.telemetry import Telemetry
 from gateway.background import BackgroundTask
 from gateway.config import ControllerSettingsFile, GatewayConfig
 from kernels.compiler.worker import background_process_pool, terminate_process_pool
@@ -119,49 +119,61 @@ OPERATOR_TICK_S = 0.25  # wall seconds between an operator move's ticks: a drain
 
 class LiveFleet:
     """The control loop over this gateway's pools, and the ``Actuator`` that applies its commands.
-    ``controller`` is None when ``fleet.controller`` is off: operator moves still run."""
+    ``controller`` is None when ``fleet.controller`` is off: operator moves still run. With launched pools
+    of several models, each model's controller plans the slots its pools held at adoption (fleet.multi)."""
 
-    def __init__(self, state: GatewayState, control: ReplicaControl, model: str, speed: float, settings: ControllerSettingsFile) -> None:
+    def __init__(self, state: GatewayState, control: ReplicaControl, models: tuple[str, ...], speed: float, settings: ControllerSettingsFile) -> None:
         self.state = state
         self.control = control
-        self.model = model
         self.speed = speed
         self.settings = settings
         self.loop: asyncio.AbstractEventLoop | None = None
-        self.telemetry = Telemetry()
-        self.controller: Controller | None = None
+        self.telemetry = ModelTelemetry(models)
+        self.split = SlotSplit({}, {})  # which model owns each launched slot (set by ``adopt``)
+        self.controller: MultiController | None = None
         self.configs: WorkerConfigSource | None = None  # compiled configurations for the controller (fleet.controller.compile_store)
         self.task = BackgroundTask(self._run)
         self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="polymorph-controller")
         self.capacity_pool: ProcessPoolExecutor | None = None
-        self._modelled: Options | None = None  # the options the pools were last modelled from
+        self._modelled: dict[str, tuple[Options, dict[str, PoolModel]]] = {}  # per model: the options its pools were last modelled from
         self.pool_to_model: dict[str, PoolModel] = {}
         self.ejections = EjectionWatch()
         self.operator = OperatorMoves()
 
     def adopt(self) -> None:
-        """The actuator's slots are the controller's budget, and the config's launched pools its starting
-        plan (when ``fleet.controller`` is on)."""
+        """Each launched slot belongs to the model of the pool it serves in now; the slots of a model are
+        its controller's budget, and the config's launched pools of that model its starting plan (when
+        ``fleet.controller`` is on)."""
+        pool_to_model = {p.name: p.model for p in self.state.runtime.config.pools}
+        self.split = split_slots(self.control.slot_states(), pool_to_model)
         if not self.settings.enabled:
             return
-        gpu_to_budget: dict[str, int] = {}
-        for slot in self.control.slot_states():
-            gpu_to_budget[slot.gpu] = gpu_to_budget.get(slot.gpu, 0) + 1
-        settings = controller_settings(self.state.runtime.config, self.model, gpu_to_budget)
         self.capacity_pool = background_process_pool(min(4, os.cpu_count() or 1))
-        capacity = PerfCapacity(self.model, self.settings.capacity_cache, executor=self.capacity_pool)
-        self.controller = Controller(settings, self.telemetry, capacity, self.telemetry.window(0.0), self.configs)
+        models = self.split.models()
+        controllers = {}
+        for model in models:
+            settings = controller_settings(self.state.runtime.config, model, dict(self.split.model_to_budget[model]))
+            capacity = PerfCapacity(model, self.settings.capacity_cache, executor=self.capacity_pool)
+            telemetry = self.telemetry.of(model)
+            # a compiled-configuration source compiles for one model (CompileSettings.model)
+            configs = self.configs if len(models) == 1 else None
+            controllers[model] = Controller(settings, telemetry, capacity, telemetry.window(0.0), configs)
+        self.controller = MultiController(controllers, self.split.slot_to_model)
 
     # -- operator moves (on the event loop) ----------------------------------------------------
 
     def request_move(self, replica: str, to_pool: str) -> list[Decision]:
         """Start moving ``replica`` into ``to_pool`` (with that pool's configuration); its first commands
         are applied at once. Raises ``MoveRefused`` (with the HTTP status) when it cannot start."""
-        if self.controller is not None and self.controller.busy:
-            raise MoveRefused(409, "the fleet controller is carrying out a repartition; try again when it is done")
         config_json = self._pool_config_json(to_pool)
         if config_json is None:
             raise MoveRefused(404, f"no pool named {to_pool!r}")
+        model, to_model = self.split.slot_to_model.get(replica), self._pool_model(to_pool)
+        if model is not None and to_model is not None and model != to_model:
+            raise MoveRefused(409, f"replica {replica!r} serves {model!r} and pool {to_pool!r} serves {to_model!r}; "
+                                   "a move between models' pools is not supported (each model's controller owns its slots)")
+        if self.controller is not None and self.controller.busy:
+            raise MoveRefused(409, "the fleet controller is carrying out a repartition; try again when it is done")
         now = self.now()
         out = self.operator.request(now, self.snapshot(now), replica, to_pool, config_json)
         self._apply(out, now)
@@ -181,8 +193,21 @@ class LiveFleet:
         for spec in self.state.runtime.config.pools:
             if spec.name == pool:
                 return spec.config_json
-        options = self.controller.options if self.controller is not None else None
-        return options.configs_json().get(pool) if options is not None else None
+        for controller in self.controller.model_to_controller.values() if self.controller is not None else ():
+            found = controller.options.configs_json().get(pool) if controller.options is not None else None
+            if found is not None:
+                return found
+        return None
+
+    def _pool_model(self, pool: str) -> str | None:
+        """The model a config pool serves, or the model whose controller made the pool (None: unknown)."""
+        for spec in self.state.runtime.config.pools:
+            if spec.name == pool:
+                return spec.model
+        for model, controller in self.controller.model_to_controller.items() if self.controller is not None else ():
+            if controller.options is not None and pool in controller.options.configs_json():
+                return model
+        return None
 
     def _apply(self, out: TickOutput, now: float) -> None:
         apply(out.commands, self, now)
@@ -212,7 +237,7 @@ class LiveFleet:
         pools = list(self.state.runtime.pools)
         pool = next((p for p in pools if p.name == found.pool), None)
         if pool is None:
-            pool = new_pool(found.pool, self.model, found.gpu, found.config_json)
+            pool = new_pool(found.pool, self.split.slot_to_model[slot], found.gpu, found.config_json)
             if found.pool in self.pool_to_model:
                 self.pool_to_model[found.pool].apply(pool)
             pools.append(pool)
@@ -252,10 +277,14 @@ class LiveFleet:
         """Off the loop: the controller's decisions; the commands go back to the loop."""
         assert self.controller is not None
         out = self.controller.tick(now, slots)
-        options = self.controller.options
-        if options is not None and options is not self._modelled:
-            self._modelled = options
-            models = pool_models(options, self.controller.reference_mix)
+        changed = False
+        for model, controller in self.controller.model_to_controller.items():
+            options = controller.options
+            if options is not None and (model not in self._modelled or options is not self._modelled[model][0]):
+                self._modelled[model] = (options, pool_models(options, controller.reference_mix))
+                changed = True
+        if changed:
+            models = {pool: found for _, by_pool in self._modelled.values() for pool, found in by_pool.items()}
             assert self.loop is not None
             self.loop.call_soon_threadsafe(lambda: self._model_pools(models))
         if out.decisions:

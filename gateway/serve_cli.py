@@ -196,7 +196,7 @@ def _live_fleet_factory(config: GatewayConfig, control: ReplicaControl | None) -
     def build(state: GatewayState) -> LiveFleet:
         from gateway.live_fleet import LiveFleet
 
-        live = LiveFleet(state, control, launched[0].model, config.emulator_speed, settings)
+        live = LiveFleet(state, control, tuple(sorted({p.model for p in launched})), config.emulator_speed, settings)
         live.adopt()
         return live
 

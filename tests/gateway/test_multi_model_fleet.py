@@ -1,0 +1,123 @@
+"""The embedded controller over launched pools of two models: each model's controller plans only its own
+replicas, a drift in one model's traffic moves that model's replicas, the other's stay, no request fails."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+import openai
+
+from tests.gateway.test_live_fleet import ADMIN, KEY, LONG_PROMPT, NEW_POOL, _admin, _serving
+from tests.support.procs import start_gateway, write_tenant
+
+LLAMA, QWEN = "llama-3.1-8b", "qwen3-8b"
+SPEED = 10.0  # slower than test_live_fleet's 20: a replica restart on a busy machine has twice the wall time to answer
+
+
+async def _load(url: str, duration_s: float, rate_rps: float, model_to_prompt: dict[str, str]) -> list[str]:
+    """Requests of every model at ``rate_rps`` each through the openai SDK; the outcome of each ("ok" or the error)."""
+    client = openai.AsyncOpenAI(base_url=url + "/v1", api_key=KEY, max_retries=0, timeout=60.0)
+    outcomes: list[str] = []
+
+    async def one(model: str, prompt: str) -> None:
+        try:
+            await client.chat.completions.create(model=model, messages=[{"role": "user", "content": prompt}], max_tokens=32,
+                                                 extra_body={"ignore_eos": True})
+            outcomes.append("ok")
+        except openai.APIError as exc:
+            outcomes.append(f"{model}: {exc}")
+
+    tasks = []
+    started = time.monotonic()
+    while time.monotonic() - started < duration_s:
+        tasks += [asyncio.create_task(one(model, prompt)) for model, prompt in model_to_prompt.items()]
+        await asyncio.sleep(1 / rate_rps)
+    await asyncio.gather(*tasks)
+    await client.close()
+    return outcomes
+
+
+def _pool_urls(url: str) -> dict[str, list[str]]:
+    return {p["name"]: sorted(r["url"] for r in p["replicas"]) for p in _admin(url, "/admin/state")["pools"]}  # type: ignore[index,union-attr]
+
+
+def test_a_drift_in_one_models_traffic_moves_only_that_models_replicas(tmp_path: Path) -> None:
+    (tmp_path / "tenants").mkdir()
+    write_tenant(tmp_path / "tenants", "live", KEY, max_concurrency=1000, rate_limits={"requests_per_min": 1_000_000})
+    chat = {"gpu": "H100-SXM", "shapes": ["short-chat"]}
+    config = {
+        "server": {"admin_token": ADMIN, "access_log": False},
+        "tenants_dir": "tenants",
+        "fleet": {
+            # one GPU kind: its slots are split between the models by the pool each serves in at start
+            "pools": [{**chat, "name": "llama-chat", "model": LLAMA, "replicas": {"emulated": 2}},
+                      {**chat, "name": "qwen-chat", "model": QWEN, "replicas": {"emulated": 1}}],
+            "emulator_speed": SPEED,
+            "controller": {"enabled": True, "tick_s": 5.0, "decision_log": "decisions.jsonl"},
+        },
+    }
+    path = tmp_path / "config.yaml"
+    path.write_text(json.dumps(config))
+    gateway = start_gateway(tmp_path, ["--config", str(path)])
+    try:
+        before = _pool_urls(gateway.url)
+        # llama's traffic is long prompts (its one declared pool serves short chat); qwen's stays short chat
+        mix = {LLAMA: LONG_PROMPT, QWEN: "Say hello to the team, briefly."}
+        outcomes = asyncio.run(_load(gateway.url, duration_s=14.0, rate_rps=10.0, model_to_prompt=mix))
+        deadline = time.monotonic() + 60.0
+        while not _serving(gateway.url, NEW_POOL) and time.monotonic() < deadline:
+            outcomes += asyncio.run(_load(gateway.url, duration_s=4.0, rate_rps=10.0, model_to_prompt=mix))  # a busy machine plans late
+        decisions = _admin(gateway.url, "/admin/decisions")["decisions"]
+        after = _pool_urls(gateway.url)
+        # a move between two models' pools is refused with OpenAI's error envelope
+        refused = _move(gateway.url, "qwen-chat-0", "llama-chat")
+    finally:
+        gateway.stop()
+    assert outcomes and set(outcomes) == {"ok"}, [o for o in outcomes if o != "ok"][:3]
+    by_model = {m: [d for d in decisions if d.get("model") == m] for m in (LLAMA, QWEN)}  # type: ignore[union-attr]
+    assert len(by_model[LLAMA]) + len(by_model[QWEN]) == len(decisions), decisions  # every decision names its model
+    llama_plans = [d["evidence"] for d in by_model[LLAMA] if d["kind"] == "plan"]
+    assert any(p["outcome"] == "apply" for p in llama_plans), by_model[LLAMA]  # type: ignore[index]
+    assert all(p["budget"] == {"H100-SXM": 2} for p in llama_plans), llama_plans  # type: ignore[index]
+    moved = [m for d in by_model[LLAMA] for m in d["evidence"].get("moves", [])]  # type: ignore[index,union-attr]
+    assert moved and all(m[0].startswith("llama-chat-") for m in moved), moved
+    qwen_plans = [d["evidence"] for d in by_model[QWEN] if d["kind"] == "plan"]
+    assert all(p["outcome"] == "keep" and p["budget"] == {"H100-SXM": 1} for p in qwen_plans), qwen_plans  # type: ignore[index]
+    assert not [d for d in by_model[QWEN] if "moves" in d["evidence"]], by_model[QWEN]  # type: ignore[operator]
+    assert after["qwen-chat"] == before["qwen-chat"]  # the other model's replica stayed where it was
+    assert after[NEW_POOL] and len(after["llama-chat"]) == 1
+    assert refused[0] == 409 and "qwen3-8b" in refused[1]["error"]["message"], refused  # type: ignore[index]
+    logged = [json.loads(line) for line in (tmp_path / "decisions.jsonl").read_text().splitlines()]
+    assert [(e["kind"], e["model"]) for e in logged] == [(d["kind"], d["model"]) for d in decisions]  # type: ignore[index]
+
+
+def _move(url: str, replica: str, pool: str) -> tuple[int, dict[str, object]]:
+    body = json.dumps({"replica": replica, "to_pool": pool}).encode()
+    request = urllib.request.Request(url + "/admin/move", data=body, method="POST",
+                                     headers={"Authorization": f"Bearer {ADMIN}", "Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(request, timeout=5) as resp:
+            return resp.status, json.loads(resp.read())
+    except urllib.error.HTTPError as err:
+        return err.code, json.loads(err.read())
+
+
+def test_the_external_controller_refuses_a_config_launching_two_models(tmp_path: Path) -> None:
+    (tmp_path / "tenants").mkdir()
+    write_tenant(tmp_path / "tenants", "live", KEY)
+    pool = {"gpu": "H100-SXM", "shapes": ["short-chat"], "replicas": {"emulated": 1}}
+    config = {"tenants_dir": "tenants", "fleet": {"pools": [{**pool, "name": "llama-chat", "model": LLAMA}, {**pool, "name": "qwen-chat", "model": QWEN}],
+                        "controller": {"enabled": True, "mode": "external", "url": "http://127.0.0.1:9", "state_file": "state.json"}}}
+    path = tmp_path / "config.yaml"
+    path.write_text(json.dumps(config))
+    done = subprocess.run([sys.executable, "-m", "gateway.cli", "controller", "--config", str(path)], capture_output=True, text=True,
+                          timeout=60, cwd=tmp_path)
+    assert done.returncode == 2, done.stderr
+    assert "plans one model" in done.stderr and "'llama-3.1-8b', 'qwen3-8b'" in done.stderr, done.stderr
