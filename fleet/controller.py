@@ -45,6 +45,7 @@ class ControllerSettings:
     tiers: Mapping[str, TierSlo] = field(default_factory=lambda: dict(DEFAULT_TIERS))
     # the operator's pools: the starting plan, kept under their own names while they fit the mix
     declared: tuple[DeclaredPool, ...] = ()
+    pool_prefix: str = ""  # prefixes the names of the pools it makes (fleet.options.pool_name): "<model>:" beside other models
     drift: DriftSettings = field(default_factory=DriftSettings)
     move_cost: MoveCost = field(default_factory=MoveCost)
     plan_horizon_s: float = 900.0  # how long a plan is expected to hold (amortises move cost)
@@ -195,7 +196,7 @@ class Controller:
         slots = [slot for slot in slots if slot.alive]  # a dead slot can neither serve nor move
         budget = self.budget()
         gpus = tuple(sorted(budget))
-        options = pool_options(live.shapes, gpus, self.capacity, s.tiers, self.configs, now, self.options, s.declared)
+        options = pool_options(live.shapes, gpus, self.capacity, s.tiers, self.configs, now, self.options, s.declared, s.pool_prefix)
         self.options = options
         asked = [compile_submitted(now, a.pool, a.gpu, a.envelope, a.previous) for a in options.submitted if a.new]
         counts: dict[str, int] = {}

@@ -218,7 +218,8 @@ def restore(controller: Controller, state: ControllerState, now: float) -> None:
         controller._rollout = None
         return
     s = controller.settings
-    options = pool_options(state.reference_mix.shapes, tuple(sorted(s.gpu_to_budget)), controller.capacity, s.tiers, declared=s.declared)
+    options = pool_options(state.reference_mix.shapes, tuple(sorted(s.gpu_to_budget)), controller.capacity, s.tiers, declared=s.declared,
+                           model_prefix=s.pool_prefix)
     controller.options = options
     by_slot = {slot.slot: slot for slot in state.slots}
     progress = tuple(replace(m, phase=resumed_phase(m, by_slot.get(m.move.slot))) for m in record.progress)

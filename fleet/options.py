@@ -63,8 +63,11 @@ class MoveCost:
         return weight_bytes / (self.load_gb_per_s * 1e9) + self.cuda_graph_capture_s + self.warmup_s
 
 
-def pool_name(shape: str, gpu: str) -> str:
-    return f"{shape}@{gpu}"
+def pool_name(shape: str, gpu: str, model_prefix: str = "") -> str:
+    """The name of a pool the controller makes: ``<shape>@<gpu>``; in a fleet of several models each
+    model's controller prefixes its own (``<model>:``), so two models' pools never share a name and
+    the actuator knows which model a new pool's replicas run (gateway.replicas)."""
+    return f"{model_prefix}{shape}@{gpu}"
 
 
 def config_json(config: EngineConfig) -> str:
@@ -136,6 +139,7 @@ def pool_options(
     now: float = 0.0,
     previous: Options | None = None,
     declared: tuple[DeclaredPool, ...] = (),
+    model_prefix: str = "",
 ) -> Options:
     """Pool options for ``loads``. With ``configs``, a pool keeps its envelope of ``previous`` while
     its traffic stays inside it (so a wobble neither recompiles nor changes the configuration).
@@ -202,7 +206,7 @@ def pool_options(
         for gpu in gpus:
             if (load.name, gpu) in covered:
                 continue
-            name = pool_name(load.name, gpu)
+            name = pool_name(load.name, gpu, model_prefix)
             compiled = compiled_config(name, gpu, load, slo)
             # with compiled configurations the running one is the incumbent: a restart needs a real gain
             incumbent = None if configs is None else ran.get(name)

@@ -52,21 +52,22 @@ if TYPE_CHECKING:
 _DEFAULT_MAX_RUNNING = 256
 
 
-def controller_settings(config: GatewayConfig, model: str, gpu_to_budget: dict[str, int]) -> ControllerSettings:
+def controller_settings(config: GatewayConfig, model: str, gpu_to_budget: dict[str, int], pool_prefix: str = "") -> ControllerSettings:
     """The controller's settings for ``config``'s tiers and a budget of replica slots per GPU kind; its
     starting plan is ``config``'s pools of ``model`` whose replicas the actuator starts (their slots
-    already serve in them), which it keeps while they fit the mix."""
+    already serve in them), which it keeps while they fit the mix; ``pool_prefix`` names the pools it makes."""
     declared = tuple(DeclaredPool(p.name, p.gpu, p.shapes, EngineConfig.from_dict(p.engine), p.config_json)
                      for p in config.pools if p.model == model and p.gpu in gpu_to_budget and not p.urls)
-    return ControllerSettings(model=model, gpu_to_budget=gpu_to_budget, tiers=dict(config.tiers), declared=declared)
+    return ControllerSettings(model=model, gpu_to_budget=gpu_to_budget, tiers=dict(config.tiers), declared=declared, pool_prefix=pool_prefix)
 
 
 def new_pool(name: str, model: str, gpu: str, config_json: str) -> PoolState:
-    """A pool the controller made (named ``<shape>@<gpu>``: no declared pool served its shape on that
-    GPU kind), sized by its engine configuration."""
+    """A pool the controller made (named ``[<model>:]<shape>@<gpu>``: no declared pool served its shape on
+    that GPU kind), sized by its engine configuration."""
     engine = orjson.loads(config_json)
     max_running = engine.get("max_running_requests") or _DEFAULT_MAX_RUNNING
-    return PoolState(name, frozenset({model}), frozenset({name.split("@", 1)[0]}), gpu, int(max_running))
+    shape = name.split("@", 1)[0].removeprefix(f"{model}:")
+    return PoolState(name, frozenset({model}), frozenset({shape}), gpu, int(max_running))
 
 
 def new_replica(state: GatewayState, name: str, url: str, pool: str) -> ReplicaState:
@@ -152,7 +153,8 @@ class LiveFleet:
         models = self.split.models()
         controllers = {}
         for model in models:
-            settings = controller_settings(self.state.runtime.config, model, dict(self.split.model_to_budget[model]))
+            settings = controller_settings(self.state.runtime.config, model, dict(self.split.model_to_budget[model]),
+                                           f"{model}:" if len(models) > 1 else "")
             capacity = PerfCapacity(model, self.settings.capacity_cache, executor=self.capacity_pool)
             telemetry = self.telemetry.of(model)
             # a compiled-configuration source compiles for one model (CompileSettings.model)

@@ -24,7 +24,7 @@ from fleet.actuators.local import LaunchSpec, LocalActuator, emulated_replica_ar
 from fleet.actuators.local_slots import LaunchFor, LocalSlots
 from fleet.engines.launch import EngineLaunch, launch_argv, launch_env
 from fleet.rollout import SlotState
-from gateway.config import GatewayConfig, RaySettings, replica_devices
+from gateway.config import GatewayConfig, PoolSpec, RaySettings, replica_devices
 from kernels.config import EngineConfig
 
 # A real engine loads its weights, and vLLM compiles, before /health answers: ~40 s for vLLM's CPU
@@ -80,14 +80,13 @@ def connect_ray(settings: RaySettings, num_gpus: int) -> None:
 def launcher(config: GatewayConfig, command: tuple[str, ...]) -> LaunchFor:
     """What a slot starts for a pool: its declared engine rendered with the configuration it moves
     with, on the slot's devices. The controller plans with the declared pools under their own names;
-    a pool it made for a shape no declared pool serves on that device kind (``<shape>@<gpu>``) runs the
-    engine of the first declared pool on the same device kind; emulated replicas run ``command``
-    (``polymorph emulate``)."""
+    a pool it made for a shape no declared pool serves on that device kind (``<shape>@<gpu>``, or
+    ``<model>:<shape>@<gpu>`` beside other models) runs the engine of the first declared pool of its model on
+    the same device kind; emulated replicas run ``command`` (``polymorph emulate``)."""
     declared = {p.name: p for p in config.pools}
-    by_device = {p.gpu: p for p in reversed(config.pools) if p.num_launched}
 
     def launch_for(gpu: str, pool: str, config_json: str, devices: tuple[str, ...]) -> LaunchSpec:
-        spec = declared.get(pool) or by_device.get(gpu)
+        spec = declared.get(pool) or _engine_pool(config, pool, gpu)
         model = spec.model if spec is not None else ""
         launch = spec.launch if spec is not None else EngineLaunch("emulated")
         if launch.kind == "emulated":
@@ -98,6 +97,14 @@ def launcher(config: GatewayConfig, command: tuple[str, ...]) -> LaunchFor:
         return LaunchSpec("", launch_argv(launch, engine, gpu), changed, warmup_model=launch.served_model_name)
 
     return launch_for
+
+
+def _engine_pool(config: GatewayConfig, pool: str, gpu: str) -> PoolSpec | None:
+    """The declared pool whose engine a pool the controller made runs: the first launched one on ``gpu``
+    of the model its name carries (``<model>:<shape>@<gpu>``), or of any model (``<shape>@<gpu>``)."""
+    on_gpu = [spec for spec in config.pools if spec.num_launched and spec.gpu == gpu]
+    head = pool.split("@", 1)[0]
+    return next((spec for spec in on_gpu if head.startswith(f"{spec.model}:")), on_gpu[0] if on_gpu else None)
 
 
 def replica_control(config: GatewayConfig, command: tuple[str, ...], log_dir: Path) -> ReplicaControl:
@@ -124,11 +131,10 @@ def kubernetes_control(config: GatewayConfig) -> ReplicaControl:
     from fleet.kubernetes_manifests import EnginePool, engine_deployment
 
     declared = {p.name: p for p in config.pools}
-    by_device = {p.gpu: p for p in reversed(config.pools) if p.num_launched}
     settings = config.kubernetes
 
     def render(pool: str, gpu: str, config_json: str) -> dict[str, Any]:
-        spec = declared.get(pool) or by_device.get(gpu)
+        spec = declared.get(pool) or _engine_pool(config, pool, gpu)
         if spec is None:
             raise ValueError(f"no declared pool runs on {gpu}: no engine to run")
         engine = EngineConfig.from_dict(orjson.loads(config_json))

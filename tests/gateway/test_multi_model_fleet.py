@@ -14,10 +14,13 @@ from pathlib import Path
 
 import openai
 
-from tests.gateway.test_live_fleet import ADMIN, KEY, LONG_PROMPT, NEW_POOL, _admin, _serving
+from tests.gateway.test_live_fleet import ADMIN, KEY, LONG_PROMPT, _admin, _serving
 from tests.support.procs import start_gateway, write_tenant
 
 LLAMA, QWEN = "llama-3.1-8b", "qwen3-8b"
+# no declared pool serves qwen's long prompts on H100: its controller makes this one, named for its model, whose
+# replicas must run qwen (the first launched pool on H100 is llama's: the engine of a made pool follows its model)
+NEW_POOL = f"{QWEN}:long-context@H100-SXM"
 SPEED = 10.0  # slower than test_live_fleet's 20: a replica restart on a busy machine has twice the wall time to answer
 
 
@@ -48,6 +51,12 @@ def _pool_urls(url: str) -> dict[str, list[str]]:
     return {p["name"]: sorted(r["url"] for r in p["replicas"]) for p in _admin(url, "/admin/state")["pools"]}  # type: ignore[index,union-attr]
 
 
+def _pool_argvs(url: str, pool: str) -> list[list[str]]:
+    """The command lines of ``pool``'s launched replicas, as /admin/state shows them."""
+    pools = {p["name"]: p for p in _admin(url, "/admin/state")["pools"]}  # type: ignore[index,union-attr]
+    return [r["process"]["argv"] for r in pools[pool]["replicas"]]  # type: ignore[index]
+
+
 def test_a_drift_in_one_models_traffic_moves_only_that_models_replicas(tmp_path: Path) -> None:
     (tmp_path / "tenants").mkdir()
     write_tenant(tmp_path / "tenants", "live", KEY, max_concurrency=1000, rate_limits={"requests_per_min": 1_000_000})
@@ -57,8 +66,8 @@ def test_a_drift_in_one_models_traffic_moves_only_that_models_replicas(tmp_path:
         "tenants_dir": "tenants",
         "fleet": {
             # one GPU kind: its slots are split between the models by the pool each serves in at start
-            "pools": [{**chat, "name": "llama-chat", "model": LLAMA, "replicas": {"emulated": 2}},
-                      {**chat, "name": "qwen-chat", "model": QWEN, "replicas": {"emulated": 1}}],
+            "pools": [{**chat, "name": "llama-chat", "model": LLAMA, "replicas": {"emulated": 1}},
+                      {**chat, "name": "qwen-chat", "model": QWEN, "replicas": {"emulated": 2}}],
             "emulator_speed": SPEED,
             "controller": {"enabled": True, "tick_s": 5.0, "decision_log": "decisions.jsonl"},
         },
@@ -68,31 +77,33 @@ def test_a_drift_in_one_models_traffic_moves_only_that_models_replicas(tmp_path:
     gateway = start_gateway(tmp_path, ["--config", str(path)])
     try:
         before = _pool_urls(gateway.url)
-        # llama's traffic is long prompts (its one declared pool serves short chat); qwen's stays short chat
-        mix = {LLAMA: LONG_PROMPT, QWEN: "Say hello to the team, briefly."}
+        # qwen's traffic is long prompts (its one declared pool serves short chat); llama's stays short chat
+        mix = {QWEN: LONG_PROMPT, LLAMA: "Say hello to the team, briefly."}
         outcomes = asyncio.run(_load(gateway.url, duration_s=14.0, rate_rps=10.0, model_to_prompt=mix))
         deadline = time.monotonic() + 60.0
         while not _serving(gateway.url, NEW_POOL) and time.monotonic() < deadline:
             outcomes += asyncio.run(_load(gateway.url, duration_s=4.0, rate_rps=10.0, model_to_prompt=mix))  # a busy machine plans late
         decisions = _admin(gateway.url, "/admin/decisions")["decisions"]
         after = _pool_urls(gateway.url)
+        made = _pool_argvs(gateway.url, NEW_POOL)
         # a move between two models' pools is refused with OpenAI's error envelope
-        refused = _move(gateway.url, "qwen-chat-0", "llama-chat")
+        refused = _move(gateway.url, "llama-chat-0", "qwen-chat")
     finally:
         gateway.stop()
     assert outcomes and set(outcomes) == {"ok"}, [o for o in outcomes if o != "ok"][:3]
     by_model = {m: [d for d in decisions if d.get("model") == m] for m in (LLAMA, QWEN)}  # type: ignore[union-attr]
     assert len(by_model[LLAMA]) + len(by_model[QWEN]) == len(decisions), decisions  # every decision names its model
-    llama_plans = [d["evidence"] for d in by_model[LLAMA] if d["kind"] == "plan"]
-    assert any(p["outcome"] == "apply" for p in llama_plans), by_model[LLAMA]  # type: ignore[index]
-    assert all(p["budget"] == {"H100-SXM": 2} for p in llama_plans), llama_plans  # type: ignore[index]
-    moved = [m for d in by_model[LLAMA] for m in d["evidence"].get("moves", [])]  # type: ignore[index,union-attr]
-    assert moved and all(m[0].startswith("llama-chat-") for m in moved), moved
     qwen_plans = [d["evidence"] for d in by_model[QWEN] if d["kind"] == "plan"]
-    assert all(p["outcome"] == "keep" and p["budget"] == {"H100-SXM": 1} for p in qwen_plans), qwen_plans  # type: ignore[index]
-    assert not [d for d in by_model[QWEN] if "moves" in d["evidence"]], by_model[QWEN]  # type: ignore[operator]
-    assert after["qwen-chat"] == before["qwen-chat"]  # the other model's replica stayed where it was
-    assert after[NEW_POOL] and len(after["llama-chat"]) == 1
+    assert any(p["outcome"] == "apply" for p in qwen_plans), by_model[QWEN]  # type: ignore[index]
+    assert all(p["budget"] == {"H100-SXM": 2} for p in qwen_plans), qwen_plans  # type: ignore[index]
+    moved = [m for d in by_model[QWEN] for m in d["evidence"].get("moves", [])]  # type: ignore[index,union-attr]
+    assert moved and all(m[0].startswith("qwen-chat-") for m in moved), moved
+    llama_plans = [d["evidence"] for d in by_model[LLAMA] if d["kind"] == "plan"]
+    assert all(p["outcome"] == "keep" and p["budget"] == {"H100-SXM": 1} for p in llama_plans), llama_plans  # type: ignore[index]
+    assert not [d for d in by_model[LLAMA] if "moves" in d["evidence"]], by_model[LLAMA]  # type: ignore[operator]
+    assert after["llama-chat"] == before["llama-chat"]  # the other model's replica stayed where it was
+    assert after[NEW_POOL] and len(after["qwen-chat"]) == 1
+    assert made and all(argv[argv.index("--model") + 1] == QWEN for argv in made), made  # the made pool runs qwen, not llama
     assert refused[0] == 409 and "qwen3-8b" in refused[1]["error"]["message"], refused  # type: ignore[index]
     logged = [json.loads(line) for line in (tmp_path / "decisions.jsonl").read_text().splitlines()]
     assert [(e["kind"], e["model"]) for e in logged] == [(d["kind"], d["model"]) for d in decisions]  # type: ignore[index]
