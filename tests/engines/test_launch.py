@@ -8,6 +8,7 @@ import os
 import urllib.request
 from pathlib import Path
 
+import openai
 import pytest
 
 from fleet.engines import install
@@ -16,7 +17,7 @@ from kernels.compiler.gates import LlamacppFlagGate
 from kernels.config import EngineConfig
 from tests.conftest import free_port
 from tests.support.engines import LLAMA_START_TIMEOUT_S, VLLM_START_TIMEOUT_S, chat_both_ways
-from tests.support.procs import start
+from tests.support.procs import start, start_gateway, write_tenant
 
 VLLM_MODULE = ("-m", "vllm.entrypoints.openai.api_server")
 CONFIG = EngineConfig(max_running_requests=4, chunked_prefill_size=256, schedule_policy="priority")
@@ -130,6 +131,8 @@ def test_vllm_pool_arguments_pass_vllms_own_parser(vllm_python: Path, tiny_hf: P
 
 
 def test_vllm_runs_the_rendered_command_line_on_its_cores_with_its_pool(vllm_python: Path, tiny_hf: Path, tmp_path: Path) -> None:
+    """The pool's command line starts a real vLLM that serves the SDK, and the Responses API through a gateway
+    (one vLLM start for both: each takes 40 s to minutes here)."""
     launch = EngineLaunch("vllm", served_model_name="tiny-llama")
     config = EngineConfig(max_running_requests=4, page_size=32, max_total_tokens=4000)  # 125 blocks of 32 tokens
     argv = launch_argv(launch, config, "cpu")
@@ -140,6 +143,7 @@ def test_vllm_runs_the_rendered_command_line_on_its_cores_with_its_pool(vllm_pyt
                  command=argv[:1], timeout_s=VLLM_START_TIMEOUT_S, env=launch_env(launch, "cpu", ("0",)))
     try:
         chat_both_ways(proc.url)  # the pool's command line serves the tiny model through the SDK, plain and streamed
+        _responses_through_a_gateway(proc.url, tmp_path)
         with urllib.request.urlopen(proc.url + "/metrics", timeout=10) as resp:
             metrics = resp.read().decode()
     finally:
@@ -148,6 +152,33 @@ def test_vllm_runs_the_rendered_command_line_on_its_cores_with_its_pool(vllm_pyt
     info = next(line for line in metrics.splitlines() if line.startswith("vllm:cache_config_info{"))
     assert 'num_gpu_blocks="125"' in info and 'block_size="32"' in info and 'kv_cache_size_tokens="4000"' in info
     assert "core ids=[0]" in log.read_text()  # its OpenMP threads stay on the replica's core
+
+
+def _responses_through_a_gateway(vllm_url: str, tmp_path: Path) -> None:
+    """A gateway in front of the real vLLM: the SDK's Responses API, plain and streamed, a follow-up naming the
+    previous response and its retrieval reach it with routing headers; embeddings, which a generating model does
+    not serve, get vLLM's own answer."""
+    tenants = tmp_path / "tenants"
+    tenants.mkdir()
+    write_tenant(tenants, "main", "sk-launch", rate_limits={"requests_per_min": 100000})
+    config = {"server": {"host": "127.0.0.1"}, "tenants_dir": "tenants",
+              "fleet": {"pools": [{"name": "vllm", "model": "tiny-llama", "engine": {"kind": "vllm"}, "replicas": {"urls": [vllm_url]}}]}}
+    (tmp_path / "gateway.yaml").write_text(json.dumps(config))
+    gateway = start_gateway(tmp_path, ["--config", str(tmp_path / "gateway.yaml")])
+    try:
+        with openai.OpenAI(base_url=gateway.url + "/v1", api_key="sk-launch", max_retries=0, timeout=120) as client:
+            first = client.responses.with_raw_response.create(model="tiny-llama", input="Name a colour.", max_output_tokens=8)
+            assert first.headers["x-polymorph-pool"] == "vllm" and first.headers["x-polymorph-replica"] == "vllm-0"
+            answer = first.parse()
+            assert answer.usage is not None and answer.usage.output_tokens > 0
+            events = [e.type for e in client.responses.create(model="tiny-llama", input="And another?", previous_response_id=answer.id,
+                                                               max_output_tokens=8, stream=True)]
+            assert events[0] == "response.created" and events[-1] in ("response.completed", "response.incomplete")
+            assert client.responses.retrieve(answer.id).id == answer.id
+            with pytest.raises(openai.NotFoundError):
+                client.embeddings.create(model="tiny-llama", input="a text")
+    finally:
+        gateway.stop()
 
 
 ADAPTERS = (("sql-lora", "/adapters/sql"), ("chat-lora", "/adapters/chat,v2"))
