@@ -15,7 +15,8 @@ import pytest
 
 from loadtest.demo_credentials import DEMO_ADMIN_TOKEN, DEMO_API_KEY
 from tests.conftest import REPO
-from tests.support.procs import start_gateway
+from tests.support.engines import llama_server
+from tests.support.procs import start_gateway, write_tenant
 
 
 def _tokens_total(url: str) -> float:
@@ -60,3 +61,25 @@ def test_the_llamacpp_example_serves_the_sdk_streamed_and_not_through_real_repli
     chat = replicas["chat-cpu-0"]["process"]
     assert chat["argv"][chat["argv"].index("--parallel") + 1] == "4" and chat["argv"][chat["argv"].index("-t") + 1] == "1"
     assert chat["devices"] == ["0"] and replicas["long-cpu-0"]["process"]["devices"] == ["1"]
+
+
+def test_embeddings_reach_a_real_llama_server_started_with_embeddings(tmp_path: Path, llama_server_bin: Path, tiny_gguf: Path) -> None:
+    """llama-server serves /v1/embeddings when started with --embeddings: the SDK's embeddings go through the
+    gateway to it and come back as one vector a text, of the tiny model's width, with its usage."""
+    tenants = tmp_path / "tenants"
+    tenants.mkdir()
+    write_tenant(tenants, "main", "sk-embed", rate_limits={"requests_per_min": 100000})
+    with llama_server(llama_server_bin, tiny_gguf, "--embeddings", "--pooling", "mean", log_path=tmp_path / "llama.log") as server:
+        config = {"server": {"host": "127.0.0.1"}, "tenants_dir": "tenants",
+                  "fleet": {"pools": [{"name": "embed", "model": "tiny-llama", "engine": {"kind": "llamacpp"}, "replicas": {"urls": [server.url]}}]}}
+        (tmp_path / "config.yaml").write_text(json.dumps(config))
+        gateway = start_gateway(tmp_path, ["--config", str(tmp_path / "config.yaml")])
+        try:
+            with openai.OpenAI(base_url=f"{gateway.url}/v1", api_key="sk-embed", max_retries=0, timeout=60) as client:
+                raw = client.embeddings.with_raw_response.create(model="tiny-llama", input=["The cat sat on the mat.", "GPUs are fast."])
+        finally:
+            gateway.stop()
+    answer = raw.parse()
+    assert raw.headers["x-polymorph-pool"] == "embed" and raw.headers["x-polymorph-replica"] == "embed-0"
+    assert [len(item.embedding) for item in answer.data] == [384, 384]  # the tiny model's width
+    assert answer.data[0].embedding != answer.data[1].embedding and answer.usage.prompt_tokens > 0
