@@ -52,7 +52,7 @@ class Measurement:
 
     @classmethod
     def from_dict(cls, values: dict[str, object]) -> Measurement:
-        steps = tuple(ProbeStep(**step) for step in values["steps"])  # type: ignore[arg-type, attr-defined]
+        steps = tuple(ProbeStep(**step) for step in values["steps"])  # type: ignore[attr-defined]
         return cls(**{**values, "steps": steps})  # type: ignore[arg-type]
 
 
