@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import sys
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 from classifiers import cli as classifiers_cli
 from fleet import cli as fleet_cli
@@ -17,6 +18,9 @@ from fleet.engines import cli as engines_cli
 from gateway import deploy_cli, serve_cli
 from kernels import cli as kernels_cli
 from loadtest import cli as loadtest_cli
+
+if TYPE_CHECKING:
+    from loadtest.probe import LlamacppProbe
 
 _PACKAGES = (serve_cli, deploy_cli, classifiers_cli, kernels_cli, fleet_cli, engines_cli, loadtest_cli)
 
@@ -40,7 +44,15 @@ def build_parser() -> argparse.ArgumentParser:
     for package in _PACKAGES:
         package.register(commands)
         package.register_bench(benches)
+    # kernels may not import the load tester that measures `compile --evaluator probe`; this is where they meet.
+    commands.choices["compile"].set_defaults(prober=_llamacpp_prober)
     return parser
+
+
+def _llamacpp_prober() -> LlamacppProbe:
+    from loadtest.probe import LlamacppProbe
+
+    return LlamacppProbe()
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -72,10 +72,16 @@ def _register_compile(commands: argparse._SubParsersAction) -> None:  # type: ig
     compile_.add_argument("--format", choices=("azure", "burstgpt", "mooncake", "native"), help="format of --trace")
     compile_.add_argument("--tier", default="interactive", choices=("interactive", "standard", "batch"),
                           help="SLO tier of a --trace shape")
-    compile_.add_argument("--evaluator", default="perf-model", choices=("perf-model", "analytic", "replay"),
+    compile_.add_argument("--evaluator", "--evaluate", default="perf-model", choices=("perf-model", "analytic", "replay", "probe"),
                           help="perf-model: bisect the SLO-meeting rate on the performance model (simulated); "
                           "analytic: closed-form screening, milliseconds a trial; replay: replay the --trace "
-                          "requests (prefix ids included) through the engine at increasing speed")
+                          "requests (prefix ids included) through the engine at increasing speed; probe: the model "
+                          "screens, the default and the best --budget - 1 are measured on a real engine (--engine llamacpp)")
+    compile_.add_argument("--engine", default="sglang", choices=("sglang", "llamacpp"),
+                          help="the engine whose knobs are searched; llamacpp (with --evaluator probe) measures on the "
+                          "installed llama-server and the tiny model, on --gpu cpu unless given")
+    compile_.add_argument("--probe-requests", type=int, default=12,
+                          help="requests per rate of a probe's ladder (fewer: a quicker, noisier measurement)")
     compile_.add_argument("--objective", default="goodput", choices=("goodput", "cost"),
                           help="maximise goodput per GPU, or minimise USD per million tokens at the SLOs")
     compile_.add_argument("--budget", type=int, default=60, help="most evaluations (gate rejections are free)")
@@ -226,7 +232,7 @@ def _run_bench_model(args: argparse.Namespace) -> int:
 def _run_compile(args: argparse.Namespace) -> int:
     from kernels.compiler.cli import main_compile
 
-    return main_compile(args)
+    return main_compile(args, getattr(args, "prober", None))
 
 
 def _run_compile_history(args: argparse.Namespace) -> int:

@@ -6,9 +6,12 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import sys
+from collections.abc import Callable
 from pathlib import Path
 
 from kernels.compiler.evaluators import Evaluator, ReplayEvaluator, evaluator_by_name
+from kernels.compiler.probe import Prober, probe_compile
 from kernels.compiler.search import Budget, CompileResult, compile_config
 from kernels.compiler.shape import TrafficShape, get_shape
 from kernels.compiler.space import default_space
@@ -23,9 +26,13 @@ def default_store_path() -> Path:
     return Path(os.environ.get(STORE_ENV) or Path.home() / ".cache" / "polymorph" / "compiler.sqlite3")
 
 
-def main_compile(args: argparse.Namespace) -> int:
+def main_compile(args: argparse.Namespace, prober: Callable[[], Prober] | None = None) -> int:
+    """`prober` makes the real-engine prober of `--evaluator probe` (supplied by the `polymorph` command,
+    which may import the load tester; kernels may not)."""
     from kernels.catalog import get_gpu, get_model
 
+    if args.evaluator == "probe":
+        return _main_probe(args, prober)
     if not args.model or not args.gpu:
         raise SystemExit("polymorph compile: --model and --gpu are required")
     if bool(args.shape) == bool(args.trace):
@@ -52,6 +59,43 @@ def main_compile(args: argparse.Namespace) -> int:
         print(json.dumps(result.to_json()))
     else:
         _print_result(result)
+    return 0
+
+
+def _main_probe(args: argparse.Namespace, prober: Callable[[], Prober] | None) -> int:
+    from kernels.catalog import get_gpu, get_model
+
+    if args.engine != "llamacpp":
+        raise SystemExit("polymorph compile: --evaluator probe measures on llama.cpp only for now (--engine llamacpp)")
+    if prober is None:
+        raise SystemExit("polymorph compile: --evaluator probe needs the load tester's prober (run it as `polymorph compile`)")
+    if not args.model or not args.shape:
+        raise SystemExit("polymorph compile: --evaluator probe needs --model and --shape")
+    if args.probe_requests < 1:
+        raise SystemExit(f"polymorph compile: --probe-requests must be >= 1, got {args.probe_requests}")
+    try:
+        model, gpu, shape = get_model(args.model), get_gpu(args.gpu or "cpu"), get_shape(args.shape)
+        store = None if args.no_store else TrialStore(args.store or default_store_path())
+    except (ValueError, StoreError) as exc:
+        raise SystemExit(f"polymorph compile: {exc}") from exc
+    try:
+        result = probe_compile(model, gpu, shape, args.budget, prober(), args.probe_requests, store,
+                               progress=lambda line: print(line, file=sys.stderr, flush=True))
+    except (StoreError, RuntimeError) as exc:
+        raise SystemExit(f"polymorph compile: {exc}") from exc
+    finally:
+        if store is not None:
+            store.close()
+    if args.json:
+        print(json.dumps(result.to_json()))
+        return 0
+    chosen, base = result.chosen.measured, result.baseline.measured
+    print(f"{model.name} on {gpu.name} via llama.cpp ({result.fingerprint.engine_version}), shape {shape.name}: "
+          f"{len(result.trials)} measured of {result.num_screened} screened, {result.elapsed_s:.0f} s")
+    print(f"{'measured':<22}{'chosen':>12}{'default':>12}")
+    for key in ("goodput_rps", "ttft_p50_s", "ttft_p99_s", "tpot_p50_s", "tpot_p99_s", "throughput_tokens_s"):
+        print(f"{key:<22}{getattr(chosen, key):>12.4g}{getattr(base, key):>12.4g}")
+    print("llama-server " + " ".join(result.chosen.llamacpp_args))
     return 0
 
 

@@ -21,6 +21,7 @@ from typing import Any, TypeVar
 
 from kernels.catalog import GpuSpec, ModelSpec
 from kernels.compiler.evaluators import Metrics
+from kernels.compiler.measurement import Measurement, ProbeFingerprint
 from kernels.compiler.shape import TrafficShape, shape_fingerprint
 from kernels.config import EngineConfig
 
@@ -46,6 +47,19 @@ CREATE TABLE IF NOT EXISTS artefacts (
     num_trials INTEGER NOT NULL, warm_start INTEGER NOT NULL, reason TEXT NOT NULL, engine_version TEXT NOT NULL,
     pools_json TEXT NOT NULL DEFAULT '[]'
 );
+"""
+# Measured trials (the probe evaluator): the model's prediction beside the measurement, and what it ran on.
+# Added after schema 1 without a version bump: created on the first probe write, so older stores open
+# unchanged and older readers ignore the table.
+_PROBE_SCHEMA = """
+CREATE TABLE IF NOT EXISTS probe_trials (
+    id INTEGER PRIMARY KEY AUTOINCREMENT,
+    run_id TEXT NOT NULL, created_at REAL NOT NULL,
+    model TEXT NOT NULL, model_fp TEXT NOT NULL, gpu TEXT NOT NULL, shape_name TEXT NOT NULL, shape_fp TEXT NOT NULL,
+    measured_shape_json TEXT NOT NULL, config_json TEXT NOT NULL, config_key TEXT NOT NULL,
+    predicted_json TEXT NOT NULL, measured_json TEXT NOT NULL, fingerprint_json TEXT NOT NULL, fingerprint TEXT NOT NULL,
+    is_default INTEGER NOT NULL, chosen INTEGER NOT NULL
+)
 """
 
 
@@ -125,6 +139,24 @@ class ArtefactRecord:
     reason: str
     engine_version: str
     pools: tuple[str, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class ProbeTrialRecord:
+    """One row of probe_trials: a configuration measured on a real replica."""
+
+    trial_id: int
+    run_id: str
+    model: str
+    gpu: str
+    shape_name: str
+    shape_fp: str
+    config: EngineConfig
+    predicted: Metrics
+    measured: Measurement
+    fingerprint: ProbeFingerprint
+    default: bool
+    chosen: bool
 
 
 class TrialStore:
@@ -219,6 +251,34 @@ class TrialStore:
                   "engine_version) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)")
         return self._transaction(lambda: int(self._db.execute(insert, row).lastrowid))  # type: ignore[arg-type]
 
+    def record_probe_trial(
+        self, run_id: str, now: float, model: ModelSpec, gpu: GpuSpec, shape: TrafficShape, measured_shape: TrafficShape,
+        config: EngineConfig, predicted: Metrics, measured: Measurement, fingerprint: ProbeFingerprint, default: bool,
+        chosen: bool,
+    ) -> int:
+        row = (run_id, now, model.name, model_fingerprint(model), gpu.name, shape.name, shape_fingerprint(shape),
+               json.dumps(measured_shape.to_dict()), json.dumps(config.to_dict()), config_key(config),
+               json.dumps(predicted.to_dict()), json.dumps(measured.to_dict()), json.dumps(fingerprint.to_dict()),
+               fingerprint.digest(), int(default), int(chosen))
+        insert = ("INSERT INTO probe_trials (run_id, created_at, model, model_fp, gpu, shape_name, shape_fp, measured_shape_json, "
+                  "config_json, config_key, predicted_json, measured_json, fingerprint_json, fingerprint, is_default, chosen) "
+                  "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)")
+
+        def write() -> int:
+            self._db.execute(_PROBE_SCHEMA)
+            return int(self._db.execute(insert, row).lastrowid)  # type: ignore[arg-type]
+
+        return self._transaction(write)
+
+    def probe_trials(self, run_id: str | None = None) -> list[ProbeTrialRecord]:
+        """Measured trials, oldest first (none in a store no probe has written to)."""
+        if not self._read("SELECT 1 FROM sqlite_master WHERE type = 'table' AND name = 'probe_trials'", []):
+            return []
+        query, params = "SELECT * FROM probe_trials", list[object]()
+        if run_id is not None:
+            query, params = query + " WHERE run_id = ?", [run_id]
+        return [_probe_trial(row) for row in self._read(query + " ORDER BY id", params)]
+
     def assign_pools(self, artefact_id: int, pools: Sequence[str]) -> None:
         """Record which pools run a compiled artefact (the fleet calls this after a rollout)."""
         update = "UPDATE artefacts SET pools_json = ? WHERE id = ?"
@@ -283,6 +343,18 @@ def _trial(row: Mapping[str, Any]) -> TrialRecord:
         config=EngineConfig.from_dict(json.loads(str(row["config_json"]))), status=str(row["status"]),
         gates=tuple(tuple(g) for g in json.loads(str(row["gates_json"]))),
         metrics=None if metrics is None else Metrics.from_dict(json.loads(str(metrics))), note=str(row["note"]),
+    )
+
+
+def _probe_trial(row: Mapping[str, Any]) -> ProbeTrialRecord:
+    fingerprint = {k: v for k, v in json.loads(str(row["fingerprint_json"])).items() if k != "digest"}
+    return ProbeTrialRecord(
+        trial_id=int(row["id"]), run_id=str(row["run_id"]), model=str(row["model"]), gpu=str(row["gpu"]),
+        shape_name=str(row["shape_name"]), shape_fp=str(row["shape_fp"]),
+        config=EngineConfig.from_dict(json.loads(str(row["config_json"]))),
+        predicted=Metrics.from_dict(json.loads(str(row["predicted_json"]))),
+        measured=Measurement.from_dict(json.loads(str(row["measured_json"]))),
+        fingerprint=ProbeFingerprint(**fingerprint), default=bool(row["is_default"]), chosen=bool(row["chosen"]),
     )
 
 

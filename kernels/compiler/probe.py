@@ -1,0 +1,189 @@
+"""Screen with the model, confirm by measurement (the `probe` evaluator, llama.cpp).
+
+`probe_compile` ranks llama.cpp's knobs (`--parallel`, `-c`, `-b`/`-ub`, `--cache-reuse` or
+`--no-cache-prompt`: the `EngineConfig` fields `to_llamacpp_args` renders) with the performance model,
+keeps the best `budget - 1` candidates that render distinct command lines, and hands them and
+llama-server's defaults to a `Prober` (loadtest/probe.py starts a real llama-server). The chosen
+configuration is the best *measured* one (goodput, then lower p99 TTFT); the default is always
+measured, so the choice is never worse than it on the measurement. Every measured trial is stored
+with the model's prediction beside the measurement and the fingerprint of what it ran on.
+
+kernels starts no process: the prober is injected (the `polymorph compile` wiring supplies it)."""
+
+from __future__ import annotations
+
+import itertools
+import math
+import time
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+from typing import Protocol
+
+from kernels.catalog import GpuSpec, ModelSpec
+from kernels.compiler.evaluators import Metrics, PerfModelEvaluator
+from kernels.compiler.measurement import Measurement, ProbeFingerprint, ProbeLadder
+from kernels.compiler.shape import TrafficShape, shape_fingerprint
+from kernels.compiler.store import TrialStore
+from kernels.config import EngineConfig
+
+EVALUATOR = "probe"
+# llama-server's own choices when a flag is absent: 4 slots (`--parallel -1` with a unified KV cache),
+# the model's trained context as the pool. The perf model needs them to predict the default.
+_LLAMACPP_DEFAULT_SLOTS = 4
+_PARALLEL = (None, 1, 2, 8)
+_CONTEXT_MULTIPLES = (None, 4)  # -c as a multiple of the model's context (None: the model's context)
+_BATCH = (None, 256)  # -b/-ub (None: llama-server's 2048/512)
+_PLACEHOLDER_MODEL = "MODEL"  # candidates are compared by their rendered flags, whatever the file
+_DEFAULT_START_DIVISOR = 8
+
+
+class Prober(Protocol):
+    """Starts a real replica with `config`, replays `shape` at the ladder's rates, stops it."""
+
+    def fingerprint(self) -> ProbeFingerprint: ...
+
+    def measure(self, config: EngineConfig, shape: TrafficShape, ladder: ProbeLadder) -> Measurement: ...
+
+
+@dataclass(frozen=True, slots=True)
+class ProbeTrial:
+    config: EngineConfig
+    llamacpp_args: tuple[str, ...]
+    predicted: Metrics
+    measured: Measurement
+    default: bool
+    chosen: bool = False
+    trial_id: int | None = None  # row in the store's probe_trials
+
+    def to_json(self) -> dict[str, object]:
+        return {"trial_id": self.trial_id, "default": self.default, "chosen": self.chosen, "config": self.config.to_dict(),
+                "llamacpp_args": list(self.llamacpp_args), "predicted": self.predicted.to_dict(),
+                "measured": self.measured.to_dict()}
+
+
+@dataclass(frozen=True, slots=True)
+class ProbeResult:
+    chosen: ProbeTrial
+    baseline: ProbeTrial
+    trials: tuple[ProbeTrial, ...]
+    num_screened: int  # distinct command lines the performance model ranked
+    shape: TrafficShape  # as measured (lengths fitted to the model's context)
+    requested_shape: TrafficShape
+    fingerprint: ProbeFingerprint
+    ladder: ProbeLadder  # the default's; the others start at the default's measured goodput (their steps say so)
+    run_id: str
+    elapsed_s: float
+    store_path: str | None
+
+    def to_json(self) -> dict[str, object]:
+        """The `polymorph compile --evaluator probe --json` document."""
+        return {
+            "evaluator": EVALUATOR, "engine": self.fingerprint.engine, "config": self.chosen.config.to_dict(),
+            "llamacpp_args": list(self.chosen.llamacpp_args), "predicted": self.chosen.predicted.to_dict(),
+            "measured": self.chosen.measured.to_dict(), "baseline": self.baseline.to_json(),
+            "trials": [t.to_json() for t in self.trials], "screened": self.num_screened,
+            "shape": self.requested_shape.name, "shape_fingerprint": shape_fingerprint(self.requested_shape),
+            "measured_shape": self.shape.to_dict(), "fingerprint": self.fingerprint.to_dict(),
+            "ladder": {"start_rps": self.ladder.start_rps, "factor": self.ladder.factor, "max_steps": self.ladder.max_steps,
+                       "requests_per_step": self.ladder.requests_per_step, "min_attainment": self.ladder.min_attainment},
+            "run_id": self.run_id, "store": self.store_path, "elapsed_s": self.elapsed_s,
+        }
+
+
+def fit_to_context(shape: TrafficShape, max_context: int) -> TrafficShape:
+    """The shape with every length scaled by one factor so that its largest request is at most half the
+    model's context (two fit in llama-server's default pool); unchanged when it already is."""
+    scale = min(1.0, (max_context // 2) / shape.max_request_tokens)
+    if scale >= 1.0:
+        return shape
+    return replace(shape, prompt_tokens=tuple(max(1, int(t * scale)) for t in shape.prompt_tokens),
+                   output_tokens=tuple(max(2, int(t * scale)) for t in shape.output_tokens))
+
+
+def llamacpp_candidates(model: ModelSpec) -> list[EngineConfig]:
+    """llama-server's defaults first, then the grid of its knobs, one per distinct command line."""
+    configs = [EngineConfig()]
+    for parallel, multiple, batch, reuse in itertools.product(_PARALLEL, _CONTEXT_MULTIPLES, _BATCH, (True, False)):
+        context = None if multiple is None else model.max_context * multiple
+        configs.append(EngineConfig(max_running_requests=parallel, max_total_tokens=context, chunked_prefill_size=batch,
+                                    enable_prefix_caching=reuse))
+    distinct: dict[tuple[str, ...], EngineConfig] = {}
+    for config in configs:
+        distinct.setdefault(llamacpp_flags(config), config)
+    return list(distinct.values())
+
+
+def llamacpp_flags(config: EngineConfig) -> tuple[str, ...]:
+    """llama-server's flags for `config`, without `-m MODEL` (the prober adds the model, threads, host and port)."""
+    args = config.to_llamacpp_args(_PLACEHOLDER_MODEL)
+    return tuple(args[2:])
+
+
+def as_llamacpp_runs(model: ModelSpec, config: EngineConfig) -> EngineConfig:
+    """What llama-server runs for `config`: its own slot count and pool where a flag is absent."""
+    return replace(config, max_running_requests=config.max_running_requests or _LLAMACPP_DEFAULT_SLOTS,
+                   max_total_tokens=config.max_total_tokens or model.max_context)
+
+
+def probe_compile(
+    model: ModelSpec, gpu: GpuSpec, shape: TrafficShape, budget: int, prober: Prober,
+    requests_per_step: int = 12, store: TrialStore | None = None,
+    progress: Callable[[str], None] = lambda line: None, clock: Callable[[], float] = time.monotonic,
+    wall_clock: Callable[[], float] = time.time,
+) -> ProbeResult:
+    """Rank llama.cpp's configurations by predicted goodput, measure the default and the best
+    `budget - 1` others, choose the best measured. `budget` counts measurements (>= 1)."""
+    if budget < 1:
+        raise ValueError(f"a probe compile needs a budget of at least 1 measurement, got {budget}")
+    started_s = clock()
+    run_id = uuid.uuid4().hex[:12]
+    fitted = fit_to_context(shape, model.max_context)
+    model_eval = PerfModelEvaluator()
+    candidates = llamacpp_candidates(model)
+    progress(f"screening {len(candidates)} llama.cpp configurations with the performance model")
+    default, default_prediction = candidates[0], model_eval.evaluate(model, gpu, as_llamacpp_runs(model, candidates[0]), fitted)
+    ranked: list[tuple[EngineConfig, Metrics]] = []
+    for config in candidates[1:]:
+        runs = as_llamacpp_runs(model, config)
+        # Successive halving: once `budget - 1` are ranked, one simulation tells whether a candidate can
+        # beat the last of them; only those that can are bisected in full.
+        if len(ranked) >= budget - 1 and (budget == 1 or model_eval.screen(model, gpu, runs, fitted, ranked[-1][1].goodput_rps)):
+            continue
+        ranked.append((config, model_eval.evaluate(model, gpu, runs, fitted)))
+        ranked = sorted(ranked, key=lambda pair: -pair[1].goodput_rps)[: budget - 1]
+    to_measure = [(default, default_prediction), *ranked]
+    # The model predicts batched decode on one CPU core several times too fast, so the default's ladder
+    # starts well below its figure; the others start at the default's measured goodput (the rate that
+    # matters: can they beat it?) and only climb. A rate seeds its requests, so equal rates replay equal requests.
+    ladder = ProbeLadder(start_rps=_round_rate(max(default_prediction.goodput_rps, 0.1) / _DEFAULT_START_DIVISOR),
+                         requests_per_step=requests_per_step)
+    default_ladder, fingerprint = ladder, prober.fingerprint()
+    trials: list[ProbeTrial] = []
+    for index, (config, prediction) in enumerate(to_measure):
+        flags = llamacpp_flags(config)
+        measured = prober.measure(config, fitted, ladder)
+        if index == 0:
+            # A candidate that misses where the default passes cannot be chosen: no need to look below.
+            ladder = replace(ladder, start_rps=measured.goodput_rps or min(s.rate_rps for s in measured.steps), max_steps_down=0)
+        trials.append(ProbeTrial(config, flags, prediction, measured, default=index == 0))
+        progress(f"[{index + 1}/{len(to_measure)}] {' '.join(flags)}: measured goodput "
+                 f"{measured.goodput_rps:.3g} req/s (predicted {prediction.goodput_rps:.3g}), ttft p99 {measured.ttft_p99_s:.3g} s, "
+                 f"tpot p99 {measured.tpot_p99_s * 1e3:.3g} ms, {measured.wall_s:.0f} s")
+    best = max(range(len(trials)), key=lambda i: (trials[i].measured.goodput_rps, -trials[i].measured.ttft_p99_s, -i))
+    trials[best] = replace(trials[best], chosen=True)
+    if store is not None:
+        now = wall_clock()
+        trials = [replace(t, trial_id=store.record_probe_trial(run_id, now, model, gpu, shape, fitted, t.config, t.predicted,
+                                                               t.measured, fingerprint, t.default, t.chosen))
+                  for t in trials]
+    return ProbeResult(
+        chosen=trials[best], baseline=trials[0], trials=tuple(trials), num_screened=len(candidates), shape=fitted,
+        requested_shape=shape, fingerprint=fingerprint, ladder=default_ladder, run_id=run_id, elapsed_s=clock() - started_s,
+        store_path=None if store is None else str(store.path),
+    )
+
+
+def _round_rate(rate_rps: float) -> float:
+    """Two significant figures, so the ladder's rates (and the requests' seeds) read plainly."""
+    return float(f"{rate_rps:.2g}") if rate_rps > 0 and math.isfinite(rate_rps) else 0.1

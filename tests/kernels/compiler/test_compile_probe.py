@@ -1,0 +1,123 @@
+"""`polymorph compile --engine llamacpp --evaluator probe`: screened by the model, measured on a real
+llama-server serving the tiny model; the probe ladder; measured trials in the store."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from kernels.catalog import get_gpu, get_model
+from kernels.compiler.evaluators import Metrics
+from kernels.compiler.measurement import Measurement, ProbeFingerprint, ProbeLadder, ProbeStep
+from kernels.compiler.shape import get_shape
+from kernels.compiler.store import TrialStore
+from kernels.config import EngineConfig
+
+POLYMORPH = [sys.executable, "-m", "gateway.cli"]
+MEASURED_KEYS = {"goodput_rps", "ttft_p50_s", "ttft_p99_s", "tpot_p50_s", "tpot_p99_s", "throughput_tokens_s", "steps"}
+
+
+def _polymorph(*args: str, timeout_s: float = 60) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([*POLYMORPH, *args], capture_output=True, text=True, timeout=timeout_s, check=False)
+
+
+@pytest.mark.slow
+def test_probe_compile_measures_the_default_and_the_best_candidate_on_llama_server(
+        tmp_path: Path, llama_server_bin: Path, tiny_gguf: Path) -> None:
+    store = tmp_path / "trials.sqlite3"
+    done = _polymorph("compile", "--model", "tiny-llama", "--engine", "llamacpp", "--evaluate", "probe", "--shape", "short-chat",
+                      "--budget", "2", "--probe-requests", "3", "--store", str(store), "--json", timeout_s=300)
+    assert done.returncode == 0, done.stderr
+    out = json.loads(done.stdout)
+    assert out["evaluator"] == "probe" and out["engine"] == "llamacpp" and out["shape"] == "short-chat"
+    trials = out["trials"]
+    assert len(trials) == 2 and trials[0]["default"] and not trials[1]["default"]
+    assert trials[0]["llamacpp_args"] != trials[1]["llamacpp_args"]  # deduplicated by what llama-server is given
+    assert out["baseline"]["config"] == EngineConfig().to_dict()
+    for figures in (out["measured"], out["baseline"]["measured"], *(t["measured"] for t in trials)):
+        assert figures.keys() >= MEASURED_KEYS and figures["steps"], figures
+        assert all(step["num_requests"] == 3 for step in figures["steps"])
+    for trial in trials:
+        assert set(trial["predicted"]) >= {"goodput_rps", "ttft_p99_s", "tpot_p99_s"} and trial["predicted"]["goodput_rps"] > 0
+    chosen = [t for t in trials if t["chosen"]]
+    assert len(chosen) == 1 and chosen[0]["config"] == out["config"] and chosen[0]["measured"] == out["measured"]
+    assert out["measured"]["goodput_rps"] >= out["baseline"]["measured"]["goodput_rps"]
+    assert max(t["measured"]["goodput_rps"] for t in trials) == out["measured"]["goodput_rps"]
+    assert done.stderr.count("measured goodput") == 2  # one progress line per candidate
+    # The lengths are scaled so the largest request is at most half the tiny model's 2048-token context.
+    shape = out["measured_shape"]
+    assert max(shape["prompt_tokens"]) + max(shape["output_tokens"]) <= 1024
+
+    fingerprint = out["fingerprint"]
+    version = subprocess.run([str(llama_server_bin), "--version"], capture_output=True, text=True, check=False)
+    assert fingerprint["engine"] == "llamacpp" and fingerprint["engine_version"] in version.stdout + version.stderr
+    assert fingerprint["hardware"].startswith("cpu: ") and "1 thread" in fingerprint["hardware"]
+    assert fingerprint["weights_sha256"] == hashlib.sha256(tiny_gguf.read_bytes()).hexdigest()
+    with TrialStore(store) as opened:
+        stored = opened.probe_trials(out["run_id"])
+    assert [t.trial_id for t in stored] == [t["trial_id"] for t in trials]
+    assert all(t.fingerprint.digest() == fingerprint["digest"] and t.model == "tiny-llama" for t in stored)
+    assert [t.measured.goodput_rps for t in stored] == [t["measured"]["goodput_rps"] for t in trials]
+    assert [t.chosen for t in stored] == [t["chosen"] for t in trials]
+
+
+def test_probe_compile_reports_what_it_cannot_do() -> None:
+    done = _polymorph("compile", "--model", "tiny-llama", "--evaluator", "probe", "--shape", "short-chat", "--no-store")
+    assert done.returncode != 0 and "--engine llamacpp" in done.stderr and "Traceback" not in done.stderr
+    done = _polymorph("compile", "--model", "tiny-llama", "--engine", "llamacpp", "--evaluator", "probe", "--shape",
+                      "short-chat", "--probe-requests", "0", "--no-store")
+    assert done.returncode != 0 and "--probe-requests must be >= 1" in done.stderr
+
+
+def _step(rate_rps: float, attainment: float) -> ProbeStep:
+    return ProbeStep(rate_rps, 10, 10, attainment, 0.1, 0.2 * rate_rps, 0.01, 0.02, 100.0 * rate_rps, 5.0)
+
+
+def test_the_ladder_climbs_bisects_once_and_steps_down_at_most_as_told() -> None:
+    ladder = ProbeLadder(start_rps=1.0, factor=2.0, max_steps=6)
+    steps = [_step(1.0, 1.0)]
+    assert ladder.next_rate(steps) == 2.0
+    steps.append(_step(2.0, 0.95))
+    assert ladder.next_rate(steps) == 4.0
+    steps.append(_step(4.0, 0.5))
+    assert ladder.next_rate(steps) == pytest.approx(2.0 * 2**0.5)  # between the highest pass and the lowest miss
+    steps.append(_step(2.0 * 2**0.5, 0.85))
+    assert ladder.next_rate(steps) is None
+    measured = ladder.result(steps, 20.0)
+    assert measured.goodput_rps == 2.0 and measured.ttft_p99_s == 0.4 and measured.attainment == 0.95
+    assert [s.rate_rps for s in measured.steps] == sorted(s.rate_rps for s in steps)
+
+    assert ladder.next_rate([_step(1.0, 0.0)]) == 0.5
+    assert ladder.next_rate([_step(1.0, 0.0), _step(0.5, 0.0)]) == 0.25
+    assert ladder.next_rate([_step(1.0, 0.0), _step(0.5, 0.0), _step(0.25, 0.0)]) is None  # two steps down at most
+    only_up = ProbeLadder(start_rps=1.0, max_steps_down=0)
+    assert only_up.next_rate([_step(1.0, 0.5)]) is None
+    nothing = only_up.result([_step(1.0, 0.5)], 3.0)
+    assert nothing.goodput_rps == 0.0 and nothing.ttft_p99_s == 0.2  # the lowest rate's figures
+    assert ProbeLadder(start_rps=1.0, max_steps=2).next_rate([_step(1.0, 1.0), _step(2.0, 1.0)]) is None
+    with pytest.raises(ValueError, match="factor > 1"):
+        ProbeLadder(start_rps=1.0, factor=1.0)
+
+
+def test_a_store_without_probe_trials_opens_and_then_keeps_them(tmp_path: Path) -> None:
+    path = tmp_path / "old.sqlite3"
+    TrialStore(path).close()  # a store as written before probe trials existed: no probe_trials table
+    model, gpu, shape = get_model("tiny-llama"), get_gpu("cpu"), get_shape("short-chat")
+    predicted = Metrics(2.0, 2.0, 900.0, 0.5, 0.02, 0.01, 0.3, "queueing")
+    measured = ProbeLadder(start_rps=0.5).result([_step(0.5, 1.0), _step(1.0, 0.4)], 12.0)
+    fingerprint = ProbeFingerprint("llamacpp", "0.5.0", "cpu: test x 1 thread(s)", "ab" * 32)
+    with TrialStore(path) as store:
+        assert store.probe_trials() == []
+        trial_id = store.record_probe_trial("run1", 1.0, model, gpu, shape, shape, EngineConfig(max_running_requests=2),
+                                            predicted, measured, fingerprint, default=False, chosen=True)
+    with TrialStore(path) as store:
+        (row,) = store.probe_trials("run1")
+        assert store.probe_trials("other") == []
+    assert row.trial_id == trial_id and row.config == EngineConfig(max_running_requests=2) and row.chosen and not row.default
+    assert row.predicted == predicted and row.measured == measured and isinstance(row.measured, Measurement)
+    assert row.fingerprint == fingerprint
