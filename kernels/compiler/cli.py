@@ -10,6 +10,8 @@ import sys
 from collections.abc import Callable
 from pathlib import Path
 
+import orjson
+
 from kernels.compiler.evaluators import Evaluator, ReplayEvaluator, evaluator_by_name
 from kernels.compiler.probe import Prober, probe_compile
 from kernels.compiler.search import Budget, CompileResult, compile_config
@@ -87,7 +89,8 @@ def _main_probe(args: argparse.Namespace, prober: Callable[[], Prober] | None) -
         if store is not None:
             store.close()
     if args.json:
-        print(json.dumps(result.to_json()))
+        # orjson: a latency no request measured (inf) is null, not the non-standard Infinity json.dumps writes
+        print(orjson.dumps(result.to_json()).decode())
         return 0
     chosen, base = result.chosen.measured, result.baseline.measured
     print(f"{model.name} on {gpu.name} via llama.cpp ({result.fingerprint.engine_version}), shape {shape.name}: "
