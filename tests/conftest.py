@@ -26,4 +26,5 @@ def shared_dir() -> Path:
 
 # Real CPU engines, the tiny model and the client tools, installed on first use (last: the modules import free_port from here).
 from tests.support.engines import llama_server_bin, tiny_gguf, tiny_hf, vllm_python  # noqa: E402,F401
-from tests.support.tools import curl, litellm_python, schemathesis_bin, selenium_python  # noqa: E402,F401
+from tests.support.redis import redis  # noqa: E402,F401
+from tests.support.tools import curl, litellm_python, redis_server_bin, schemathesis_bin, selenium_python  # noqa: E402,F401

@@ -9,7 +9,6 @@ import json
 import re
 import time
 import urllib.request
-from collections.abc import Iterator
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
@@ -22,9 +21,8 @@ from gateway.budgets import SharedSpendLedger, SpendLedger, budget_refusal, peri
 from gateway.config import Tenant, load_config
 from gateway.limits_shared import SharedLimitTable, SharedTenantLimiter
 from gateway.yamlsrc import ConfigError
-from tests.gateway.test_shared_limits import RedisServer
 from tests.support.procs import Proc, running, start_gateway, write_tenant
-from tests.support.tools import redis_server_bin  # noqa: F401  (the fixture)
+from tests.support.redis import RedisServer
 
 MODEL = "llama-3.1-8b"
 THRIFTY_KEY, RICH_KEY = "sk-test-thrifty", "sk-test-rich"
@@ -163,14 +161,6 @@ def test_with_two_workers_the_budget_holds_across_both(tmp_path: Path) -> None:
     # one spend for both workers: each worker keeping its own would have let one request through on each
     assert answers == [(200, None)] + [(429, "budget_exceeded")] * 11, answers
     assert isinstance(spent["spent_usd"], float) and spent["spent_usd"] > 0.001
-
-
-@pytest.fixture
-def redis(redis_server_bin: str, tmp_path: Path) -> Iterator[RedisServer]:  # noqa: F811
-    server = RedisServer(redis_server_bin, tmp_path)
-    server.start()
-    yield server
-    server.kill()
 
 
 def test_two_gateways_share_one_spend_through_redis(tmp_path: Path, redis: RedisServer) -> None:

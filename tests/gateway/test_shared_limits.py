@@ -10,8 +10,6 @@ from __future__ import annotations
 import asyncio
 import json
 import re
-import socket
-import subprocess
 import time
 import urllib.request
 from collections.abc import Iterator
@@ -25,10 +23,8 @@ from gateway.admission import TenantLimiter
 from gateway.config import Tenant, load_config
 from gateway.limits_shared import SharedLimitTable, SharedTenantLimiter
 from gateway.yamlsrc import ConfigError
-from loadtest import procs as loadtest_procs
-from tests.conftest import free_port
 from tests.support.procs import Proc, running, set_faults, start_emulator, start_gateway, write_tenant
-from tests.support.tools import redis_server_bin  # noqa: F401  (the fixture)
+from tests.support.redis import RedisServer
 
 MODEL = "llama-3.1-8b"
 RATED_KEY, CAPPED_KEY = "sk-test-rated", "sk-test-capped"
@@ -117,42 +113,6 @@ def test_the_limits_section_is_validated_with_file_and_line(tmp_path: Path) -> N
 
 
 # --- real gateways, a real Redis ----------------------------------------------------------------------
-
-
-class RedisServer:
-    """Debian's redis-server on a loopback port, no persistence; stop and start again on the same port."""
-
-    def __init__(self, binary: str, tmp: Path) -> None:
-        self.binary, self.tmp, self.port = binary, tmp, free_port()
-        self.url = f"redis://127.0.0.1:{self.port}/0"
-        self.process: subprocess.Popen[bytes] | None = None
-
-    def start(self) -> None:
-        argv = [self.binary, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no", "--dir", str(self.tmp)]
-        self.process = loadtest_procs.start(argv, self.tmp / "redis.log")
-        deadline = time.monotonic() + 10
-        while time.monotonic() < deadline:
-            try:
-                with socket.create_connection(("127.0.0.1", self.port), timeout=1) as sock:
-                    sock.sendall(b"PING\r\n")
-                    if sock.recv(64).startswith(b"+PONG"):
-                        return
-            except OSError:
-                time.sleep(0.05)
-        raise RuntimeError(f"redis-server did not answer on port {self.port}: {(self.tmp / 'redis.log').read_text()[-2000:]}")
-
-    def kill(self) -> None:
-        if self.process is not None and self.process.poll() is None:
-            self.process.kill()
-            self.process.wait(10)
-
-
-@pytest.fixture
-def redis(redis_server_bin: str, tmp_path: Path) -> Iterator[RedisServer]:  # noqa: F811
-    server = RedisServer(redis_server_bin, tmp_path)
-    server.start()
-    yield server
-    server.kill()
 
 
 def _config(tmp: Path, emulator_url: str, limits: dict[str, object] | None = None) -> Path:
