@@ -63,8 +63,12 @@ async def broken_decision_log(run_dir: Path, settings: FleetFaultSettings) -> Sc
         # coming (drift, plan, step, verify) while the log refuses writes and after it takes them again
         answers, restored_s, retried = await load_until(stack, settings, outage_then_restored, long_request)
         entries_after, log_after = _log_state(stack)
-    written = [json.loads(line) for line in path.read_text().splitlines()] if path.is_file() else []
-    missing = [e["kind"] for e in entries_after[len(entries):] if {k: e[k] for k in ("at_unix_s", "kind", "evidence")} not in written]
+    # a decision is its time, kind and evidence (a line may carry more, such as the model it is about)
+    def key(entry: dict[str, object]) -> tuple[object, ...]:
+        return tuple(json.dumps(entry.get(k), sort_keys=True) for k in ("at_unix_s", "kind", "evidence"))
+
+    written = {key(json.loads(line)) for line in path.read_text().splitlines()} if path.is_file() else set()
+    missing = [e["kind"] for e in entries_after[len(entries):] if key(e) not in written]
     failed = [a for a in answers if a.verdict != OK]
     ok = [a.latency_s for a in answers if a.verdict == OK]
     checks = [
