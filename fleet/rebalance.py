@@ -53,6 +53,7 @@ class Transfer:
     gpu: str
     from_model: str
     to_model: str
+    from_pool: str
 
 
 def best_plan(controller: Controller, gpu_to_budget: Mapping[str, int]) -> Plan | None:
@@ -64,6 +65,12 @@ def best_plan(controller: Controller, gpu_to_budget: Mapping[str, int]) -> Plan 
     if controller.options is None:
         return None
     return plan(problem_for(controller.options, (mix,), gpu_to_budget))
+
+
+def _plans(controller: Controller, before: Mapping[str, int], after: Mapping[str, int]) -> tuple[Plan, Plan]:
+    """Its best plans over two budgets; an empty plan where none fits (only a return's evidence uses these)."""
+    empty = Plan((), 0.0, 0.0)
+    return best_plan(controller, before) or empty, best_plan(controller, after) or empty
 
 
 def _with(budget: Mapping[str, int], gpu: str, delta: int) -> dict[str, int]:
@@ -89,9 +96,16 @@ class Arbiter:
     def __init__(self, settings: RebalanceSettings) -> None:
         self.settings = settings
         self._last_at = -math.inf
+        self._given: Transfer | None = None  # the last transfer, until its receiver's rollout is over
 
     def decide(self, now: float, model_to_controller: Mapping[str, Controller], slot_to_model: Mapping[str, str],
                slots: Sequence[SlotState]) -> tuple[Decision, Transfer] | None:
+        given = self._given
+        if given is not None and not model_to_controller[given.to_model].busy:
+            self._given = None
+            back = next((s for s in slots if s.slot == given.slot), None)
+            if back is not None and back.pool == given.from_pool:
+                return self._give_back(now, given, model_to_controller)
         if now - self._last_at < self.settings.cooldown_s or len(model_to_controller) < 2:
             return None
         if any(c.busy or c.backing_off(now) for c in model_to_controller.values()):
@@ -101,8 +115,22 @@ class Arbiter:
             found = self._best(gpu, model_to_controller, slot_to_model, alive)
             if found is not None:
                 self._last_at = now
-                return self._decision(now, gpu, found, model_to_controller)
+                decided = self._decision(now, gpu, found, model_to_controller, "{to}'s plan needs another {gpu} slot; "
+                                         "{frm}'s predicts the same goodput without one")
+                self._given = decided[1]
+                return decided
         return None
+
+    def _give_back(self, now: float, given: Transfer, model_to_controller: Mapping[str, Controller]) -> tuple[Decision, Transfer]:
+        """The receiver's move was rolled back: the slot serves in the donor's pool again, running the
+        donor's engine, so it is the donor's again (else the receiver would count a slot it cannot use)."""
+        holder, donor = model_to_controller[given.to_model], model_to_controller[given.from_model]
+        holder_budget, donor_budget = holder.budget(), donor.budget()
+        found = _Candidate(0.0, given.from_model, given.to_model, given.slot, given.from_pool,
+                           *_plans(donor, donor_budget, _with(donor_budget, given.gpu, 1)),
+                           *_plans(holder, holder_budget, _with(holder_budget, given.gpu, -1)))
+        return self._decision(now, given.gpu, found, model_to_controller, "{frm}'s move of the slot was rolled back: it serves "
+                              "{to}'s pool again")
 
     def _best(self, gpu: str, model_to_controller: Mapping[str, Controller], slot_to_model: Mapping[str, str],
               alive: Sequence[SlotState]) -> _Candidate | None:
@@ -134,7 +162,8 @@ class Arbiter:
                 break
         return best
 
-    def _decision(self, now: float, gpu: str, c: _Candidate, model_to_controller: Mapping[str, Controller]) -> tuple[Decision, Transfer]:
+    def _decision(self, now: float, gpu: str, c: _Candidate, model_to_controller: Mapping[str, Controller],
+                  reason: str) -> tuple[Decision, Transfer]:
         evidence = RebalanceEvidence(
             gpu=gpu, slot=c.slot, from_model=c.from_model, to_model=c.to_model, from_pool=c.from_pool,
             from_goodput_before_rps=round(c.from_before.predicted_goodput_rps, 3),
@@ -143,9 +172,9 @@ class Arbiter:
             to_goodput_before_rps=round(c.to_before.predicted_goodput_rps, 3),
             to_goodput_after_rps=round(c.to_after.predicted_goodput_rps, 3),
             to_demand_rps=round(model_to_controller[c.to_model].reference_mix.total_rate_rps, 3),
-            reason=f"{c.to_model}'s plan needs another {gpu} slot; {c.from_model}'s predicts the same goodput without one")
+            reason=reason.format(to=c.to_model, frm=c.from_model, gpu=gpu))
         # stamped with the receiver: its controller carries the move out, and its decisions follow this one
-        return Decision(now, evidence, model=c.to_model), Transfer(c.slot, gpu, c.from_model, c.to_model)
+        return Decision(now, evidence, model=c.to_model), Transfer(c.slot, gpu, c.from_model, c.to_model, c.from_pool)
 
 
 def _donor_slot(slots: Sequence[SlotState], after: Plan) -> SlotState:

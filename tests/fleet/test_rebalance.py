@@ -82,3 +82,17 @@ def test_the_donor_keeps_what_its_demand_needs_and_moves_wait_for_the_cooldown()
     assert all(e.from_goodput_after_rps == e.from_goodput_before_rps == 7.0 for _, e in found), found
     assert sorted(s.pool for s in slots) == ["llama-chat"] * 2 + ["qwen-chat"] * 3
     assert multi.split().model_to_budget == {LLAMA: {H100: 2}, QWEN: {H100: 3}}
+
+
+def test_a_slot_whose_move_was_rolled_back_returns_to_its_donor() -> None:
+    multi, tel, slots = _fleet(num_llama=2, num_qwen=2)
+    actuator = FakeActuator({}, restart_s=30.0, broken=frozenset({"qwen-chat"}))  # a replica started into qwen's pool never answers
+    _feed(tel, QWEN, 0.0, 1000.0, {"short-chat": 14.0})
+    decisions, slots = _run(multi, actuator, slots, 5, 1000)
+    found = _rebalances(decisions)
+    assert [(e.slot, e.from_model, e.to_model) for _, e in found][:2] == [(f"{H100}/0", LLAMA, QWEN), (f"{H100}/0", QWEN, LLAMA)], found
+    rolled_back = [d for d in decisions if d.kind == "rollback" and d.model == QWEN]
+    assert rolled_back and rolled_back[0].at < found[1][0], decisions
+    assert "rolled back" in found[1][1].reason
+    assert [s.pool for s in slots][:2] == ["llama-chat", "llama-chat"]
+    assert multi.slot_to_model[f"{H100}/0"] == LLAMA
