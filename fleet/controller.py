@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from fleet.capacity import CapacityModel
 from fleet.commands import Command
@@ -132,6 +132,16 @@ class Controller:
     @property
     def busy(self) -> bool:
         return self._rollout is not None
+
+    def backing_off(self, now: float) -> bool:
+        """A rolled-back plan's back-off runs: no plan is made before it ends."""
+        return now < self._backoff_until
+
+    def set_budget(self, gpu_to_budget: Mapping[str, int]) -> None:
+        """A slot moved between models (fleet.rebalance): the next tick plans for the new budget, as after a
+        capacity change, and a slot it now owns in another model's pool is moved into one of its own."""
+        self.settings = replace(self.settings, gpu_to_budget=dict(gpu_to_budget))
+        self._capacity_changed = True
 
     def tick(self, now: float, slots: list[SlotState]) -> TickOutput:
         self._commands = []

@@ -183,13 +183,33 @@ class CompiledEvidence(_Record):
     reason: str
 
 
+@dataclass(frozen=True, slots=True, kw_only=True)
+class RebalanceEvidence(_Record):
+    """One slot of a GPU kind changed owner between two models' controllers (fleet.rebalance): the receiver's
+    predicted goodput for the mix it last planned for rises by more than the donor's falls (it does not)."""
+
+    kind: ClassVar[str] = "rebalance"
+    gpu: str
+    slot: str
+    from_model: str
+    to_model: str
+    from_pool: str  # where the slot served the donor; the receiver's next plan moves it into one of its pools
+    from_goodput_before_rps: float
+    from_goodput_after_rps: float
+    from_demand_rps: float
+    to_goodput_before_rps: float
+    to_goodput_after_rps: float
+    to_demand_rps: float
+    reason: str
+
+
 Evidence = (DriftEvidence | CapacityEvidence | PlanEvidence | RecompileEvidence | StepEvidence | VerifyEvidence
-            | RollbackEvidence | CompileEvidence | CompiledEvidence)
+            | RollbackEvidence | CompileEvidence | CompiledEvidence | RebalanceEvidence)
 
 KIND_TO_RECORD: dict[str, type[Evidence]] = {
     record.kind: record
     for record in (DriftEvidence, PlanEvidence, StepEvidence, VerifyEvidence, RollbackEvidence, RecompileEvidence,
-                   CapacityEvidence, CompileEvidence, CompiledEvidence)
+                   CapacityEvidence, CompileEvidence, CompiledEvidence, RebalanceEvidence)
 }
 KINDS = tuple(KIND_TO_RECORD)
 _KIND_TO_HINTS = {kind: get_type_hints(record) for kind, record in KIND_TO_RECORD.items()}

@@ -3,8 +3,9 @@
 A slot (one replica's GPUs) serves one model at a time, and a controller plans over every slot it is
 handed, so each model's controller must be handed only its own. ``split_slots`` fixes that at
 adoption: a slot belongs to the model of the pool it serves in then, and the GPU budget per kind is
-split the same way (a static split: the slots a model's launched pools hold are its budget; the sum
-over models is the shared budget per kind). ``MultiController.tick`` hands each controller its own
+split the same way (the slots a model's launched pools hold are its budget; the sum over models is the shared
+budget per kind). With ``rebalance`` settings an ``Arbiter`` (fleet.rebalance) moves one slot at a time
+from a model whose plan leaves it idle to one whose plan needs it, so the split follows the demand. ``MultiController.tick`` hands each controller its own
 slots and returns one ``TickOutput``: every model's decisions (each stamped with its model) and
 commands, model by model in name order. ``ModelTelemetry`` is the gateway's telemetry sink: it keeps
 one ``Telemetry`` per model, so each controller senses only its own model's traffic.
@@ -21,6 +22,7 @@ from dataclasses import dataclass
 from fleet.commands import Command
 from fleet.controller import Controller, TickOutput
 from fleet.decisions import Decision
+from fleet.rebalance import Arbiter, RebalanceSettings, Transfer
 from fleet.rollout import SlotState
 from fleet.telemetry import Telemetry
 
@@ -75,12 +77,19 @@ class ModelTelemetry:
 class MultiController:
     """The controllers of several models, ticked together over one snapshot."""
 
-    def __init__(self, model_to_controller: Mapping[str, Controller], slot_to_model: Mapping[str, str]) -> None:
+    def __init__(self, model_to_controller: Mapping[str, Controller], slot_to_model: Mapping[str, str],
+                 rebalance: RebalanceSettings | None = None) -> None:
+        """``rebalance`` None keeps the split static; else an ``Arbiter`` (fleet.rebalance) moves slots between models."""
         for model, controller in model_to_controller.items():
             if controller.settings.model != model:
                 raise ValueError(f"the controller given for {model!r} plans {controller.settings.model!r}")
         self.model_to_controller = dict(sorted(model_to_controller.items()))
         self.slot_to_model = dict(slot_to_model)
+        self.arbiter = Arbiter(rebalance) if rebalance is not None else None
+
+    def split(self) -> SlotSplit:
+        """Who owns each slot now, and each model's configured budget."""
+        return SlotSplit(dict(self.slot_to_model), {m: dict(c.settings.gpu_to_budget) for m, c in self.model_to_controller.items()})
 
     @property
     def busy(self) -> bool:
@@ -93,8 +102,23 @@ class MultiController:
     def tick(self, now: float, slots: Sequence[SlotState]) -> TickOutput:
         decisions: list[Decision] = []
         commands: list[Command] = []
+        if self.arbiter is not None:
+            found = self.arbiter.decide(now, self.model_to_controller, self.slot_to_model, slots)
+            if found is not None:
+                decisions.append(found[0])
+                self._transfer(found[1])
         for model, controller in self.model_to_controller.items():
             out = controller.tick(now, self.slots_of(model, slots))
             decisions += [dataclasses.replace(d, model=model) for d in out.decisions]
             commands += out.commands
         return TickOutput(decisions, commands)
+
+    def _transfer(self, transfer: Transfer) -> None:
+        """The slot changes owner; both controllers plan for their new budgets on this very tick (the
+        receiver's plan moves the slot out of the donor's pool)."""
+        self.slot_to_model[transfer.slot] = transfer.to_model
+        for model, delta in ((transfer.from_model, -1), (transfer.to_model, 1)):
+            controller = self.model_to_controller[model]
+            budget = dict(controller.settings.gpu_to_budget)
+            budget[transfer.gpu] = budget.get(transfer.gpu, 0) + delta
+            controller.set_budget(budget)

@@ -153,6 +153,10 @@ class ControllerSettingsFile:
     lease_name: str = "polymorph-controller"
     lease_duration_s: int = 15
     renew_every_s: float = 5.0
+    # with launched pools of several models: move one slot at a time to the model whose plan needs it (fleet.rebalance)
+    rebalance: bool = True
+    rebalance_cooldown_s: float = 300.0  # fleet seconds between two such moves
+    rebalance_min_gain: float = 0.05  # the receiver's predicted goodput must rise by more than this share of its demand
 
 
 @dataclass(frozen=True, slots=True)
@@ -610,7 +614,8 @@ _LEASE_NAME = re.compile(r"^(?=.{1,253}$)[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9
 def _controller(doc: YamlDoc, base: Path, raw: object) -> ControllerSettingsFile:
     r = _Reader(doc, ("fleet", "controller"), raw,
                 {"enabled", "tick_s", "decision_log", "capacity_cache", "mode", "url", "state_file", "report_s", "compile_store",
-                 "leader_election", "lease_name", "lease_duration_s", "renew_every_s"})
+                 "leader_election", "lease_name", "lease_duration_s", "renew_every_s", "rebalance", "rebalance_cooldown_s",
+                 "rebalance_min_gain"})
     log, cache, state = r.text("decision_log", None), r.text("capacity_cache", None), r.text("state_file", None)
     mode = r.text("mode", "embedded")
     if mode not in ("embedded", "external"):
@@ -646,6 +651,9 @@ def _controller(doc: YamlDoc, base: Path, raw: object) -> ControllerSettingsFile
         lease_name=lease_name,
         lease_duration_s=lease_duration_s,
         renew_every_s=renew_every_s,
+        rebalance=r.flag("rebalance", True),
+        rebalance_cooldown_s=r.number("rebalance_cooldown_s", 300.0, hi=86400),
+        rebalance_min_gain=r.number("rebalance_min_gain", 0.05, hi=0.99),
     )
 
 

@@ -38,6 +38,7 @@ from fleet.multi import ModelTelemetry, MultiController, SlotSplit, split_slots
 from fleet.operator import MoveRefused, OperatorMoves
 from fleet.options import DeclaredPool, Options, PoolModel, pool_models
 from fleet.pool import PoolState, ReplicaState
+from fleet.rebalance import RebalanceSettings
 from fleet.rollout import SlotState
 from gateway.background import BackgroundTask
 from gateway.config import ControllerSettingsFile, GatewayConfig
@@ -121,7 +122,8 @@ OPERATOR_TICK_S = 0.25  # wall seconds between an operator move's ticks: a drain
 class LiveFleet:
     """The control loop over this gateway's pools, and the ``Actuator`` that applies its commands.
     ``controller`` is None when ``fleet.controller`` is off: operator moves still run. With launched pools
-    of several models, each model's controller plans the slots its pools held at adoption (fleet.multi)."""
+    of several models, each model's controller plans the slots its pools held at adoption (fleet.multi), and
+    the arbiter (fleet.rebalance) moves a slot to another model when that model's plan needs it."""
 
     def __init__(self, state: GatewayState, control: ReplicaControl, models: tuple[str, ...], speed: float, settings: ControllerSettingsFile) -> None:
         self.state = state
@@ -160,7 +162,9 @@ class LiveFleet:
             # a compiled-configuration source compiles for one model (CompileSettings.model)
             configs = self.configs if len(models) == 1 else None
             controllers[model] = Controller(settings, telemetry, capacity, telemetry.window(0.0), configs)
-        self.controller = MultiController(controllers, self.split.slot_to_model)
+        rebalance = (RebalanceSettings(self.settings.rebalance_cooldown_s, self.settings.rebalance_min_gain)
+                     if self.settings.rebalance else None)
+        self.controller = MultiController(controllers, self.split.slot_to_model, rebalance)
 
     # -- operator moves (on the event loop) ----------------------------------------------------
 
@@ -279,6 +283,8 @@ class LiveFleet:
         """Off the loop: the controller's decisions; the commands go back to the loop."""
         assert self.controller is not None
         out = self.controller.tick(now, slots)
+        # a slot the arbiter gave another model starts (and activates) as that model's (fleet.rebalance)
+        self.split = self.controller.split()
         changed = False
         for model, controller in self.controller.model_to_controller.items():
             options = controller.options

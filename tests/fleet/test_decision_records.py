@@ -21,6 +21,7 @@ from fleet.evidence import (
     DriftEvidence,
     Evidence,
     PlanEvidence,
+    RebalanceEvidence,
     RecompileEvidence,
     RollbackEvidence,
     StepEvidence,
@@ -52,6 +53,9 @@ EVERY_FIELD: tuple[Evidence, ...] = (
     CompiledEvidence(pool="a@H200", gpu="H200", envelope=ENVELOPE, old_config=None, new_config={"max_num_seqs": 64},
                      predicted_goodput_rps=3.0, baseline_goodput_rps=2.0, predicted_gain=1.5, evaluator="emulator", trials=12,
                      warm_start=False, run_id="r1", trial_ids=(4, 5), submitted_at=100.0, reason="shape left its envelope"),
+    RebalanceEvidence(gpu="H200", slot="G/3", from_model="m1", to_model="m2", from_pool="chat", from_goodput_before_rps=1.5,
+                      from_goodput_after_rps=1.5, from_demand_rps=1.5, to_goodput_before_rps=2.0, to_goodput_after_rps=2.75,
+                      to_demand_rps=3.0, reason="m2's plan needs another H200 slot"),
 )
 
 

@@ -147,3 +147,10 @@ def test_router_settings_are_read_and_a_bad_one_names_its_line(tmp_path: Path) -
     assert err.line == _line_of(Path(err.file), "good_chance: 1.5")
     err = _error_for(tmp_path, "  urgent_reserve: 0.0", "  urgent_reserve: 1.0")
     assert err.field == "router.urgent_reserve" and "between 0 and 0.9" in err.reason
+
+
+def test_rebalance_min_gain_out_of_range_names_its_field(tmp_path: Path) -> None:
+    err = _error_for(tmp_path, "    tick_s: 5.0\n", "    tick_s: 5.0\n    rebalance_min_gain: 1.5\n")
+    assert err.field == "fleet.controller.rebalance_min_gain"
+    assert err.line == _line_of(Path(err.file), "rebalance_min_gain: 1.5")
+    assert "0.99" in err.reason
