@@ -30,6 +30,7 @@ from fleet.compiled import ConfigSource, compile_ready, compile_submitted
 from fleet.decisions import Decision, Move
 from fleet.drift import DriftDetector, DriftSettings
 from fleet.evidence import CapacityEvidence, DriftEvidence, PlanEvidence, RecompileEvidence, RollbackEvidence, StepEvidence, VerifyEvidence
+from fleet.foreign_load import ForeignLoad, discounted, foreign_shares
 from fleet.options import DeclaredPool, MoveCost, Options, pool_options, problem_for
 from fleet.planner import Plan, evaluate, fill_budget, plan
 from fleet.rollout import Mover, SlotState, batch_moves, diff_moves
@@ -118,6 +119,7 @@ class Controller:
         self._capacity_changed = False  # the dead set changed since the last plan
         self._commands: list[Command] = []  # this tick's, in the order the edge applies them
         self._slots: dict[str, SlotState] = {}  # this tick's snapshot, by slot name
+        self.foreign = ForeignLoad(telemetry.window_s)  # the engines' load beyond the gateway's, over the telemetry window
         s = settings
         self.start_timeout_s = s.start_timeout_s or s.start_timeout_margin * max(
             (s.move_cost.restart_s(s.model, gpu, EngineConfig()) for gpu in s.gpu_to_budget), default=60.0)
@@ -136,6 +138,7 @@ class Controller:
     def tick(self, now: float, slots: list[SlotState]) -> TickOutput:
         self._commands = []
         self._slots = {s.slot: s for s in slots}
+        self.foreign.observe(now, slots)
         decisions = self._decide(now, slots)
         return TickOutput(decisions, self._commands)
 
@@ -203,12 +206,16 @@ class Controller:
         for slot in slots:
             counts[slot.pool] = counts.get(slot.pool, 0) + 1
         move_s = s.move_cost.drain_s + s.move_cost.restart_s(s.model, gpus[0], EngineConfig())
-        problem = problem_for(options, (live,), budget, counts, move_s, s.plan_horizon_s)
+        # the planner credits a replica only with the capacity its engine's foreign load leaves the gateway;
+        # self.options keeps the full rates: the router counts the foreign requests itself
+        shares = foreign_shares(options, self.foreign.per_replica(now))
+        planned = discounted(options, shares)
+        problem = problem_for(planned, (live,), budget, counts, move_s, s.plan_horizon_s)
         new_plan = plan(problem)
         self.reference_mix = live
         self.detector.on_plan(now)
         if new_plan is None:
-            return asked + [Decision(now, PlanEvidence(outcome="infeasible", budget=budget))]
+            return asked + [Decision(now, PlanEvidence(outcome="infeasible", budget=budget, foreign_share=_rounded(shares)))]
         new_plan = fill_budget(problem, new_plan)
         before = evaluate(problem, counts)
         pool_to_gpu = {p.name: p.gpu for p in options.pools}
@@ -220,7 +227,7 @@ class Controller:
                         predicted_goodput_before_rps=round(before.predicted_goodput_rps, 3),
                         predicted_goodput_after_rps=round(new_plan.predicted_goodput_rps, 3),
                         objective_before=round(before.objective, 4), objective_after=round(new_plan.objective, 4),
-                        configs=options.configs_json(), num_moves=len(moves)))]
+                        configs=options.configs_json(), num_moves=len(moves), foreign_share=_rounded(shares)))]
         recompiled = [m for m in moves if m.from_pool == m.to_pool]
         if recompiled:
             out.append(Decision(now, RecompileEvidence(reason="the shape's length profile changed its best configuration"), tuple(recompiled)))
@@ -238,7 +245,7 @@ class Controller:
         moving = [m for m in moves if m.from_pool != m.to_pool]
         steps = (batch_moves(moving, len(slots), s.failing_step_fraction if failing else s.max_step_fraction)
                  + batch_moves(recompiled, len(slots), s.max_step_fraction))
-        self._rollout = _Rollout(new_plan, options, steps, slot_to_old_config=old)
+        self._rollout = _Rollout(new_plan, planned, steps, slot_to_old_config=old)  # verify predicts with the discount
         return out + self._start_step(now)
 
     def _start_step(self, now: float) -> list[Decision]:
@@ -344,6 +351,11 @@ class Controller:
         self._commands += rollout.mover.advance(now, self._slots)  # the drains
         return [Decision(now, RollbackEvidence(reason=reason, backoff_s=backoff, plan_failed=True, never_healthy=never_healthy,
                                                start_timeout_s=start_timeout_s), undo)]
+
+
+def _rounded(pool_to_share: Mapping[str, float]) -> dict[str, float] | None:
+    """The plan evidence's ``foreign_share``: None (no key) when no pool had foreign load."""
+    return {pool: round(share, 3) for pool, share in sorted(pool_to_share.items())} or None
 
 
 def initial_slots(plan_counts: Mapping[str, int], options: Options) -> list[SlotState]:
