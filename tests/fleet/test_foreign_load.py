@@ -68,6 +68,38 @@ def test_foreign_load_on_a_pools_engines_keeps_the_replicas_a_plan_without_it_ta
     assert logged["foreign_share"] == {A: 0.5} and from_json("plan", logged) == evidence
 
 
+def test_foreign_load_that_grows_under_a_steady_mix_calls_for_a_plan_that_gives_its_pool_a_replica() -> None:
+    """The mix stays a at 12 req/s and b at 2 req/s after the first plan (a: 3 replicas, b: 1). From t=500
+    a's engines hold 75 foreign requests each. The window mean rises past ``foreign_replan_change`` (0.2)
+    and a plan follows with no drift: a's replicas at 0.2 of their capacity still cover a, so it keeps;
+    once the share has risen by another 0.2 (toward 0.5), another plan follows and b's replica moves to a
+    (a's replicas at ~0.6 of 5 req/s: three serve 9 of a's 12 req/s, four 12; b's 2 req/s are worth less)."""
+    tel = Telemetry()
+    _feed(tel, 0.0, 200.0, "a", 10.0, True)
+    settings = ControllerSettings("llama-3.1-8b", {GPU: 4}, drift=DriftSettings(min_interval_s=0.0), verify_after_s=30.0)
+    controller = Controller(settings, tel, TableCapacity({"a": 5.0, "b": 5.0}), tel.window(200.0))
+    for start in range(200, 1000, 5):
+        _feed(tel, float(start), start + 5.0, "a", 12.0, True)
+        _feed(tel, float(start), start + 5.0, "b", 2.0, True)
+    actuator = FakeActuator({}, restart_s=0.0)
+    made: list[tuple[float, Decision]] = []
+    for now in range(205, 1000, 5):
+        foreign = 75 if now >= 500 else 0
+        where = [actuator.slot_to_pool.get(f"G/{k}", (A, "{}")) for k in range(4)]
+        slots = [SlotState(f"G/{k}", pool, GPU, config, engine=_engine(foreign if pool == A else 0)) for k, (pool, config) in enumerate(where)]
+        made += [(float(now), d) for d in tick(controller, actuator, float(now), slots)]
+    plans = [(at, d.evidence) for at, d in made if isinstance(d.evidence, PlanEvidence)]
+    assert [(e.trigger, e.diff) for _, e in plans] == [(None, {A: (4, 3), B: (0, 1)}), ("foreign load", {}), ("foreign load", {A: (3, 4), B: (1, 0)})]
+    first, kept, moved = (e for _, e in plans)
+    assert first.foreign_share is None  # engine figures, but none of their requests foreign yet
+    assert kept.foreign_share is not None and 0.2 <= kept.foreign_share[A] < 0.5 and plans[1][0] > 500.0  # the window mean, not the tick's
+    assert moved.foreign_share is not None and kept.foreign_share[A] + 0.2 <= moved.foreign_share[A] <= 0.5 and moved.outcome == "apply"
+    assert "drift" not in [d.kind for at, d in made if at > plans[0][0]]
+    assert [actuator.slot_to_pool.get(f"G/{k}", (A, "{}"))[0] for k in range(4)] == [A] * 4  # the rollout ran
+    with pytest.raises(ValueError, match="foreign_replan_change"):
+        ControllerSettings("llama-3.1-8b", {GPU: 4}, foreign_replan_change=0.0)
+
+
 def test_the_logged_share_reads_back_and_older_lines_still_read(tmp_path: Path) -> None:
     path = tmp_path / "decisions.jsonl"
     DecisionLog(path).append(Decision(1.0, PlanEvidence(outcome="keep", foreign_share={A: 0.25})))
