@@ -126,10 +126,13 @@ def test_foreign_load_is_the_window_mean_of_each_ticks_pool_mean() -> None:
     load.observe(0.0, [_slot("G/0", A, _engine(8, 6), in_flight=4), _slot("G/1", A, _engine(3), in_flight=3),
                        _slot("G/2", A, None), _slot("G/3", A, _engine(100), alive=False), _slot("G/4", B, None)])
     assert load.per_replica(0.0) == {A: 5.0}
-    load.observe(10.0, [_slot("G/0", A, _engine(20)), _slot("G/1", A, _engine(0), in_flight=2)])  # own > engine's: 0
-    assert load.per_replica(10.0) == {A: 7.5}
-    assert load.per_replica(35.0) == {A: 10.0}  # tick 0 left the window
-    assert load.per_replica(45.0) == {}  # no figures in the window: no foreign load
+    # the gateway has 2 in flight where the engine's older figures showed none: -2, kept so the skew cancels
+    load.observe(10.0, [_slot("G/0", A, _engine(20)), _slot("G/1", A, _engine(0), in_flight=2)])
+    assert load.per_replica(10.0) == {A: 7.0}
+    assert load.per_replica(35.0) == {A: 9.0}  # tick 0 left the window
+    load.observe(40.0, [_slot("G/0", A, _engine(0), in_flight=30)])
+    assert load.per_replica(40.0) == {A: 0.0}  # a negative mean is no foreign load
+    assert load.per_replica(75.0) == {}  # no figures in the window: no foreign load
 
 
 def test_shares_are_of_the_plans_concurrency_clamped_and_scale_each_shapes_rate() -> None:
