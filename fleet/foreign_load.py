@@ -14,6 +14,7 @@ discount. Unlike the router's per-replica count (``fleet.router.foreign_requests
 clamped at 0: the engine's figures are up to a scrape interval older than the gateway's count at the
 snapshot, and that skew, either way, cancels in the mean only if it is kept; clamping each sample
 would turn the gateway's own churn into foreign load.
+
 ``foreign_shares`` turns that into a share of the plan's per-replica concurrency and ``discounted``
 scales each pool option's rate per replica by ``1 - share``: the planner then credits a replica only
 with what the foreign load leaves. Pure: the clock is the caller's ``now``.
