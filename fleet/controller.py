@@ -30,6 +30,7 @@ from fleet.compiled import ConfigSource, compile_ready, compile_submitted
 from fleet.decisions import Decision, Move
 from fleet.drift import DriftDetector, DriftSettings
 from fleet.evidence import CapacityEvidence, DriftEvidence, PlanEvidence, RecompileEvidence, RollbackEvidence, StepEvidence, VerifyEvidence
+from fleet.foreign_load import ForeignLoad, discounted, foreign_shares
 from fleet.options import DeclaredPool, MoveCost, Options, pool_options, problem_for
 from fleet.planner import Plan, evaluate, fill_budget, plan
 from fleet.rollout import Mover, SlotState, batch_moves, diff_moves
@@ -57,6 +58,9 @@ class ControllerSettings:
     # A moved replica whose engine holds more than this share of the plan's per-replica concurrency waiting
     # in its own queue, while the gateway kept within that concurrency there, fails its step (_engine_backlog).
     verify_engine_backlog: float = 0.5
+    # With the mix steady, a pool's foreign share (fleet.foreign_load) that moved this far from the one the
+    # current plan was made with calls for a plan of its own (after drift.min_interval_s, like a drift).
+    foreign_replan_change: float = 0.2
     backoff_s: float = 300.0
     drain_timeout_s: float = 300.0  # past it a draining slot is stopped anyway: its requests end with a clear error
     start_timeout_s: float | None = None  # a start not healthy by then fails the step; None: the margin below
@@ -65,8 +69,8 @@ class ControllerSettings:
     def __post_init__(self) -> None:
         if not (0 < self.max_step_fraction <= 1 and 0 < self.failing_step_fraction <= 1):
             raise ValueError("max_step_fraction and failing_step_fraction must be in (0, 1]")
-        if self.verify_margin < 0 or self.plan_horizon_s <= 0 or self.verify_engine_backlog <= 0:
-            raise ValueError("verify_margin must be >= 0, plan_horizon_s and verify_engine_backlog > 0")
+        if self.verify_margin < 0 or self.plan_horizon_s <= 0 or self.verify_engine_backlog <= 0 or self.foreign_replan_change <= 0:
+            raise ValueError("verify_margin must be >= 0, plan_horizon_s, verify_engine_backlog and foreign_replan_change > 0")
         if self.drain_timeout_s <= 0 or self.start_timeout_margin <= 0 or (self.start_timeout_s is not None and self.start_timeout_s <= 0):
             raise ValueError("drain_timeout_s, start_timeout_s and start_timeout_margin must be > 0")
 
@@ -118,6 +122,8 @@ class Controller:
         self._capacity_changed = False  # the dead set changed since the last plan
         self._commands: list[Command] = []  # this tick's, in the order the edge applies them
         self._slots: dict[str, SlotState] = {}  # this tick's snapshot, by slot name
+        self.foreign = ForeignLoad(telemetry.window_s)  # the engines' load beyond the gateway's, over the telemetry window
+        self._planned_shares: dict[str, float] = {}  # the foreign shares the current plan was made with
         s = settings
         self.start_timeout_s = s.start_timeout_s or s.start_timeout_margin * max(
             (s.move_cost.restart_s(s.model, gpu, EngineConfig()) for gpu in s.gpu_to_budget), default=60.0)
@@ -146,6 +152,7 @@ class Controller:
     def tick(self, now: float, slots: list[SlotState]) -> TickOutput:
         self._commands = []
         self._slots = {s.slot: s for s in slots}
+        self.foreign.observe(now, slots)
         decisions = self._decide(now, slots)
         return TickOutput(decisions, self._commands)
 
@@ -165,6 +172,8 @@ class Controller:
             # same traffic, fewer (or more) GPUs: plan again for what is left (once there is traffic to plan for)
             if self._capacity_changed and (live.shapes or self.reference_mix.shapes):
                 return out + self._replan(now, live if live.shapes else self.reference_mix, slots)
+            if self._foreign_changed(now) and (live.shapes or self.reference_mix.shapes):
+                return out + self._replan(now, live if live.shapes else self.reference_mix, slots, trigger="foreign load")
             return out
         out += [Decision(now, DriftEvidence(reason=current.reason, score=round(current.score, 3),
                         divergence=round(current.divergence, 4), rate_change=round(current.rate_change, 4),
@@ -200,7 +209,15 @@ class Controller:
                          reason="replica process gone or ejected: its GPUs leave the budget the planner allocates"
                          if lost else "replicas are back: their GPUs return to the budget"))]
 
-    def _replan(self, now: float, live: TrafficMix, slots: list[SlotState]) -> list[Decision]:
+    def _foreign_changed(self, now: float) -> bool:
+        """A pool's foreign share moved by ``foreign_replan_change`` since the current plan was made."""
+        if self.options is None or now - self.detector.last_plan_at < self.settings.drift.min_interval_s:
+            return False
+        shares, planned = foreign_shares(self.options, self.foreign.per_replica(now)), self._planned_shares
+        return any(abs(shares.get(pool, 0.0) - planned.get(pool, 0.0)) >= self.settings.foreign_replan_change
+                   for pool in shares.keys() | planned.keys())
+
+    def _replan(self, now: float, live: TrafficMix, slots: list[SlotState], trigger: str | None = None) -> list[Decision]:
         s = self.settings
         self._capacity_changed = False
         slots = [slot for slot in slots if slot.alive]  # a dead slot can neither serve nor move
@@ -213,12 +230,17 @@ class Controller:
         for slot in slots:
             counts[slot.pool] = counts.get(slot.pool, 0) + 1
         move_s = s.move_cost.drain_s + s.move_cost.restart_s(s.model, gpus[0], EngineConfig())
-        problem = problem_for(options, (live,), budget, counts, move_s, s.plan_horizon_s)
+        # the planner credits a replica only with the capacity its engine's foreign load leaves the gateway;
+        # self.options keeps the full rates: the router counts the foreign requests itself
+        shares = foreign_shares(options, self.foreign.per_replica(now))
+        planned = discounted(options, shares)
+        self._planned_shares = shares
+        problem = problem_for(planned, (live,), budget, counts, move_s, s.plan_horizon_s)
         new_plan = plan(problem)
         self.reference_mix = live
         self.detector.on_plan(now)
         if new_plan is None:
-            return asked + [Decision(now, PlanEvidence(outcome="infeasible", budget=budget))]
+            return asked + [Decision(now, PlanEvidence(outcome="infeasible", budget=budget, foreign_share=_rounded(shares), trigger=trigger))]
         new_plan = fill_budget(problem, new_plan)
         before = evaluate(problem, counts)
         pool_to_gpu = {p.name: p.gpu for p in options.pools}
@@ -230,7 +252,8 @@ class Controller:
                         predicted_goodput_before_rps=round(before.predicted_goodput_rps, 3),
                         predicted_goodput_after_rps=round(new_plan.predicted_goodput_rps, 3),
                         objective_before=round(before.objective, 4), objective_after=round(new_plan.objective, 4),
-                        configs=options.configs_json(), num_moves=len(moves)))]
+                        configs=options.configs_json(), num_moves=len(moves), foreign_share=_rounded(shares),
+                        trigger=trigger))]
         recompiled = [m for m in moves if m.from_pool == m.to_pool]
         if recompiled:
             out.append(Decision(now, RecompileEvidence(reason="the shape's length profile changed its best configuration"), tuple(recompiled)))
@@ -248,7 +271,7 @@ class Controller:
         moving = [m for m in moves if m.from_pool != m.to_pool]
         steps = (batch_moves(moving, len(slots), s.failing_step_fraction if failing else s.max_step_fraction)
                  + batch_moves(recompiled, len(slots), s.max_step_fraction))
-        self._rollout = _Rollout(new_plan, options, steps, slot_to_old_config=old)
+        self._rollout = _Rollout(new_plan, planned, steps, slot_to_old_config=old)  # verify predicts with the discount
         return out + self._start_step(now)
 
     def _start_step(self, now: float) -> list[Decision]:
@@ -354,6 +377,11 @@ class Controller:
         self._commands += rollout.mover.advance(now, self._slots)  # the drains
         return [Decision(now, RollbackEvidence(reason=reason, backoff_s=backoff, plan_failed=True, never_healthy=never_healthy,
                                                start_timeout_s=start_timeout_s), undo)]
+
+
+def _rounded(pool_to_share: Mapping[str, float]) -> dict[str, float] | None:
+    """The plan evidence's ``foreign_share``: None (no key) when no pool had foreign load."""
+    return {pool: round(share, 3) for pool, share in sorted(pool_to_share.items())} or None
 
 
 def initial_slots(plan_counts: Mapping[str, int], options: Options) -> list[SlotState]:

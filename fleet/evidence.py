@@ -81,6 +81,10 @@ class PlanEvidence(_Record):
     objective_after: float | None = None
     configs: dict[str, str] | None = None  # pool -> engine configuration JSON
     num_moves: int | None = None
+    # pool -> share of its replicas' capacity held by requests the gateway did not send (engine figures);
+    # each replica's rate was scaled by (1 - share) for the plan. Absent: no pool had foreign load.
+    foreign_share: dict[str, float] | None = None
+    trigger: str | None = None  # "foreign load": the foreign shares moved with the mix steady; absent: drift, capacity, a compile
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
