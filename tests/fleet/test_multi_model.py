@@ -11,6 +11,7 @@ from fleet.decisions import Decision, read_decision
 from fleet.evidence import PlanEvidence
 from fleet.multi import ModelTelemetry, MultiController, split_slots
 from fleet.options import DeclaredPool
+from fleet.rebalance import RebalanceSettings
 from fleet.rollout import SlotState
 from kernels.config import EngineConfig
 from tests.fleet.test_controller_sim import TableCapacity
@@ -37,7 +38,8 @@ def _feed(tel: ModelTelemetry, model: str, start: float, end: float, shape_to_rp
         tel.record_outcome(at, shape, "any", True, 200, model)
 
 
-def _multi(slots: list[SlotState]) -> tuple[MultiController, ModelTelemetry]:
+def _multi(slots: list[SlotState], rebalance: RebalanceSettings | None = None) -> tuple[MultiController, ModelTelemetry]:
+    """Each model's Controller over the slots of its chat pool (``rebalance``: a budget shared across them)."""
     split = split_slots(slots, {LLAMA_CHAT.name: LLAMA, QWEN_CHAT.name: QWEN})
     tel = ModelTelemetry(split.models())
     declared = {LLAMA: (LLAMA_CHAT,), QWEN: (QWEN_CHAT,)}
@@ -45,7 +47,7 @@ def _multi(slots: list[SlotState]) -> tuple[MultiController, ModelTelemetry]:
         model: Controller(ControllerSettings(model, split.model_to_budget[model], declared=declared[model], verify_after_s=30.0),
                           tel.of(model), CAPACITY, tel.of(model).window(0.0))
         for model in split.models()}
-    return MultiController(controllers, split.slot_to_model), tel
+    return MultiController(controllers, split.slot_to_model, rebalance), tel
 
 
 def _run(multi: MultiController, actuator: FakeActuator, slots: list[SlotState], start: int, end: int) -> tuple[list[Decision], list[SlotState]]:

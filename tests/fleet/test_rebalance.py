@@ -3,13 +3,12 @@ it idle to one whose plan needs it, one at a time, with a cooldown, never below 
 
 from __future__ import annotations
 
-from fleet.controller import Controller, ControllerSettings
 from fleet.decisions import Decision, read_decision
 from fleet.evidence import PlanEvidence, RebalanceEvidence
-from fleet.multi import ModelTelemetry, MultiController, split_slots
+from fleet.multi import ModelTelemetry, MultiController
 from fleet.rebalance import RebalanceSettings
 from fleet.rollout import SlotState
-from tests.fleet.test_multi_model import CAPACITY, CHAT_JSON, H100, LLAMA, LLAMA_CHAT, QWEN, QWEN_CHAT, _feed, _run
+from tests.fleet.test_multi_model import CHAT_JSON, H100, LLAMA, LLAMA_CHAT, QWEN, QWEN_CHAT, _feed, _multi, _run
 from tests.fleet.test_planner_rollout import FakeActuator
 
 
@@ -17,14 +16,8 @@ def _fleet(num_llama: int, num_qwen: int, cooldown_s: float = 300.0) -> tuple[Mu
     """``num_llama`` slots in llama's chat pool and ``num_qwen`` in qwen's, on one GPU kind (5 chat rps per replica)."""
     pools = [LLAMA_CHAT] * num_llama + [QWEN_CHAT] * num_qwen
     slots = [SlotState(f"{H100}/{k}", pool.name, H100, CHAT_JSON) for k, pool in enumerate(pools)]
-    split = split_slots(slots, {LLAMA_CHAT.name: LLAMA, QWEN_CHAT.name: QWEN})
-    tel = ModelTelemetry(split.models())
-    declared = {LLAMA: (LLAMA_CHAT,), QWEN: (QWEN_CHAT,)}
-    controllers = {
-        model: Controller(ControllerSettings(model, split.model_to_budget[model], declared=declared[model], verify_after_s=30.0),
-                          tel.of(model), CAPACITY, tel.of(model).window(0.0))
-        for model in split.models()}
-    return MultiController(controllers, split.slot_to_model, RebalanceSettings(cooldown_s=cooldown_s)), tel, slots
+    multi, tel = _multi(slots, RebalanceSettings(cooldown_s=cooldown_s))
+    return multi, tel, slots
 
 
 def _rebalances(decisions: list[Decision]) -> list[tuple[float, RebalanceEvidence]]:
