@@ -24,8 +24,10 @@ NEW_POOL = f"{QWEN}:long-context@H100-SXM"
 SPEED = 10.0  # slower than test_live_fleet's 20: a replica restart on a busy machine has twice the wall time to answer
 
 
-async def _load(url: str, duration_s: float, rate_rps: float, model_to_prompt: dict[str, str]) -> list[str]:
-    """Requests of every model at ``rate_rps`` each through the openai SDK; the outcome of each ("ok" or the error)."""
+async def _load(url: str, duration_s: float, rate_rps: float, model_to_prompt: dict[str, str],
+                model_to_rate: dict[str, float] | None = None) -> list[str]:
+    """Requests of every model at ``rate_rps`` each (or its ``model_to_rate``) through the openai SDK; the
+    outcome of each ("ok" or the error)."""
     client = openai.AsyncOpenAI(base_url=url + "/v1", api_key=KEY, max_retries=0, timeout=60.0)
     outcomes: list[str] = []
 
@@ -37,11 +39,16 @@ async def _load(url: str, duration_s: float, rate_rps: float, model_to_prompt: d
         except openai.APIError as exc:
             outcomes.append(f"{model}: {exc}")
 
+    rates = {model: (model_to_rate or {}).get(model, rate_rps) for model in model_to_prompt}
+    sent = dict.fromkeys(model_to_prompt, 0)
     tasks = []
     started = time.monotonic()
-    while time.monotonic() - started < duration_s:
-        tasks += [asyncio.create_task(one(model, prompt)) for model, prompt in model_to_prompt.items()]
-        await asyncio.sleep(1 / rate_rps)
+    while (elapsed := time.monotonic() - started) < duration_s:
+        for model, prompt in model_to_prompt.items():
+            if sent[model] <= elapsed * rates[model]:  # each model on its own schedule, the first request at once
+                tasks.append(asyncio.create_task(one(model, prompt)))
+                sent[model] += 1
+        await asyncio.sleep(1 / max(rates.values()))
     await asyncio.gather(*tasks)
     await client.close()
     return outcomes

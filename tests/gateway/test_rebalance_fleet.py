@@ -9,9 +9,8 @@ import json
 import time
 from pathlib import Path
 
-import openai
-
 from tests.gateway.test_live_fleet import ADMIN, KEY, LONG_PROMPT, _admin
+from tests.gateway.test_multi_model_fleet import _load
 from tests.support.procs import start_gateway, write_tenant
 
 LLAMA, QWEN = "llama-3.1-8b", "qwen3-8b"
@@ -20,33 +19,7 @@ SPEED = 10.0
 # (5 wall rps at SPEED); qwen sends 12, which its plan needs more replicas for
 QWEN_PROMPT, QWEN_RPS = LONG_PROMPT * 2, 8.0
 LLAMA_PROMPT, LLAMA_RPS = "Say hello to the team, briefly.", 2.0
-
-
-async def _load(url: str, duration_s: float) -> list[str]:
-    """Each model's requests at its own rate through the openai SDK; the outcome of each ("ok" or the error)."""
-    client = openai.AsyncOpenAI(base_url=url + "/v1", api_key=KEY, max_retries=0, timeout=60.0)
-    outcomes: list[str] = []
-
-    async def one(model: str, prompt: str) -> None:
-        try:
-            await client.chat.completions.create(model=model, messages=[{"role": "user", "content": prompt}], max_tokens=32,
-                                                 extra_body={"ignore_eos": True})
-            outcomes.append("ok")
-        except openai.APIError as exc:
-            outcomes.append(f"{model}: {exc}")
-
-    tasks: list[asyncio.Task[None]] = []
-    started = time.monotonic()
-    num_llama = 0
-    while time.monotonic() - started < duration_s:
-        tasks.append(asyncio.create_task(one(QWEN, QWEN_PROMPT)))
-        if num_llama < (time.monotonic() - started) * LLAMA_RPS:
-            tasks.append(asyncio.create_task(one(LLAMA, LLAMA_PROMPT)))
-            num_llama += 1
-        await asyncio.sleep(1 / QWEN_RPS)
-    await asyncio.gather(*tasks)
-    await client.close()
-    return outcomes
+MIX = {QWEN: QWEN_PROMPT, LLAMA: LLAMA_PROMPT}
 
 
 def _qwen_pool(url: str) -> list[dict[str, object]]:
@@ -75,10 +48,10 @@ def test_an_idle_models_slot_moves_to_the_model_whose_traffic_outgrew_its_slots(
     path.write_text(json.dumps(config))
     gateway = start_gateway(tmp_path, ["--config", str(path)])
     try:
-        outcomes = asyncio.run(_load(gateway.url, duration_s=12.0))
+        outcomes = asyncio.run(_load(gateway.url, 12.0, QWEN_RPS, MIX, {LLAMA: LLAMA_RPS}))
         deadline = time.monotonic() + 35.0
         while len(_qwen_pool(gateway.url)) < 2 and time.monotonic() < deadline:
-            outcomes += asyncio.run(_load(gateway.url, duration_s=3.0))  # a busy machine plans late
+            outcomes += asyncio.run(_load(gateway.url, 3.0, QWEN_RPS, MIX, {LLAMA: LLAMA_RPS}))  # a busy machine plans late
         qwen = _qwen_pool(gateway.url)
         decisions = _admin(gateway.url, "/admin/decisions")["decisions"]
     finally:
