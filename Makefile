@@ -17,8 +17,11 @@ venv: $(STAMP)
 run: $(STAMP)
 	$(VENV)/bin/polymorph serve --config $(CONFIG)
 
+# Two workers (pytest-xdist): Ray's and vLLM's tests each keep to one worker (xdist_group marks), one
+# cluster or engine at a time; the few tests that compare wall-clock timings run after, alone.
 test: $(STAMP)
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q -n 2 --dist loadgroup -m "not serial"
+	$(PY) -m pytest -q -m serial
 
 clean:
 	rm -rf $(VENV) build *.egg-info

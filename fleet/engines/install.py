@@ -164,7 +164,8 @@ def _llamacpp_sdist(report: Progress) -> Path:
 
 
 @contextmanager
-def _locked(name: str, report: Progress) -> Iterator[None]:
+def locked(name: str, report: Progress) -> Iterator[None]:
+    """Hold the cache's lock ``name`` (fcntl: a killed holder releases it), saying so when another has it."""
     lock_dir = cache_dir() / "locks"
     lock_dir.mkdir(parents=True, exist_ok=True)
     with open(lock_dir / f"{name}.lock", "w") as handle:
@@ -180,7 +181,7 @@ def _ensure(final: Path, build: Callable[[Path], None], report: Progress) -> Pat
     """``final`` once complete: built by ``build`` into an empty staging folder, then renamed into place."""
     if final.is_dir():
         return final
-    with _locked(final.name, report):
+    with locked(final.name, report):
         if final.is_dir():  # another process finished it while this one waited
             return final
         final.parent.mkdir(parents=True, exist_ok=True)
@@ -219,7 +220,7 @@ def pip_venv(folder: Path, requirements: Sequence[str], check_module: str, progr
     if venv_ready(folder, requirements):
         return python
     name = folder.name
-    with _locked(name, report):
+    with locked(name, report):
         if venv_ready(folder, requirements):  # another process finished it while this one waited
             return python
         log = _log_path(name)

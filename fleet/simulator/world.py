@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import math
+import zlib
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
@@ -162,7 +163,7 @@ class FleetSim:
         config = EngineConfig.from_dict(json.loads(config_json))
         self.slot_to_config_json[slot] = config_json
         perf = PerfModel(self._model, get_gpu(gpu), config)
-        state = ReplicaState(slot, f"sim://{slot}", pool, CircuitBreaker(3, 5.0), affinity_salt=hash(slot) & 0xFFFF)
+        state = ReplicaState(slot, f"sim://{slot}", pool, CircuitBreaker(3, 5.0), affinity_salt=zlib.crc32(slot.encode()))
         when = now + self.settings.restart_s(gpu, config) if ready_at is None else ready_at
         self.slots[slot] = VirtualReplica(slot, pool, perf, state, when)
 

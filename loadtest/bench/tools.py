@@ -7,6 +7,8 @@ import shutil
 import subprocess
 from collections.abc import Callable, Mapping
 
+from fleet.engines.install import locked
+
 # wrk drives the load (its LuaJIT paces the constant-rate runs); nginx is both the fixed-cost
 # backend and the compiled-proxy reference.
 _TOOL_TO_PACKAGE = {"wrk": "wrk", "nginx": "nginx"}
@@ -25,7 +27,10 @@ def ensure_tools(install: bool, say: Callable[[str], None], tool_to_package: Map
     """Map each needed tool to its path, installing the missing ones with apt-get when allowed."""
     missing = [tool for tool in tool_to_package if find_tool(tool) is None]
     if missing and install:
-        _apt_install([tool_to_package[tool] for tool in missing], say)
+        # One apt-get at a time (dpkg's lock would fail a second one): test workers may ask at once.
+        with locked("apt-get", say):
+            if still_to_install := [tool_to_package[tool] for tool in missing if find_tool(tool) is None]:
+                _apt_install(still_to_install, say)
     tool_to_path = {tool: find_tool(tool) for tool in tool_to_package}
     still_missing = sorted(tool for tool, path in tool_to_path.items() if path is None)
     if still_missing:

@@ -19,6 +19,8 @@ from tests.conftest import free_port
 from tests.support.engines import LLAMA_START_TIMEOUT_S, VLLM_START_TIMEOUT_S, chat_both_ways
 from tests.support.procs import start, start_gateway, write_tenant
 
+pytestmark = pytest.mark.xdist_group("vllm")  # one vLLM (3 GB, two cores' worth) at a time: the vLLM tests keep to one xdist worker
+
 VLLM_MODULE = ("-m", "vllm.entrypoints.openai.api_server")
 CONFIG = EngineConfig(max_running_requests=4, chunked_prefill_size=256, schedule_policy="priority")
 ADAPTERS = (("sql-lora", "/adapters/sql"), ("chat-lora", "/adapters/chat,v2"))

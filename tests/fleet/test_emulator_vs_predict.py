@@ -56,6 +56,7 @@ async def _closed_loop(url: str, model: str) -> tuple[float, float]:
 
 
 @pytest.mark.slow
+@pytest.mark.serial
 def test_emulated_replicas_match_the_prediction(tmp_path: Path) -> None:
     gpus = {"h100": "H100-SXM", "h200": "H200"}
     emulators = {name: start_emulator(tmp_path, name, gpu=gpu, speed=SPEED, extra=["--served-model-name", f"llama-{name}"]) for name, gpu in gpus.items()}

@@ -23,6 +23,8 @@ import pytest
 from loadtest.bench.peers_setup import netns_argv
 from tests.conftest import REPO
 
+pytestmark = pytest.mark.xdist_group("ray")  # one local Ray cluster at a time: the Ray tests keep to one xdist worker
+
 MODEL = "llama-3.1-8b"
 CHAT = '{"tp": 1}'
 LONG_TP2 = '{"chunked_prefill_size": 8192, "tp": 2}'

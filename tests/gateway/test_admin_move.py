@@ -22,6 +22,8 @@ import pytest
 
 from tests.support.procs import Proc, start_gateway, write_tenant
 
+pytestmark = pytest.mark.xdist_group("ray")  # one local Ray cluster at a time: the Ray tests keep to one xdist worker
+
 KEY, ADMIN = "sk-test-move", "admin-token-move"
 
 

@@ -15,6 +15,8 @@ import pytest
 
 from tests.support.procs import start_gateway, write_tenant
 
+pytestmark = pytest.mark.xdist_group("ray")  # one local Ray cluster at a time: the Ray tests keep to one xdist worker
+
 KEY, ADMIN = "sk-test-ray", "admin-token-ray"
 MODEL = "llama-3.1-8b"
 MOVED_TO = "long-context@H100-SXM"  # the pool the controller makes for long prompts (no declared pool serves them)

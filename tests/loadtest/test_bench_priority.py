@@ -10,6 +10,8 @@ import pytest
 from gateway.cli import build_parser
 from loadtest.bench.priority import PHASES, main_bench
 
+pytestmark = pytest.mark.xdist_group("vllm")  # one vLLM (3 GB, two cores' worth) at a time: the vLLM tests keep to one xdist worker
+
 
 def test_bench_priority_runs_its_three_phases_and_prints_ratios_last(
     vllm_python: Path, tiny_hf: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]

@@ -17,6 +17,8 @@ from kernels.compiler.gates import GateResult, ParserGate, sglang_model_path
 from kernels.compiler.space import KNOBS, default_space, engine_default, with_knob
 from kernels.config import EngineConfig
 
+pytestmark = pytest.mark.xdist_group("vllm")  # one vLLM (3 GB, two cores' worth) at a time: the vLLM tests keep to one xdist worker
+
 LLAMA_8B, H100 = get_model("llama-3.1-8b"), get_gpu("H100")
 MODEL_PATH = sglang_model_path(LLAMA_8B)  # a hub id: the gate checks arguments, not where the model is
 NUM_GPUS = 2
