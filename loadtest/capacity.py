@@ -172,6 +172,32 @@ def search_capacity(
     return result(passing, "")
 
 
+@dataclass(frozen=True, slots=True)
+class PartCapacity:
+    """One slice's (e.g. one tier's) capacity read off a search's curve, at the points the search ran."""
+
+    multiplier: float  # highest point up to which the slice kept the threshold at every point; 0 if not even the lowest
+    at_least: bool  # it kept it at every point, so its own capacity may be higher than any point run
+    attainment: float | None  # its attainment at the search's capacity point (None: capacity 0, or the slice absent)
+
+
+def part_capacity(result: CapacityResult, kind: str, name: str) -> PartCapacity:
+    """How far one slice alone holds the threshold along ``result``'s curve: a bound from the points the
+    whole search ran (a separate search per slice would cost as many runs again)."""
+    def attainment_at(point: CurvePoint) -> float | None:
+        return next((p.attainment for p in point.attainment.parts if p.kind == kind and p.name == name), None)
+
+    multiplier, held_throughout = 0.0, bool(result.curve)
+    for point in result.curve:
+        value = attainment_at(point)
+        if value is not None and value < result.threshold:
+            held_throughout = False
+            break
+        multiplier = point.multiplier
+    at_capacity = next((attainment_at(p) for p in result.curve if p.multiplier == result.multiplier), None)
+    return PartCapacity(multiplier, held_throughout, at_capacity)
+
+
 def smallest_passing(passes: Callable[[int], bool], low: int, high: int) -> int | None:
     """The smallest integer in [low, high] for which ``passes`` holds, assuming it is monotone (more
     GPUs never hurt); None when even ``high`` fails. Asks about O(log(high - low)) values."""
