@@ -145,7 +145,7 @@ def capacity_summary(figures: Sequence[RouterCapacity], args: argparse.Namespace
                                "attainment_at_capacity": None if part.attainment is None else round(part.attainment, 4)}
                         for tier, part in item.tier_to_capacity.items()},
             "points": len(item.result.curve), "note": item.result.note, "wall_s": round(item.wall_s, 1),
-            "generator_kept_up": not item.behind_at, "generator_behind_at": list(item.behind_at),
+            "generator_kept_up": not item.behind_at, "generator_behind_at": [round(m, 4) for m in item.behind_at],
             "curve": item.result.to_json()["curve"],
         }
         for item in figures
@@ -182,9 +182,10 @@ def format_capacity_table(figures: Sequence[RouterCapacity], args: argparse.Name
     lines = [header, "-" * len(header)]
     for item in figures:
         tiers = " ".join(f"{('>=' if part.at_least else '') + f'{part.multiplier:.3f}':>13s}" for part in item.tier_to_capacity.values())
-        behind = f"; load generator fell behind at x{', x'.join(f'{m:.3g}' for m in item.behind_at)}" if item.behind_at else ""
+        behind = f"load generator fell behind at x{', x'.join(f'{m:.3g}' for m in item.behind_at)}" if item.behind_at else ""
+        note = "; ".join(text for text in (item.result.note, behind) if text)
         lines.append(f"{item.router:20s} {item.result.multiplier:10.3f} {item.result.rate_rps:7.1f} {tiers} "
-                     f"{len(item.result.curve):6d} {item.wall_s:6.0f}  {item.result.note}{behind}")
+                     f"{len(item.result.curve):6d} {item.wall_s:6.0f}  {note}")
     nominal = figures[0].result.nominal_rate_rps if figures else 0.0
     lines.append(f"capacity at SLO: the highest multiplier of {nominal:g} req/s (engine time) keeping attainment >= "
                  f"{args.slo_threshold:g} overall and per tier; a tier's column: the highest point of the same curve up to "
