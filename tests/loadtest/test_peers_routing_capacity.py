@@ -4,6 +4,7 @@ per-tier capacity read off a curve, and the summary's ratios (no routers started
 from __future__ import annotations
 
 import argparse
+from typing import Any
 
 import pytest
 
@@ -71,14 +72,14 @@ def test_summary_gives_shape_routing_over_each_router_and_per_tier() -> None:
     args = argparse.Namespace(routing_duration=8.0, speed=0.5, seed=7, slo_threshold=0.9)
     figures = [router("sglang-cache-aware", tiered_curve(3.0, 0.5)), router("polymorph-shapes", tiered_curve(3.0, 0.8)),
                router("sglang-rr", tiered_curve(0.4, 0.6))]
-    summary = capacity_summary(figures, args, SETTINGS, 900.0)
-    shapes, cache_aware = summary["routers"]["polymorph-shapes"], summary["routers"]["sglang-cache-aware"]  # type: ignore[index]
+    summary: dict[str, Any] = capacity_summary(figures, args, SETTINGS, 900.0)
+    shapes, cache_aware = summary["routers"]["polymorph-shapes"], summary["routers"]["sglang-cache-aware"]
     ratio = summary["capacity_ratio_shapes_vs_cache_aware"]
     assert ratio == pytest.approx(shapes["capacity_multiplier"] / cache_aware["capacity_multiplier"], rel=1e-2)
     assert ratio > 1.3  # 0.8 / 0.5 within the resolution
     assert summary["targets"] == {"capacity_ge_1.3x_cache_aware": True}
-    assert set(summary["capacity_ratio_shapes_vs"]) == {"sglang-cache-aware", "sglang-rr"}  # type: ignore[arg-type]
-    assert set(summary["tier_capacity_ratio_shapes_vs_cache_aware"]) == {"interactive", "standard"}  # type: ignore[arg-type]
+    assert set(summary["capacity_ratio_shapes_vs"]) == {"sglang-cache-aware", "sglang-rr"}
+    assert set(summary["tier_capacity_ratio_shapes_vs_cache_aware"]) == {"interactive", "standard"}
     assert shapes["by_tier"]["interactive"]["at_least"] and summary["wall_s"] == 900.0
     table = format_capacity_table(figures, args, 900.0)
     assert "15.0 min" in table and ">=1.000" in table
@@ -87,7 +88,7 @@ def test_summary_gives_shape_routing_over_each_router_and_per_tier() -> None:
 def test_a_capacity_measured_behind_the_load_generator_is_not_judged() -> None:
     args = argparse.Namespace(routing_duration=8.0, speed=0.5, seed=7, slo_threshold=0.9)
     figures = [router("sglang-cache-aware", tiered_curve(3.0, 0.5)), router("polymorph-shapes", tiered_curve(3.0, 0.8), (1.0,))]
-    summary = capacity_summary(figures, args, SETTINGS, 10.0)
+    summary: dict[str, Any] = capacity_summary(figures, args, SETTINGS, 10.0)
     assert summary["capacity_ratio_shapes_vs_cache_aware"] is not None
     assert summary["targets"] == {"capacity_ge_1.3x_cache_aware": None}
     assert "fell behind at x1" in format_capacity_table(figures, args, 10.0)
