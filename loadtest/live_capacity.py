@@ -66,7 +66,7 @@ def search_live(
     nominal = source.build(1.0, source.seed)
 
     def attainment_at(multiplier: float, seed: int) -> Attainment:
-        workload = nominal if multiplier == 1.0 and seed == source.seed else source.build(multiplier, seed)
+        workload = nominal if multiplier == 1.0 else source.build(multiplier, seed)
         return records_attainment(run_point(multiplier, workload), workload, source.is_trace, tier_to_slo)
 
     return search_capacity(

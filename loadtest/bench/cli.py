@@ -97,6 +97,9 @@ behind shared system prompts, long documents) at a rate that keeps it busy; good
 attainment per tier (TTFT and TPOT objectives) and TTFT p99 for sglang-router round_robin and
 cache_aware (its defaults), Polymorph with shape routing off (least load only) and on. The
 emulated GPUs run at --speed 0.5, so the fleet is busy at a request rate two cores can proxy.
+With --metric capacity, the routing part gives each router's capacity at SLO instead: the highest
+multiplier of the workload's rate whose run keeps --slo-threshold overall and per tier (bracketing
+and bisection to --resolution, at most --max-points runs per router, each router on a fresh fleet).
 bench-serving: sglang's own `python -m sglang.bench_serving --backend sglang-oai` through
 Polymorph, checking it completes every request it sent.
 Prints the tables, then one JSON line last (ratios to Polymorph and the issue's targets).
