@@ -110,11 +110,13 @@ def search_capacity(
     max_multiplier: float = 64.0,
     max_points: int = DEFAULT_MAX_POINTS,
     on_point: Callable[[CurvePoint], None] = lambda point: None,
+    can_run: Callable[[float], bool] = lambda multiplier: True,
 ) -> CapacityResult:
     """Bracket, then bisect (geometric midpoints, since the resolution is relative) to ``resolution``.
 
     Stops early, saying so in ``note``, when the smallest multiplier fails (capacity 0), the largest
-    passes (capacity is at least that) or ``max_points`` runs have been spent (the best bracket so far).
+    passes (capacity is at least that), or ``max_points`` runs have been spent or ``can_run`` refuses
+    the next multiplier (a live search's time budget): the best bracket so far.
     """
     if not 0 < threshold <= 1:
         raise ValueError(f"threshold must be in (0, 1], got {threshold}")
@@ -133,6 +135,12 @@ def search_capacity(
             on_point(curve[multiplier])
         return curve[multiplier].passed
 
+    def spent(multiplier: float) -> str:
+        """Why the next run may not start ("" when it may)."""
+        if len(curve) >= max_points:
+            return f"at {max_points} points"
+        return "" if can_run(multiplier) else f"by the time budget after {len(curve)} points"
+
     def result(multiplier: float, note: str) -> CapacityResult:
         points = tuple(curve[m] for m in sorted(curve))
         return CapacityResult(multiplier, nominal_rate_rps, threshold, resolution, points, note)
@@ -141,8 +149,8 @@ def search_capacity(
     failing: float | None = None  # lowest multiplier known to fail
     multiplier = start
     while passing is None or failing is None:
-        if len(curve) >= max_points:
-            return result(passing or 0.0, f"stopped at {max_points} points before bracketing")
+        if why := spent(multiplier):
+            return result(passing or 0.0, f"stopped {why} before bracketing")
         if passes(multiplier):
             passing = multiplier
             if multiplier >= max_multiplier:
@@ -154,14 +162,40 @@ def search_capacity(
                 return result(0.0, f"fails even at the smallest multiplier ({min_multiplier:g}): capacity 0")
             multiplier = max(multiplier / 2, min_multiplier)
     while failing / passing > 1 + resolution:
-        if len(curve) >= max_points:
-            return result(passing, f"stopped at {max_points} points; capacity between {passing:.4g} and {failing:.4g}")
         middle = math.sqrt(passing * failing)
+        if why := spent(middle):
+            return result(passing, f"stopped {why}; capacity between {passing:.4g} and {failing:.4g}")
         if passes(middle):
             passing = middle
         else:
             failing = middle
     return result(passing, "")
+
+
+@dataclass(frozen=True, slots=True)
+class PartCapacity:
+    """One slice's (e.g. one tier's) capacity read off a search's curve, at the points the search ran."""
+
+    multiplier: float  # highest point up to which the slice kept the threshold at every point; 0 if not even the lowest
+    at_least: bool  # it kept it at every point, so its own capacity may be higher than any point run
+    attainment: float | None  # its attainment at the search's capacity point (None: capacity 0, or the slice absent)
+
+
+def part_capacity(result: CapacityResult, kind: str, name: str) -> PartCapacity:
+    """How far one slice alone holds the threshold along ``result``'s curve: a bound from the points the
+    whole search ran (a separate search per slice would cost as many runs again)."""
+    def attainment_at(point: CurvePoint) -> float | None:
+        return next((p.attainment for p in point.attainment.parts if p.kind == kind and p.name == name), None)
+
+    multiplier, held_throughout = 0.0, bool(result.curve)
+    for point in result.curve:
+        value = attainment_at(point)
+        if value is not None and value < result.threshold:
+            held_throughout = False
+            break
+        multiplier = point.multiplier
+    at_capacity = next((attainment_at(p) for p in result.curve if p.multiplier == result.multiplier), None)
+    return PartCapacity(multiplier, held_throughout, at_capacity)
 
 
 def smallest_passing(passes: Callable[[int], bool], low: int, high: int) -> int | None:

@@ -8,7 +8,7 @@ from pathlib import Path
 
 from loadtest.bench import cli as bench_cli
 from loadtest.chaos import cli as chaos_cli
-from loadtest.sim_cli import register_bench_adapt, register_bench_agreement, register_simulate
+from loadtest.sim_cli import _add_capacity_args, register_bench_adapt, register_bench_agreement, register_simulate
 
 _DESCRIPTION = """\
 Replay production traffic (a trace) or a named scenario against any OpenAI-compatible endpoint
@@ -58,6 +58,14 @@ def _add_run_arguments(p: argparse.ArgumentParser) -> None:
     out.add_argument("--no-plots", action="store_true", help="skip the PNG plots")
     out.add_argument("--no-progress", action="store_true", help="no live progress line")
     out.add_argument("--dry-run", action="store_true", help="write the workload to DIR/workload.jsonl (native format) and send nothing")
+    capacity = p.add_argument_group("capacity at SLO (loadtest/live_capacity.py; also --slo-threshold, --resolution, --max-points)")
+    capacity.add_argument("--capacity", action="store_true",
+                          help="find the highest rate multiplier whose open-loop run keeps --slo-threshold (overall, per tier, per "
+                          "scenario phase or 5-minute trace window): bracket and bisect, one run per point, the same seed every point; "
+                          "prints the attainment curve (--out: capacity.json and each point's results)")
+    capacity.add_argument("--max-duration-s", type=float, default=900.0, metavar="S",
+                          help="capacity: wall-time budget; a point starts only if its traffic and --drain-timeout fit in what is left")
+    capacity.add_argument("--json", action="store_true", help="capacity: print one JSON object instead of the curve")
 
 
 def register(commands: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
@@ -69,6 +77,7 @@ def register(commands: argparse._SubParsersAction) -> None:  # type: ignore[type
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     _add_run_arguments(p)
+    _add_capacity_args(p)
     p.set_defaults(handler=_run_loadtest)
     sub = p.add_subparsers(dest="loadtest_command", metavar="[compare|scenarios|fast-backend]")
     compare = sub.add_parser("compare", help="two runs side by side with ratios", description="Print a side-by-side table of two runs' results.json with B/A ratios, overall and per tier.")
@@ -168,7 +177,7 @@ def add_fast_backend_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _run_loadtest(args: argparse.Namespace) -> int:
-    if not args.out:  # a dry run writes DIR/workload.jsonl
+    if not args.out and not args.capacity:  # a dry run writes DIR/workload.jsonl
         print("error: --out DIR is required (see polymorph loadtest --help)", file=sys.stderr)
         return 2
     from loadtest.main import main_loadtest

@@ -26,6 +26,10 @@ def main_loadtest(args: argparse.Namespace) -> int:
         print(f"error: {exc}", file=sys.stderr)
         return EXIT_USAGE
     _report_issues(workload)
+    if args.capacity:
+        from loadtest.live_capacity import main_capacity
+
+        return main_capacity(args, tier_to_slo, tenant_to_key)
     out_dir = Path(args.out)
     if args.dry_run:
         from loadtest.traces import write_native

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import argparse
 
+from loadtest.sim_cli import _add_capacity_args
+
 _DESCRIPTION = """\
 Measure the gateway's request rate and added latency side by side with a direct connection, a
 minimal aiohttp pass-through proxy (the ceiling for a Python proxy) and, when nginx is installed,
@@ -95,6 +97,9 @@ behind shared system prompts, long documents) at a rate that keeps it busy; good
 attainment per tier (TTFT and TPOT objectives) and TTFT p99 for sglang-router round_robin and
 cache_aware (its defaults), Polymorph with shape routing off (least load only) and on. The
 emulated GPUs run at --speed 0.5, so the fleet is busy at a request rate two cores can proxy.
+With --metric capacity, the routing part gives each router's capacity at SLO instead: the highest
+multiplier of the workload's rate whose run keeps --slo-threshold overall and per tier (bracketing
+and bisection to --resolution, at most --max-points runs per router, each router on a fresh fleet).
 bench-serving: sglang's own `python -m sglang.bench_serving --backend sglang-oai` through
 Polymorph, checking it completes every request it sent.
 Prints the tables, then one JSON line last (ratios to Polymorph and the issue's targets).
@@ -154,6 +159,13 @@ def _register_peers(benches: argparse._SubParsersAction) -> None:  # type: ignor
     )
     parser.add_argument("--seed", type=int, default=7, help="routing part: workload seed")
     parser.add_argument(
+        "--metric", default="goodput", choices=("goodput", "capacity"),
+        help="routing part: goodput at the offered rate, or each router's capacity at SLO (the highest multiplier of "
+        "--routing-rate whose run keeps --slo-threshold overall and per tier; loadtest/bench/peers_routing_capacity.py)",
+    )
+    _add_capacity_args(parser)
+    parser.set_defaults(resolution=0.15, max_points=5)  # a live point takes --routing-duration / --speed wall seconds
+    parser.add_argument(
         "--num-prompts", type=int, default=None,
         help="bench-serving: requests sent (default 200; 60 with --quick)",
     )
@@ -178,6 +190,10 @@ def _run_bench_peers(args: argparse.Namespace) -> int:
             setattr(args, field, short if quick else full)
     if min(args.duration, args.routing_duration, args.num_prompts) <= 0 or min(args.rounds, args.routing_rounds) < 1:
         raise SystemExit("bench peers: --duration, --routing-duration and --num-prompts must be > 0, rounds >= 1")
+    from loadtest.bench.peers_routing_capacity import MAX_POINTS
+
+    if not 0 < args.slo_threshold <= 1 or not args.resolution > 0 or not 1 <= args.max_points <= MAX_POINTS:
+        raise SystemExit(f"bench peers: --slo-threshold must be in (0, 1], --resolution > 0 and --max-points 1 to {MAX_POINTS}")
     from loadtest.bench.peers import main_bench_peers
 
     return main_bench_peers(args)

@@ -137,6 +137,10 @@ def _raw_part(
 def _routing_part(
     args: argparse.Namespace, run_dir: Path, name_to_python: dict[str, Path], result: dict[str, object]
 ) -> str:
+    if args.metric == "capacity":
+        from loadtest.bench.peers_routing_capacity import run_routing_capacity
+
+        return run_routing_capacity(args, run_dir, name_to_python.get("sglang-router"), result, _say)
     from loadtest.bench.peers_routing import run_routing
 
     return run_routing(args, run_dir, name_to_python.get("sglang-router"), result, _say)
