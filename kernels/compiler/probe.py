@@ -8,6 +8,12 @@ configuration is the best *measured* one (goodput, then lower p99 TTFT); the def
 measured, so the choice is never worse than it on the measurement. Every measured trial is stored
 with the model's prediction beside the measurement and the fingerprint of what it ran on.
 
+Warm start: a candidate already measured on the same engine and version, hardware and weights, for the
+same shape and ladder size, is taken from the store instead of measured again (`reused`). A fitted
+correction for the fingerprint (`polymorph kernels fit --store`, probe_fit.py) scales the predicted
+goodput the result reports and starts the default's ladder near it; it does not change the ranking
+(one factor for every candidate), and the store keeps the model's own prediction so a refit sees it.
+
 kernels starts no process: the prober is injected (the `polymorph compile` wiring supplies it)."""
 
 from __future__ import annotations
@@ -22,9 +28,9 @@ from typing import Protocol
 
 from kernels.catalog import GpuSpec, ModelSpec
 from kernels.compiler.evaluators import Metrics, PerfModelEvaluator
-from kernels.compiler.measurement import Measurement, ProbeFingerprint, ProbeLadder
+from kernels.compiler.measurement import Measurement, ProbeCorrection, ProbeFingerprint, ProbeLadder
 from kernels.compiler.shape import TrafficShape, shape_fingerprint
-from kernels.compiler.store import TrialStore
+from kernels.compiler.store import ProbeTrialRecord, TrialStore, config_key
 from kernels.config import EngineConfig
 
 EVALUATOR = "probe"
@@ -36,6 +42,7 @@ _CONTEXT_MULTIPLES = (None, 4)  # -c as a multiple of the model's context (None:
 _BATCH = (None, 256)  # -b/-ub (None: llama-server's 2048/512)
 _PLACEHOLDER_MODEL = "MODEL"  # candidates are compared by their rendered flags, whatever the file
 _DEFAULT_START_DIVISOR = 8
+_CORRECTED_START_DIVISOR = 2  # a corrected prediction is near the measurement: start one ladder step below it
 
 
 class Prober(Protocol):
@@ -54,10 +61,12 @@ class ProbeTrial:
     measured: Measurement
     default: bool
     chosen: bool = False
-    trial_id: int | None = None  # row in the store's probe_trials
+    trial_id: int | None = None  # row in the store's probe_trials (an earlier run's when reused)
+    reused: bool = False  # taken from the store (warm start), not measured by this run
 
     def to_json(self) -> dict[str, object]:
-        return {"trial_id": self.trial_id, "default": self.default, "chosen": self.chosen, "config": self.config.to_dict(),
+        return {"trial_id": self.trial_id, "default": self.default, "chosen": self.chosen, "reused": self.reused,
+                "config": self.config.to_dict(),
                 "llamacpp_args": list(self.llamacpp_args), "predicted": self.predicted.to_dict(),
                 "measured": self.measured.to_dict()}
 
@@ -75,14 +84,25 @@ class ProbeResult:
     run_id: str
     elapsed_s: float
     store_path: str | None
+    correction: ProbeCorrection | None = None  # the fitted correction in force for the fingerprint, if any
+
+    @property
+    def num_reused(self) -> int:
+        return sum(1 for t in self.trials if t.reused)
 
     def to_json(self) -> dict[str, object]:
         """The `polymorph compile --evaluator probe --json` document."""
+        trials = [t.to_json() for t in self.trials]
+        if self.correction is not None:
+            for trial, as_json in zip(self.trials, trials):
+                as_json["corrected_goodput_rps"] = self.correction.goodput_rps(trial.predicted.goodput_rps)
         return {
             "evaluator": EVALUATOR, "engine": self.fingerprint.engine, "config": self.chosen.config.to_dict(),
             "llamacpp_args": list(self.chosen.llamacpp_args), "predicted": self.chosen.predicted.to_dict(),
             "measured": self.chosen.measured.to_dict(), "baseline": self.baseline.to_json(),
-            "trials": [t.to_json() for t in self.trials], "screened": self.num_screened,
+            "trials": trials, "screened": self.num_screened,
+            "warm_start": {"reused": self.num_reused, "measured": len(self.trials) - self.num_reused},
+            "correction": None if self.correction is None else self.correction.to_dict(),
             "shape": self.requested_shape.name, "shape_fingerprint": shape_fingerprint(self.requested_shape),
             "measured_shape": self.shape.to_dict(), "fingerprint": self.fingerprint.to_dict(),
             "ladder": {"start_rps": self.ladder.start_rps, "factor": self.ladder.factor, "max_steps": self.ladder.max_steps,
@@ -141,6 +161,9 @@ def probe_compile(
     fitted = fit_to_context(shape, model.max_context)
     model_eval = PerfModelEvaluator()
     candidates = llamacpp_candidates(model)
+    fingerprint = prober.fingerprint()
+    stored = _reusable(store, fingerprint, shape, fitted, requests_per_step)
+    correction = None if store is None else store.probe_correction(fingerprint.digest(), model.name)
     progress(f"screening {len(candidates)} llama.cpp configurations with the performance model")
     default, default_prediction = candidates[0], model_eval.evaluate(model, gpu, as_llamacpp_runs(model, candidates[0]), fitted)
     ranked: list[tuple[EngineConfig, Metrics]] = []
@@ -153,35 +176,56 @@ def probe_compile(
         ranked.append((config, model_eval.evaluate(model, gpu, runs, fitted)))
         ranked = sorted(ranked, key=lambda pair: -pair[1].goodput_rps)[: budget - 1]
     to_measure = [(default, default_prediction), *ranked]
+    num_reused = sum(1 for config, _ in to_measure if config_key(config) in stored)
+    progress(f"warm start: {num_reused} of {len(to_measure)} candidates were measured before on this engine, hardware and "
+             f"weights ({fingerprint.digest()}); measuring {len(to_measure) - num_reused}" if num_reused
+             else f"cold start: no stored measurement of these candidates on {fingerprint.digest()}")
+    if correction is not None:
+        progress(f"correction in force: predicted goodput x {correction.goodput_factor:.3g} (fitted on {correction.num_fit} trials)")
     # The model predicts batched decode on one CPU core several times too fast, so the default's ladder
     # starts well below its figure; the others start at the default's measured goodput (the rate that
     # matters: can they beat it?) and only climb. A rate seeds its requests, so equal rates replay equal requests.
-    ladder = ProbeLadder(start_rps=_round_rate(max(default_prediction.goodput_rps, 0.1) / _DEFAULT_START_DIVISOR),
-                         requests_per_step=requests_per_step)
-    default_ladder, fingerprint = ladder, prober.fingerprint()
+    start_rps = (max(default_prediction.goodput_rps, 0.1) / _DEFAULT_START_DIVISOR if correction is None
+                 else correction.goodput_rps(default_prediction.goodput_rps) / _CORRECTED_START_DIVISOR)
+    ladder = ProbeLadder(start_rps=_round_rate(start_rps), requests_per_step=requests_per_step)
+    default_ladder = ladder
     trials: list[ProbeTrial] = []
     for index, (config, prediction) in enumerate(to_measure):
         flags = llamacpp_flags(config)
-        measured = prober.measure(config, fitted, ladder)
+        earlier = stored.get(config_key(config))
+        measured = earlier.measured if earlier is not None else prober.measure(config, fitted, ladder)
         if index == 0:
             # A candidate that misses where the default passes cannot be chosen: no need to look below.
             ladder = replace(ladder, start_rps=measured.goodput_rps or min(s.rate_rps for s in measured.steps), max_steps_down=0)
-        trials.append(ProbeTrial(config, flags, prediction, measured, default=index == 0))
-        progress(f"[{index + 1}/{len(to_measure)}] {' '.join(flags)}: measured goodput "
-                 f"{measured.goodput_rps:.3g} req/s (predicted {prediction.goodput_rps:.3g}), ttft p99 {measured.ttft_p99_s:.3g} s, "
+        trials.append(ProbeTrial(config, flags, prediction, measured, default=index == 0, reused=earlier is not None,
+                                 trial_id=None if earlier is None else earlier.trial_id))
+        predicted = f"predicted {prediction.goodput_rps:.3g}" + (
+            "" if correction is None else f", corrected {correction.goodput_rps(prediction.goodput_rps):.3g}")
+        source = "measured goodput" if earlier is None else f"stored goodput (trial {earlier.trial_id}, run {earlier.run_id})"
+        progress(f"[{index + 1}/{len(to_measure)}] {' '.join(flags)}: {source} "
+                 f"{measured.goodput_rps:.3g} req/s ({predicted}), ttft p99 {measured.ttft_p99_s:.3g} s, "
                  f"tpot p99 {measured.tpot_p99_s * 1e3:.3g} ms, {measured.wall_s:.0f} s")
     best = max(range(len(trials)), key=lambda i: (trials[i].measured.goodput_rps, -trials[i].measured.ttft_p99_s, -i))
     trials[best] = replace(trials[best], chosen=True)
     if store is not None:
         now = wall_clock()
-        trials = [replace(t, trial_id=store.record_probe_trial(run_id, now, model, gpu, shape, fitted, t.config, t.predicted,
-                                                               t.measured, fingerprint, t.default, t.chosen))
+        # A reused trial keeps its row: the store holds each measurement once, so a fit does not count it twice.
+        trials = [t if t.reused else replace(t, trial_id=store.record_probe_trial(
+                      run_id, now, model, gpu, shape, fitted, t.config, t.predicted, t.measured, fingerprint, t.default, t.chosen))
                   for t in trials]
     return ProbeResult(
         chosen=trials[best], baseline=trials[0], trials=tuple(trials), num_screened=len(candidates), shape=fitted,
         requested_shape=shape, fingerprint=fingerprint, ladder=default_ladder, run_id=run_id, elapsed_s=clock() - started_s,
-        store_path=None if store is None else str(store.path),
+        store_path=None if store is None else str(store.path), correction=correction,
     )
+
+
+def _reusable(store: TrialStore | None, fingerprint: ProbeFingerprint, shape: TrafficShape, fitted: TrafficShape,
+              requests_per_step: int) -> dict[str, ProbeTrialRecord]:
+    """Stored measurements by configuration key; the newest of a configuration wins."""
+    if store is None:
+        return {}
+    return {config_key(t.config): t for t in store.reusable_probe_trials(fingerprint, shape, fitted, requests_per_step)}
 
 
 def _round_rate(rate_rps: float) -> float:

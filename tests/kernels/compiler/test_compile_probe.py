@@ -121,3 +121,34 @@ def test_a_store_without_probe_trials_opens_and_then_keeps_them(tmp_path: Path) 
     assert row.trial_id == trial_id and row.config == EngineConfig(max_running_requests=2) and row.chosen and not row.default
     assert row.predicted == predicted and row.measured == measured and isinstance(row.measured, Measurement)
     assert row.fingerprint == fingerprint
+
+
+@pytest.mark.slow
+def test_a_second_probe_compile_reuses_stored_measurements_and_the_fitted_correction(tmp_path: Path) -> None:
+    store = tmp_path / "trials.sqlite3"
+    probe = ("compile", "--model", "tiny-llama", "--engine", "llamacpp", "--evaluate", "probe", "--shape", "short-chat",
+             "--probe-requests", "2", "--store", str(store), "--json")
+    first = _polymorph(*probe, "--budget", "1", timeout_s=300)  # the default only
+    assert first.returncode == 0, first.stderr
+    cold = json.loads(first.stdout)
+    assert cold["warm_start"] == {"reused": 0, "measured": 1} and cold["correction"] is None and "cold start" in first.stderr
+    fit = _polymorph("kernels", "fit", "--store", str(store), "--json")
+    # One trial: a factor, nothing held back. (A default that met no rate on a starved machine has nothing to fit.)
+    assert fit.returncode == 0 or cold["measured"]["goodput_rps"] == 0, fit.stderr
+
+    second = _polymorph(*probe, "--budget", "2", timeout_s=300)
+    assert second.returncode == 0, second.stderr
+    warm = json.loads(second.stdout)
+    assert warm["warm_start"] == {"reused": 1, "measured": 1}  # at most half of its candidates measured
+    assert "warm start: 1 of 2 candidates" in second.stderr and second.stderr.count("measured goodput") == 1
+    default, other = warm["trials"]
+    assert default["reused"] and default["trial_id"] == cold["trials"][0]["trial_id"]
+    assert default["measured"] == cold["measured"] and default["config"] == cold["config"]
+    assert not other["reused"] and other["llamacpp_args"] != default["llamacpp_args"]
+    assert warm["fingerprint"] == cold["fingerprint"]
+    with TrialStore(store) as opened:
+        assert [t.trial_id for t in opened.probe_trials(warm["run_id"])] == [other["trial_id"]]  # each measurement stored once
+    if fit.returncode == 0:
+        factor = json.loads(fit.stdout)["corrections"][0]["goodput_factor"]
+        assert warm["correction"]["goodput_factor"] == factor and "correction in force" in second.stderr
+        assert default["corrected_goodput_rps"] == pytest.approx(default["predicted"]["goodput_rps"] * factor)
