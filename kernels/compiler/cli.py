@@ -99,6 +99,44 @@ def _main_probe(args: argparse.Namespace, prober: Callable[[], Prober] | None) -
     for key in ("goodput_rps", "ttft_p50_s", "ttft_p99_s", "tpot_p50_s", "tpot_p99_s", "throughput_tokens_s"):
         print(f"{key:<22}{getattr(chosen, key):>12.4g}{getattr(base, key):>12.4g}")
     print("llama-server " + " ".join(result.chosen.llamacpp_args))
+    print(f"warm start: {result.num_reused} of {len(result.trials)} candidates taken from the store")
+    return 0
+
+
+def main_fit_store(args: argparse.Namespace) -> int:
+    """`polymorph kernels fit --store FILE`: a goodput correction per fingerprint and model from measured trials."""
+    import time
+
+    from kernels.compiler.probe_fit import fit_corrections
+
+    path = Path(args.store)
+    if not path.is_file():
+        raise SystemExit(f"polymorph kernels fit: no trial store at {path}")
+    try:
+        with TrialStore(path) as store:
+            records = store.probe_trials()
+            corrections = fit_corrections(records, time.time())
+            if not args.dry_run:
+                for correction in corrections:
+                    store.record_probe_correction(correction)
+    except StoreError as exc:
+        raise SystemExit(f"polymorph kernels fit: {exc}") from exc
+    if not corrections:
+        raise SystemExit(f"polymorph kernels fit: {path} holds no measured trial with a goodput above 0 "
+                         f"({len(records)} probe trials); run `polymorph compile --evaluator probe` first")
+    if args.json:
+        print(json.dumps({"store": str(path), "num_trials": len(records), "written": not args.dry_run,
+                          "corrections": [c.to_dict() for c in corrections]}))
+        return 0
+    print(f"{len(records)} measured trials in {path}; median |predicted - measured| / measured of goodput, %")
+    print(f"{'model':<16}{'fingerprint':<18}{'factor':>8}{'fit':>5}{'held':>6}{'before':>10}{'after':>10}"
+          f"{'held before':>13}{'held after':>12}")
+    for c in corrections:
+        held = ("-", "-") if c.held_back_before_pct is None or c.held_back_after_pct is None else (
+            f"{c.held_back_before_pct:.1f}", f"{c.held_back_after_pct:.1f}")
+        print(f"{c.model:<16}{c.fingerprint:<18}{c.goodput_factor:>8.3g}{c.num_fit:>5}{c.num_held_back:>6}"
+              f"{c.fit_before_pct:>10.1f}{c.fit_after_pct:>10.1f}{held[0]:>13}{held[1]:>12}")
+    print("not written (--dry-run)" if args.dry_run else f"written to {path}: later probe compiles on these fingerprints use them")
     return 0
 
 
