@@ -94,9 +94,9 @@ def _register_compile(commands: argparse._SubParsersAction) -> None:  # type: ig
                           "analytic: closed-form screening, milliseconds a trial; replay: replay the --trace "
                           "requests (prefix ids included) through the engine at increasing speed; probe: the model "
                           "screens, the default and the best --budget - 1 are measured on a real engine (--engine llamacpp)")
-    compile_.add_argument("--engine", default="sglang", choices=("sglang", "llamacpp"),
-                          help="the engine whose knobs are searched; llamacpp (with --evaluator probe) measures on the "
-                          "installed llama-server and the tiny model, on --gpu cpu unless given")
+    compile_.add_argument("--engine", default="sglang", choices=("sglang", "llamacpp", "vllm"),
+                          help="the engine whose knobs are searched; llamacpp or vllm (with --evaluator probe) measure on the "
+                          "installed llama-server or vLLM CPU build and the tiny model, on --gpu cpu unless given")
     compile_.add_argument("--probe-requests", type=int, default=12,
                           help="requests per rate of a probe's ladder (fewer: a quicker, noisier measurement)")
     compile_.add_argument("--objective", default="goodput", choices=("goodput", "cost"),

@@ -13,7 +13,7 @@ from pathlib import Path
 import orjson
 
 from kernels.compiler.evaluators import Evaluator, ReplayEvaluator, evaluator_by_name
-from kernels.compiler.probe import Prober, probe_compile
+from kernels.compiler.probe import ENGINES, Prober, probe_compile
 from kernels.compiler.search import Budget, CompileResult, compile_config
 from kernels.compiler.shape import TrafficShape, get_shape
 from kernels.compiler.space import default_space
@@ -28,7 +28,7 @@ def default_store_path() -> Path:
     return Path(os.environ.get(STORE_ENV) or Path.home() / ".cache" / "polymorph" / "compiler.sqlite3")
 
 
-def main_compile(args: argparse.Namespace, prober: Callable[[], Prober] | None = None) -> int:
+def main_compile(args: argparse.Namespace, prober: Callable[[str], Prober] | None = None) -> int:
     """`prober` makes the real-engine prober of `--evaluator probe` (supplied by the `polymorph` command,
     which may import the load tester; kernels may not)."""
     from kernels.catalog import get_gpu, get_model
@@ -64,11 +64,11 @@ def main_compile(args: argparse.Namespace, prober: Callable[[], Prober] | None =
     return 0
 
 
-def _main_probe(args: argparse.Namespace, prober: Callable[[], Prober] | None) -> int:
+def _main_probe(args: argparse.Namespace, prober: Callable[[str], Prober] | None) -> int:
     from kernels.catalog import get_gpu, get_model
 
-    if args.engine != "llamacpp":
-        raise SystemExit("polymorph compile: --evaluator probe measures on llama.cpp only for now (--engine llamacpp)")
+    if args.engine not in ENGINES:
+        raise SystemExit("polymorph compile: --evaluator probe measures on llama.cpp or vLLM's CPU build (--engine llamacpp or vllm)")
     if prober is None:
         raise SystemExit("polymorph compile: --evaluator probe needs the load tester's prober (run it as `polymorph compile`)")
     if not args.model or not args.shape:
@@ -81,8 +81,8 @@ def _main_probe(args: argparse.Namespace, prober: Callable[[], Prober] | None) -
     except (ValueError, StoreError) as exc:
         raise SystemExit(f"polymorph compile: {exc}") from exc
     try:
-        result = probe_compile(model, gpu, shape, args.budget, prober(), args.probe_requests, store,
-                               progress=lambda line: print(line, file=sys.stderr, flush=True))
+        result = probe_compile(model, gpu, shape, args.budget, prober(args.engine), args.probe_requests, store,
+                               progress=lambda line: print(line, file=sys.stderr, flush=True), engine=args.engine)
     except (StoreError, RuntimeError) as exc:
         raise SystemExit(f"polymorph compile: {exc}") from exc
     finally:
@@ -93,12 +93,12 @@ def _main_probe(args: argparse.Namespace, prober: Callable[[], Prober] | None) -
         print(orjson.dumps(result.to_json()).decode())
         return 0
     chosen, base = result.chosen.measured, result.baseline.measured
-    print(f"{model.name} on {gpu.name} via llama.cpp ({result.fingerprint.engine_version}), shape {shape.name}: "
+    print(f"{model.name} on {gpu.name} via {args.engine} ({result.fingerprint.engine_version}), shape {shape.name}: "
           f"{len(result.trials)} measured of {result.num_screened} screened, {result.elapsed_s:.0f} s")
     print(f"{'measured':<22}{'chosen':>12}{'default':>12}")
     for key in ("goodput_rps", "ttft_p50_s", "ttft_p99_s", "tpot_p50_s", "tpot_p99_s", "throughput_tokens_s"):
         print(f"{key:<22}{getattr(chosen, key):>12.4g}{getattr(base, key):>12.4g}")
-    print("llama-server " + " ".join(result.chosen.llamacpp_args))
+    print(("llama-server " if args.engine == "llamacpp" else "vllm serve MODEL ") + " ".join(result.chosen.engine_args))
     print(f"warm start: {result.num_reused} of {len(result.trials)} candidates taken from the store")
     return 0
 

@@ -14,6 +14,10 @@ correction for the fingerprint (`polymorph kernels fit --store`, probe_fit.py) s
 goodput the result reports and starts the default's ladder near it; it does not change the ranking
 (one factor for every candidate), and the store keeps the model's own prediction so a refit sees it.
 
+vLLM (`engine="vllm"`): the same flow over the knobs `EngineConfig.vllm_flags` renders that matter on
+its CPU build (`--max-num-seqs`, `--max-num-batched-tokens`, prefix caching), predicted as vLLM runs
+them when a flag is absent (its CPU api_server defaults: 128 sequences, 2048 batched tokens).
+
 kernels starts no process: the prober is injected (the `polymorph compile` wiring supplies it)."""
 
 from __future__ import annotations
@@ -42,6 +46,13 @@ _CONTEXT_MULTIPLES = (None, 4)  # -c as a multiple of the model's context (None:
 _BATCH = (None, 256)  # -b/-ub (None: llama-server's 2048/512)
 _PLACEHOLDER_MODEL = "MODEL"  # candidates are compared by their rendered flags, whatever the file
 _DEFAULT_START_DIVISOR = 8
+ENGINES = ("llamacpp", "vllm")
+_VLLM_SEQS = (None, 1, 4, 16)
+_VLLM_BATCHED_TOKENS = (None, 256)
+# vLLM 0.32's EngineArgs defaults for the OpenAI api_server on a CPU platform (arg_utils.py,
+# `_get_default_max_num_seqs_and_batched_tokens`): what runs when the flags are absent.
+_VLLM_CPU_DEFAULT_SEQS = 128
+_VLLM_CPU_DEFAULT_BATCHED_TOKENS = 2048
 _CORRECTED_START_DIVISOR = 2  # a corrected prediction is near the measurement: start one ladder step below it
 
 
@@ -56,7 +67,7 @@ class Prober(Protocol):
 @dataclass(frozen=True, slots=True)
 class ProbeTrial:
     config: EngineConfig
-    llamacpp_args: tuple[str, ...]
+    engine_args: tuple[str, ...]  # the engine's flags for `config`, without the model, host and port
     predicted: Metrics
     measured: Measurement
     default: bool
@@ -64,10 +75,10 @@ class ProbeTrial:
     trial_id: int | None = None  # row in the store's probe_trials (an earlier run's when reused)
     reused: bool = False  # taken from the store (warm start), not measured by this run
 
-    def to_json(self) -> dict[str, object]:
+    def to_json(self, engine: str = "llamacpp") -> dict[str, object]:
         return {"trial_id": self.trial_id, "default": self.default, "chosen": self.chosen, "reused": self.reused,
                 "config": self.config.to_dict(),
-                "llamacpp_args": list(self.llamacpp_args), "predicted": self.predicted.to_dict(),
+                f"{engine}_args": list(self.engine_args), "predicted": self.predicted.to_dict(),
                 "measured": self.measured.to_dict()}
 
 
@@ -92,14 +103,15 @@ class ProbeResult:
 
     def to_json(self) -> dict[str, object]:
         """The `polymorph compile --evaluator probe --json` document."""
-        trials = [t.to_json() for t in self.trials]
+        engine = self.fingerprint.engine
+        trials = [t.to_json(engine) for t in self.trials]
         if self.correction is not None:
             for trial, as_json in zip(self.trials, trials):
                 as_json["corrected_goodput_rps"] = self.correction.goodput_rps(trial.predicted.goodput_rps)
         return {
-            "evaluator": EVALUATOR, "engine": self.fingerprint.engine, "config": self.chosen.config.to_dict(),
-            "llamacpp_args": list(self.chosen.llamacpp_args), "predicted": self.chosen.predicted.to_dict(),
-            "measured": self.chosen.measured.to_dict(), "baseline": self.baseline.to_json(),
+            "evaluator": EVALUATOR, "engine": engine, "config": self.chosen.config.to_dict(),
+            f"{engine}_args": list(self.chosen.engine_args), "predicted": self.chosen.predicted.to_dict(),
+            "measured": self.chosen.measured.to_dict(), "baseline": self.baseline.to_json(engine),
             "trials": trials, "screened": self.num_screened,
             "warm_start": {"reused": self.num_reused, "measured": len(self.trials) - self.num_reused},
             "correction": None if self.correction is None else self.correction.to_dict(),
@@ -146,29 +158,57 @@ def as_llamacpp_runs(model: ModelSpec, config: EngineConfig) -> EngineConfig:
                    max_total_tokens=config.max_total_tokens or model.max_context)
 
 
+def vllm_candidates() -> list[EngineConfig]:
+    """vLLM's defaults first, then its sequence and batched-token limits with prefix caching on and off."""
+    configs = [EngineConfig()]
+    for seqs, batched, caching in itertools.product(_VLLM_SEQS, _VLLM_BATCHED_TOKENS, (True, False)):
+        configs.append(EngineConfig(max_running_requests=seqs, chunked_prefill_size=batched, enable_prefix_caching=caching))
+    distinct: dict[tuple[str, ...], EngineConfig] = {}
+    for config in configs:
+        distinct.setdefault(tuple(config.vllm_flags()), config)
+    return list(distinct.values())
+
+
+def as_vllm_runs(config: EngineConfig) -> EngineConfig:
+    """What vLLM's CPU api_server runs for `config`: its own limits where a flag is absent."""
+    return replace(config, max_running_requests=config.max_running_requests or _VLLM_CPU_DEFAULT_SEQS,
+                   chunked_prefill_size=config.chunked_prefill_size or _VLLM_CPU_DEFAULT_BATCHED_TOKENS)
+
+
+def _engine_knobs(engine: str, model: ModelSpec) -> tuple[list[EngineConfig], Callable[[EngineConfig], tuple[str, ...]],
+                                                          Callable[[EngineConfig], EngineConfig]]:
+    """(candidates, their flags, what the engine runs for each) of `engine`."""
+    if engine == "llamacpp":
+        return llamacpp_candidates(model), llamacpp_flags, lambda config: as_llamacpp_runs(model, config)
+    if engine == "vllm":
+        return vllm_candidates(), lambda config: tuple(config.vllm_flags()), as_vllm_runs
+    raise ValueError(f"a probe measures on {' or '.join(ENGINES)}, not {engine!r}")
+
+
 def probe_compile(
     model: ModelSpec, gpu: GpuSpec, shape: TrafficShape, budget: int, prober: Prober,
     requests_per_step: int = 12, store: TrialStore | None = None,
     progress: Callable[[str], None] = lambda line: None, clock: Callable[[], float] = time.monotonic,
-    wall_clock: Callable[[], float] = time.time,
+    wall_clock: Callable[[], float] = time.time, engine: str = "llamacpp",
 ) -> ProbeResult:
-    """Rank llama.cpp's configurations by predicted goodput, measure the default and the best
-    `budget - 1` others, choose the best measured. `budget` counts measurements (>= 1)."""
+    """Rank the engine's configurations by predicted goodput, measure the default and the best
+    `budget - 1` others, choose the best measured. `budget` counts candidates (>= 1); those measured
+    before on the same fingerprint are taken from the store."""
     if budget < 1:
         raise ValueError(f"a probe compile needs a budget of at least 1 measurement, got {budget}")
+    candidates, flags_of, as_runs = _engine_knobs(engine, model)
     started_s = clock()
     run_id = uuid.uuid4().hex[:12]
     fitted = fit_to_context(shape, model.max_context)
     model_eval = PerfModelEvaluator()
-    candidates = llamacpp_candidates(model)
     fingerprint = prober.fingerprint()
     stored = _reusable(store, fingerprint, shape, fitted, requests_per_step)
     correction = None if store is None else store.probe_correction(fingerprint.digest(), model.name)
-    progress(f"screening {len(candidates)} llama.cpp configurations with the performance model")
-    default, default_prediction = candidates[0], model_eval.evaluate(model, gpu, as_llamacpp_runs(model, candidates[0]), fitted)
+    progress(f"screening {len(candidates)} {engine} configurations with the performance model")
+    default, default_prediction = candidates[0], model_eval.evaluate(model, gpu, as_runs(candidates[0]), fitted)
     ranked: list[tuple[EngineConfig, Metrics]] = []
     for config in candidates[1:]:
-        runs = as_llamacpp_runs(model, config)
+        runs = as_runs(config)
         # Successive halving: once `budget - 1` are ranked, one simulation tells whether a candidate can
         # beat the last of them; only those that can are bisected in full.
         if len(ranked) >= budget - 1 and (budget == 1 or model_eval.screen(model, gpu, runs, fitted, ranked[-1][1].goodput_rps)):
@@ -191,7 +231,7 @@ def probe_compile(
     default_ladder = ladder
     trials: list[ProbeTrial] = []
     for index, (config, prediction) in enumerate(to_measure):
-        flags = llamacpp_flags(config)
+        flags = flags_of(config)
         earlier = stored.get(config_key(config))
         measured = earlier.measured if earlier is not None else prober.measure(config, fitted, ladder)
         if index == 0:
