@@ -223,7 +223,7 @@ def probe_compile(
     if correction is not None:
         progress(f"correction in force: predicted goodput x {correction.goodput_factor:.3g} (fitted on {correction.num_fit} trials)")
     # The model predicts batched decode on one CPU core several times too fast, so the default's ladder
-    # starts well below its figure; the others start at the default's measured goodput (the rate that
+    # starts well below its figure (or half the corrected figure, which a fit brought near measurements); the others start at the default's measured goodput (the rate that
     # matters: can they beat it?) and only climb. A rate seeds its requests, so equal rates replay equal requests.
     start_rps = (max(default_prediction.goodput_rps, 0.1) / _DEFAULT_START_DIVISOR if correction is None
                  else correction.goodput_rps(default_prediction.goodput_rps) / _CORRECTED_START_DIVISOR)
