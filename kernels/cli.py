@@ -211,6 +211,9 @@ def _run_fit(args: argparse.Namespace) -> int:
     if args.store is not None:
         from kernels.compiler.cli import main_fit_store
 
+        if args.data is not None:
+            raise SystemExit("polymorph kernels fit: give --data (calibration CSV) or --store (measured trials), not both")
+
         return main_fit_store(args)
     from kernels.calibration import load_rows
     from kernels.fit import fit_params, write_params

@@ -74,6 +74,8 @@ def test_fit_without_measured_trials_says_so(tmp_path: Path) -> None:
     assert done.returncode != 0 and "no measured trial" in done.stderr and "Traceback" not in done.stderr
     done = _polymorph("kernels", "fit", "--store", str(tmp_path / "absent.sqlite3"))
     assert done.returncode != 0 and "no trial store" in done.stderr
+    done = _polymorph("kernels", "fit", "--store", str(empty), "--data", str(empty))
+    assert done.returncode != 0 and "not both" in done.stderr
 
 
 def test_a_compile_may_reuse_only_trials_of_its_fingerprint_shape_and_ladder_size(tmp_path: Path) -> None:
