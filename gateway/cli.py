@@ -20,7 +20,7 @@ from kernels import cli as kernels_cli
 from loadtest import cli as loadtest_cli
 
 if TYPE_CHECKING:
-    from loadtest.probe import LlamacppProbe
+    from loadtest.probe import LlamacppProbe, VllmProbe
 
 _PACKAGES = (serve_cli, deploy_cli, classifiers_cli, kernels_cli, fleet_cli, engines_cli, loadtest_cli)
 
@@ -45,14 +45,14 @@ def build_parser() -> argparse.ArgumentParser:
         package.register(commands)
         package.register_bench(benches)
     # kernels may not import the load tester that measures `compile --evaluator probe`; this is where they meet.
-    commands.choices["compile"].set_defaults(prober=_llamacpp_prober)
+    commands.choices["compile"].set_defaults(prober=_engine_prober)
     return parser
 
 
-def _llamacpp_prober() -> LlamacppProbe:
-    from loadtest.probe import LlamacppProbe
+def _engine_prober(engine: str = "llamacpp") -> LlamacppProbe | VllmProbe:
+    from loadtest.probe import LlamacppProbe, VllmProbe
 
-    return LlamacppProbe()
+    return VllmProbe() if engine == "vllm" else LlamacppProbe()
 
 
 def main(argv: Sequence[str] | None = None) -> int:

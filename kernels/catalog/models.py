@@ -4,15 +4,18 @@ from __future__ import annotations
 
 import functools
 import json
+import os
 import re
 from collections.abc import Mapping
-from dataclasses import dataclass, fields
+from dataclasses import asdict, dataclass, fields, replace
 from importlib import resources
 from pathlib import Path
+from typing import Any
 
 import yaml
 
 _WEIGHT_DTYPES = ("bf16", "fp8", "mxfp4_experts")
+USER_CATALOG_ENV = "POLYMORPH_MODEL_CATALOG"
 
 
 @dataclass(frozen=True, slots=True)
@@ -142,7 +145,10 @@ class ModelSpec:
 
 @functools.cache
 def _catalog() -> dict[str, ModelSpec]:
-    raw = yaml.safe_load(resources.files("kernels.catalog").joinpath("models.yaml").read_text())
+    return _specs(yaml.safe_load(resources.files("kernels.catalog").joinpath("models.yaml").read_text()))
+
+
+def _specs(raw: Mapping[str, Mapping[str, Any]]) -> dict[str, ModelSpec]:  # YAML values are untyped
     known = {f.name for f in fields(ModelSpec)}
     specs: dict[str, ModelSpec] = {}
     for name, entry in raw.items():
@@ -151,6 +157,49 @@ def _catalog() -> dict[str, ModelSpec]:
         values["drafts"] = tuple((str(k), str(v)) for k, v in (entry.get("drafts") or {}).items())
         specs[name] = ModelSpec(name=name, **values)
     return specs
+
+
+def user_catalog_path() -> Path:
+    """The user's own models (`polymorph kernels add-model`): $POLYMORPH_MODEL_CATALOG, else
+    $XDG_CONFIG_HOME/polymorph/models.yaml (~/.config when unset)."""
+    if os.environ.get(USER_CATALOG_ENV):
+        return Path(os.environ[USER_CATALOG_ENV])
+    return Path(os.environ.get("XDG_CONFIG_HOME") or Path.home() / ".config") / "polymorph" / "models.yaml"
+
+
+def _user_entries(path: Path) -> dict[str, dict[str, Any]]:
+    if not path.is_file():
+        return {}
+    try:
+        raw = yaml.safe_load(path.read_text()) or {}
+    except yaml.YAMLError as exc:
+        raise ValueError(f"user model catalog {path} is not YAML: {exc}") from exc
+    if not isinstance(raw, dict) or not all(isinstance(entry, dict) for entry in raw.values()):
+        raise ValueError(f"user model catalog {path}: expected a mapping of model names to their fields")
+    return raw
+
+
+def add_model(config_path: Path, name: str | None = None, catalog_path: Path | None = None) -> tuple[ModelSpec, Path]:
+    """Parse a Hugging Face config.json (the parser `get_model` uses for a path) and add it to the user
+    catalog under `name` (default: the config's folder name), replacing a user entry of that name.
+    A built-in model's name is refused: the user catalog adds models, it does not change published ones."""
+    if not config_path.is_file() and not (config_path / "config.json").is_file():
+        raise ValueError(f"no config.json at {config_path}")
+    try:
+        parsed = get_model(config_path)
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"{config_path} is not JSON: {exc}") from exc
+    spec = replace(parsed, name=name or parsed.name, source=f"Hugging Face config {config_path.resolve()} (polymorph kernels add-model)")
+    if _normalise(spec.name) in _alias_to_name():
+        raise ValueError(f"{spec.name!r} is a built-in model (or one of its aliases); pass --name to add it under another name")
+    path = catalog_path or user_catalog_path()
+    entries = _user_entries(path)
+    defaults = {f.name: f.default for f in fields(ModelSpec)}
+    entries[spec.name] = {k: v for k, v in asdict(spec).items()
+                          if k not in ("name", "aliases", "drafts") and v != defaults.get(k)}
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(yaml.safe_dump(entries, sort_keys=False))
+    return spec, path
 
 
 def _normalise(name: str) -> str:
@@ -186,7 +235,11 @@ def get_model(name_or_path: str | Path) -> ModelSpec:
     for key in (_normalise(text), _normalise(text.split("/")[-1])):
         if key in table:
             return _catalog()[table[key]]
-    raise ValueError(f"unknown model {text!r}; known models: {', '.join(list_models())} (or pass a config.json path)")
+    user = _specs(_user_entries(user_catalog_path()))
+    if text in user:
+        return user[text]
+    raise ValueError(f"unknown model {text!r}; known models: {', '.join((*list_models(), *user))} "
+                     f"(or pass a config.json path, or add one with `polymorph kernels add-model`)")
 
 
 def _first_int(config: Mapping[str, object], *keys: str, default: int | None = None) -> int:

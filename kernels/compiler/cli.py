@@ -13,7 +13,7 @@ from pathlib import Path
 import orjson
 
 from kernels.compiler.evaluators import Evaluator, ReplayEvaluator, evaluator_by_name
-from kernels.compiler.probe import Prober, probe_compile
+from kernels.compiler.probe import ENGINES, Prober, probe_compile
 from kernels.compiler.search import Budget, CompileResult, compile_config
 from kernels.compiler.shape import TrafficShape, get_shape
 from kernels.compiler.space import default_space
@@ -28,7 +28,7 @@ def default_store_path() -> Path:
     return Path(os.environ.get(STORE_ENV) or Path.home() / ".cache" / "polymorph" / "compiler.sqlite3")
 
 
-def main_compile(args: argparse.Namespace, prober: Callable[[], Prober] | None = None) -> int:
+def main_compile(args: argparse.Namespace, prober: Callable[[str], Prober] | None = None) -> int:
     """`prober` makes the real-engine prober of `--evaluator probe` (supplied by the `polymorph` command,
     which may import the load tester; kernels may not)."""
     from kernels.catalog import get_gpu, get_model
@@ -64,11 +64,11 @@ def main_compile(args: argparse.Namespace, prober: Callable[[], Prober] | None =
     return 0
 
 
-def _main_probe(args: argparse.Namespace, prober: Callable[[], Prober] | None) -> int:
+def _main_probe(args: argparse.Namespace, prober: Callable[[str], Prober] | None) -> int:
     from kernels.catalog import get_gpu, get_model
 
-    if args.engine != "llamacpp":
-        raise SystemExit("polymorph compile: --evaluator probe measures on llama.cpp only for now (--engine llamacpp)")
+    if args.engine not in ENGINES:
+        raise SystemExit("polymorph compile: --evaluator probe measures on llama.cpp or vLLM's CPU build (--engine llamacpp or vllm)")
     if prober is None:
         raise SystemExit("polymorph compile: --evaluator probe needs the load tester's prober (run it as `polymorph compile`)")
     if not args.model or not args.shape:
@@ -81,8 +81,8 @@ def _main_probe(args: argparse.Namespace, prober: Callable[[], Prober] | None) -
     except (ValueError, StoreError) as exc:
         raise SystemExit(f"polymorph compile: {exc}") from exc
     try:
-        result = probe_compile(model, gpu, shape, args.budget, prober(), args.probe_requests, store,
-                               progress=lambda line: print(line, file=sys.stderr, flush=True))
+        result = probe_compile(model, gpu, shape, args.budget, prober(args.engine), args.probe_requests, store,
+                               progress=lambda line: print(line, file=sys.stderr, flush=True), engine=args.engine)
     except (StoreError, RuntimeError) as exc:
         raise SystemExit(f"polymorph compile: {exc}") from exc
     finally:
@@ -93,12 +93,50 @@ def _main_probe(args: argparse.Namespace, prober: Callable[[], Prober] | None) -
         print(orjson.dumps(result.to_json()).decode())
         return 0
     chosen, base = result.chosen.measured, result.baseline.measured
-    print(f"{model.name} on {gpu.name} via llama.cpp ({result.fingerprint.engine_version}), shape {shape.name}: "
+    print(f"{model.name} on {gpu.name} via {args.engine} ({result.fingerprint.engine_version}), shape {shape.name}: "
           f"{len(result.trials)} measured of {result.num_screened} screened, {result.elapsed_s:.0f} s")
     print(f"{'measured':<22}{'chosen':>12}{'default':>12}")
     for key in ("goodput_rps", "ttft_p50_s", "ttft_p99_s", "tpot_p50_s", "tpot_p99_s", "throughput_tokens_s"):
         print(f"{key:<22}{getattr(chosen, key):>12.4g}{getattr(base, key):>12.4g}")
-    print("llama-server " + " ".join(result.chosen.llamacpp_args))
+    print(("llama-server " if args.engine == "llamacpp" else "vllm serve MODEL ") + " ".join(result.chosen.engine_args))
+    print(f"warm start: {result.num_reused} of {len(result.trials)} candidates taken from the store")
+    return 0
+
+
+def main_fit_store(args: argparse.Namespace) -> int:
+    """`polymorph kernels fit --store FILE`: a goodput correction per fingerprint and model from measured trials."""
+    import time
+
+    from kernels.compiler.probe_fit import fit_corrections
+
+    path = Path(args.store)
+    if not path.is_file():
+        raise SystemExit(f"polymorph kernels fit: no trial store at {path}")
+    try:
+        with TrialStore(path) as store:
+            records = store.probe_trials()
+            corrections = fit_corrections(records, time.time())
+            if not args.dry_run:
+                for correction in corrections:
+                    store.record_probe_correction(correction)
+    except StoreError as exc:
+        raise SystemExit(f"polymorph kernels fit: {exc}") from exc
+    if not corrections:
+        raise SystemExit(f"polymorph kernels fit: {path} holds no measured trial with a goodput above 0 "
+                         f"({len(records)} probe trials); run `polymorph compile --evaluator probe` first")
+    if args.json:
+        print(json.dumps({"store": str(path), "num_trials": len(records), "written": not args.dry_run,
+                          "corrections": [c.to_dict() for c in corrections]}))
+        return 0
+    print(f"{len(records)} measured trials in {path}; median |predicted - measured| / measured of goodput, %")
+    print(f"{'model':<16}{'fingerprint':<18}{'factor':>8}{'fit':>5}{'held':>6}{'before':>10}{'after':>10}"
+          f"{'held before':>13}{'held after':>12}")
+    for c in corrections:
+        held = ("-", "-") if c.held_back_before_pct is None or c.held_back_after_pct is None else (
+            f"{c.held_back_before_pct:.1f}", f"{c.held_back_after_pct:.1f}")
+        print(f"{c.model:<16}{c.fingerprint:<18}{c.goodput_factor:>8.3g}{c.num_fit:>5}{c.num_held_back:>6}"
+              f"{c.fit_before_pct:>10.1f}{c.fit_after_pct:>10.1f}{held[0]:>13}{held[1]:>12}")
+    print("not written (--dry-run)" if args.dry_run else f"written to {path}: later probe compiles on these fingerprints use them")
     return 0
 
 

@@ -125,3 +125,30 @@ class ProbeLadder:
             tpot_p50_s=at.tpot_p50_s, tpot_p99_s=at.tpot_p99_s, throughput_tokens_s=at.throughput_tokens_s,
             attainment=at.attainment, steps=tuple(sorted(steps, key=lambda s: s.rate_rps)), wall_s=wall_s,
         )
+
+
+@dataclass(frozen=True, slots=True)
+class ProbeCorrection:
+    """A measured correction to the performance model for one fingerprint (engine and version, hardware,
+    weights) and model: measured goodput / predicted goodput, fitted by `polymorph kernels fit --store`
+    (kernels/compiler/probe_fit.py). The errors are median absolute percentage errors of the predicted
+    goodput, before (the model alone) and after (times `goodput_factor`), on the trials it was fitted on
+    and on the trials held back from the fit (None: no trial was held back)."""
+
+    fingerprint: str  # ProbeFingerprint.digest()
+    model: str
+    goodput_factor: float
+    num_fit: int
+    num_held_back: int
+    num_censored: int  # trials whose measured goodput was 0 (below the lowest rate tried): no ratio to fit
+    fit_before_pct: float
+    fit_after_pct: float
+    held_back_before_pct: float | None
+    held_back_after_pct: float | None
+    fitted_at: float  # wall-clock seconds
+
+    def goodput_rps(self, predicted_rps: float) -> float:
+        return predicted_rps * self.goodput_factor
+
+    def to_dict(self) -> dict[str, object]:
+        return asdict(self)

@@ -8,6 +8,16 @@ configuration is the best *measured* one (goodput, then lower p99 TTFT); the def
 measured, so the choice is never worse than it on the measurement. Every measured trial is stored
 with the model's prediction beside the measurement and the fingerprint of what it ran on.
 
+Warm start: a candidate already measured on the same engine and version, hardware and weights, for the
+same shape and ladder size, is taken from the store instead of measured again (`reused`). A fitted
+correction for the fingerprint (`polymorph kernels fit --store`, probe_fit.py) scales the predicted
+goodput the result reports and starts the default's ladder near it; it does not change the ranking
+(one factor for every candidate), and the store keeps the model's own prediction so a refit sees it.
+
+vLLM (`engine="vllm"`): the same flow over the knobs `EngineConfig.vllm_flags` renders that matter on
+its CPU build (`--max-num-seqs`, `--max-num-batched-tokens`, prefix caching), predicted as vLLM runs
+them when a flag is absent (its CPU api_server defaults: 128 sequences, 2048 batched tokens).
+
 kernels starts no process: the prober is injected (the `polymorph compile` wiring supplies it)."""
 
 from __future__ import annotations
@@ -22,9 +32,9 @@ from typing import Protocol
 
 from kernels.catalog import GpuSpec, ModelSpec
 from kernels.compiler.evaluators import Metrics, PerfModelEvaluator
-from kernels.compiler.measurement import Measurement, ProbeFingerprint, ProbeLadder
+from kernels.compiler.measurement import Measurement, ProbeCorrection, ProbeFingerprint, ProbeLadder
 from kernels.compiler.shape import TrafficShape, shape_fingerprint
-from kernels.compiler.store import TrialStore
+from kernels.compiler.store import ProbeTrialRecord, TrialStore, config_key
 from kernels.config import EngineConfig
 
 EVALUATOR = "probe"
@@ -36,6 +46,14 @@ _CONTEXT_MULTIPLES = (None, 4)  # -c as a multiple of the model's context (None:
 _BATCH = (None, 256)  # -b/-ub (None: llama-server's 2048/512)
 _PLACEHOLDER_MODEL = "MODEL"  # candidates are compared by their rendered flags, whatever the file
 _DEFAULT_START_DIVISOR = 8
+ENGINES = ("llamacpp", "vllm")
+_VLLM_SEQS = (None, 1, 4, 16)
+_VLLM_BATCHED_TOKENS = (None, 256)
+# vLLM 0.32's EngineArgs defaults for the OpenAI api_server on a CPU platform (arg_utils.py,
+# `_get_default_max_num_seqs_and_batched_tokens`): what runs when the flags are absent.
+_VLLM_CPU_DEFAULT_SEQS = 128
+_VLLM_CPU_DEFAULT_BATCHED_TOKENS = 2048
+_CORRECTED_START_DIVISOR = 2  # a corrected prediction is near the measurement: start one ladder step below it
 
 
 class Prober(Protocol):
@@ -49,16 +67,18 @@ class Prober(Protocol):
 @dataclass(frozen=True, slots=True)
 class ProbeTrial:
     config: EngineConfig
-    llamacpp_args: tuple[str, ...]
+    engine_args: tuple[str, ...]  # the engine's flags for `config`, without the model, host and port
     predicted: Metrics
     measured: Measurement
     default: bool
     chosen: bool = False
-    trial_id: int | None = None  # row in the store's probe_trials
+    trial_id: int | None = None  # row in the store's probe_trials (an earlier run's when reused)
+    reused: bool = False  # taken from the store (warm start), not measured by this run
 
-    def to_json(self) -> dict[str, object]:
-        return {"trial_id": self.trial_id, "default": self.default, "chosen": self.chosen, "config": self.config.to_dict(),
-                "llamacpp_args": list(self.llamacpp_args), "predicted": self.predicted.to_dict(),
+    def to_json(self, engine: str = "llamacpp") -> dict[str, object]:
+        return {"trial_id": self.trial_id, "default": self.default, "chosen": self.chosen, "reused": self.reused,
+                "config": self.config.to_dict(),
+                f"{engine}_args": list(self.engine_args), "predicted": self.predicted.to_dict(),
                 "measured": self.measured.to_dict()}
 
 
@@ -75,14 +95,26 @@ class ProbeResult:
     run_id: str
     elapsed_s: float
     store_path: str | None
+    correction: ProbeCorrection | None = None  # the fitted correction in force for the fingerprint, if any
+
+    @property
+    def num_reused(self) -> int:
+        return sum(1 for t in self.trials if t.reused)
 
     def to_json(self) -> dict[str, object]:
         """The `polymorph compile --evaluator probe --json` document."""
+        engine = self.fingerprint.engine
+        trials = [t.to_json(engine) for t in self.trials]
+        if self.correction is not None:
+            for trial, as_json in zip(self.trials, trials):
+                as_json["corrected_goodput_rps"] = self.correction.goodput_rps(trial.predicted.goodput_rps)
         return {
-            "evaluator": EVALUATOR, "engine": self.fingerprint.engine, "config": self.chosen.config.to_dict(),
-            "llamacpp_args": list(self.chosen.llamacpp_args), "predicted": self.chosen.predicted.to_dict(),
-            "measured": self.chosen.measured.to_dict(), "baseline": self.baseline.to_json(),
-            "trials": [t.to_json() for t in self.trials], "screened": self.num_screened,
+            "evaluator": EVALUATOR, "engine": engine, "config": self.chosen.config.to_dict(),
+            f"{engine}_args": list(self.chosen.engine_args), "predicted": self.chosen.predicted.to_dict(),
+            "measured": self.chosen.measured.to_dict(), "baseline": self.baseline.to_json(engine),
+            "trials": trials, "screened": self.num_screened,
+            "warm_start": {"reused": self.num_reused, "measured": len(self.trials) - self.num_reused},
+            "correction": None if self.correction is None else self.correction.to_dict(),
             "shape": self.requested_shape.name, "shape_fingerprint": shape_fingerprint(self.requested_shape),
             "measured_shape": self.shape.to_dict(), "fingerprint": self.fingerprint.to_dict(),
             "ladder": {"start_rps": self.ladder.start_rps, "factor": self.ladder.factor, "max_steps": self.ladder.max_steps,
@@ -126,26 +158,57 @@ def as_llamacpp_runs(model: ModelSpec, config: EngineConfig) -> EngineConfig:
                    max_total_tokens=config.max_total_tokens or model.max_context)
 
 
+def vllm_candidates() -> list[EngineConfig]:
+    """vLLM's defaults first, then its sequence and batched-token limits with prefix caching on and off."""
+    configs = [EngineConfig()]
+    for seqs, batched, caching in itertools.product(_VLLM_SEQS, _VLLM_BATCHED_TOKENS, (True, False)):
+        configs.append(EngineConfig(max_running_requests=seqs, chunked_prefill_size=batched, enable_prefix_caching=caching))
+    distinct: dict[tuple[str, ...], EngineConfig] = {}
+    for config in configs:
+        distinct.setdefault(tuple(config.vllm_flags()), config)
+    return list(distinct.values())
+
+
+def as_vllm_runs(config: EngineConfig) -> EngineConfig:
+    """What vLLM's CPU api_server runs for `config`: its own limits where a flag is absent."""
+    return replace(config, max_running_requests=config.max_running_requests or _VLLM_CPU_DEFAULT_SEQS,
+                   chunked_prefill_size=config.chunked_prefill_size or _VLLM_CPU_DEFAULT_BATCHED_TOKENS)
+
+
+def _engine_knobs(engine: str, model: ModelSpec) -> tuple[list[EngineConfig], Callable[[EngineConfig], tuple[str, ...]],
+                                                          Callable[[EngineConfig], EngineConfig]]:
+    """(candidates, their flags, what the engine runs for each) of `engine`."""
+    if engine == "llamacpp":
+        return llamacpp_candidates(model), llamacpp_flags, lambda config: as_llamacpp_runs(model, config)
+    if engine == "vllm":
+        return vllm_candidates(), lambda config: tuple(config.vllm_flags()), as_vllm_runs
+    raise ValueError(f"a probe measures on {' or '.join(ENGINES)}, not {engine!r}")
+
+
 def probe_compile(
     model: ModelSpec, gpu: GpuSpec, shape: TrafficShape, budget: int, prober: Prober,
     requests_per_step: int = 12, store: TrialStore | None = None,
     progress: Callable[[str], None] = lambda line: None, clock: Callable[[], float] = time.monotonic,
-    wall_clock: Callable[[], float] = time.time,
+    wall_clock: Callable[[], float] = time.time, engine: str = "llamacpp",
 ) -> ProbeResult:
-    """Rank llama.cpp's configurations by predicted goodput, measure the default and the best
-    `budget - 1` others, choose the best measured. `budget` counts measurements (>= 1)."""
+    """Rank the engine's configurations by predicted goodput, measure the default and the best
+    `budget - 1` others, choose the best measured. `budget` counts candidates (>= 1); those measured
+    before on the same fingerprint are taken from the store."""
     if budget < 1:
         raise ValueError(f"a probe compile needs a budget of at least 1 measurement, got {budget}")
+    candidates, flags_of, as_runs = _engine_knobs(engine, model)
     started_s = clock()
     run_id = uuid.uuid4().hex[:12]
     fitted = fit_to_context(shape, model.max_context)
     model_eval = PerfModelEvaluator()
-    candidates = llamacpp_candidates(model)
-    progress(f"screening {len(candidates)} llama.cpp configurations with the performance model")
-    default, default_prediction = candidates[0], model_eval.evaluate(model, gpu, as_llamacpp_runs(model, candidates[0]), fitted)
+    fingerprint = prober.fingerprint()
+    stored = _reusable(store, fingerprint, shape, fitted, requests_per_step)
+    correction = None if store is None else store.probe_correction(fingerprint.digest(), model.name)
+    progress(f"screening {len(candidates)} {engine} configurations with the performance model")
+    default, default_prediction = candidates[0], model_eval.evaluate(model, gpu, as_runs(candidates[0]), fitted)
     ranked: list[tuple[EngineConfig, Metrics]] = []
     for config in candidates[1:]:
-        runs = as_llamacpp_runs(model, config)
+        runs = as_runs(config)
         # Successive halving: once `budget - 1` are ranked, one simulation tells whether a candidate can
         # beat the last of them; only those that can are bisected in full.
         if len(ranked) >= budget - 1 and (budget == 1 or model_eval.screen(model, gpu, runs, fitted, ranked[-1][1].goodput_rps)):
@@ -153,35 +216,56 @@ def probe_compile(
         ranked.append((config, model_eval.evaluate(model, gpu, runs, fitted)))
         ranked = sorted(ranked, key=lambda pair: -pair[1].goodput_rps)[: budget - 1]
     to_measure = [(default, default_prediction), *ranked]
+    num_reused = sum(1 for config, _ in to_measure if config_key(config) in stored)
+    progress(f"warm start: {num_reused} of {len(to_measure)} candidates were measured before on this engine, hardware and "
+             f"weights ({fingerprint.digest()}); measuring {len(to_measure) - num_reused}" if num_reused
+             else f"cold start: no stored measurement of these candidates on {fingerprint.digest()}")
+    if correction is not None:
+        progress(f"correction in force: predicted goodput x {correction.goodput_factor:.3g} (fitted on {correction.num_fit} trials)")
     # The model predicts batched decode on one CPU core several times too fast, so the default's ladder
-    # starts well below its figure; the others start at the default's measured goodput (the rate that
+    # starts well below its figure (or half the corrected figure, which a fit brought near measurements); the others start at the default's measured goodput (the rate that
     # matters: can they beat it?) and only climb. A rate seeds its requests, so equal rates replay equal requests.
-    ladder = ProbeLadder(start_rps=_round_rate(max(default_prediction.goodput_rps, 0.1) / _DEFAULT_START_DIVISOR),
-                         requests_per_step=requests_per_step)
-    default_ladder, fingerprint = ladder, prober.fingerprint()
+    start_rps = (max(default_prediction.goodput_rps, 0.1) / _DEFAULT_START_DIVISOR if correction is None
+                 else correction.goodput_rps(default_prediction.goodput_rps) / _CORRECTED_START_DIVISOR)
+    ladder = ProbeLadder(start_rps=_round_rate(start_rps), requests_per_step=requests_per_step)
+    default_ladder = ladder
     trials: list[ProbeTrial] = []
     for index, (config, prediction) in enumerate(to_measure):
-        flags = llamacpp_flags(config)
-        measured = prober.measure(config, fitted, ladder)
+        flags = flags_of(config)
+        earlier = stored.get(config_key(config))
+        measured = earlier.measured if earlier is not None else prober.measure(config, fitted, ladder)
         if index == 0:
             # A candidate that misses where the default passes cannot be chosen: no need to look below.
             ladder = replace(ladder, start_rps=measured.goodput_rps or min(s.rate_rps for s in measured.steps), max_steps_down=0)
-        trials.append(ProbeTrial(config, flags, prediction, measured, default=index == 0))
-        progress(f"[{index + 1}/{len(to_measure)}] {' '.join(flags)}: measured goodput "
-                 f"{measured.goodput_rps:.3g} req/s (predicted {prediction.goodput_rps:.3g}), ttft p99 {measured.ttft_p99_s:.3g} s, "
+        trials.append(ProbeTrial(config, flags, prediction, measured, default=index == 0, reused=earlier is not None,
+                                 trial_id=None if earlier is None else earlier.trial_id))
+        predicted = f"predicted {prediction.goodput_rps:.3g}" + (
+            "" if correction is None else f", corrected {correction.goodput_rps(prediction.goodput_rps):.3g}")
+        source = "measured goodput" if earlier is None else f"stored goodput (trial {earlier.trial_id}, run {earlier.run_id})"
+        progress(f"[{index + 1}/{len(to_measure)}] {' '.join(flags)}: {source} "
+                 f"{measured.goodput_rps:.3g} req/s ({predicted}), ttft p99 {measured.ttft_p99_s:.3g} s, "
                  f"tpot p99 {measured.tpot_p99_s * 1e3:.3g} ms, {measured.wall_s:.0f} s")
     best = max(range(len(trials)), key=lambda i: (trials[i].measured.goodput_rps, -trials[i].measured.ttft_p99_s, -i))
     trials[best] = replace(trials[best], chosen=True)
     if store is not None:
         now = wall_clock()
-        trials = [replace(t, trial_id=store.record_probe_trial(run_id, now, model, gpu, shape, fitted, t.config, t.predicted,
-                                                               t.measured, fingerprint, t.default, t.chosen))
+        # A reused trial keeps its row: the store holds each measurement once, so a fit does not count it twice.
+        trials = [t if t.reused else replace(t, trial_id=store.record_probe_trial(
+                      run_id, now, model, gpu, shape, fitted, t.config, t.predicted, t.measured, fingerprint, t.default, t.chosen))
                   for t in trials]
     return ProbeResult(
         chosen=trials[best], baseline=trials[0], trials=tuple(trials), num_screened=len(candidates), shape=fitted,
         requested_shape=shape, fingerprint=fingerprint, ladder=default_ladder, run_id=run_id, elapsed_s=clock() - started_s,
-        store_path=None if store is None else str(store.path),
+        store_path=None if store is None else str(store.path), correction=correction,
     )
+
+
+def _reusable(store: TrialStore | None, fingerprint: ProbeFingerprint, shape: TrafficShape, fitted: TrafficShape,
+              requests_per_step: int) -> dict[str, ProbeTrialRecord]:
+    """Stored measurements by configuration key; the newest of a configuration wins."""
+    if store is None:
+        return {}
+    return {config_key(t.config): t for t in store.reusable_probe_trials(fingerprint, shape, fitted, requests_per_step)}
 
 
 def _round_rate(rate_rps: float) -> float:

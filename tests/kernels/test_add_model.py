@@ -1,0 +1,65 @@
+"""`polymorph kernels add-model --hf-config config.json`: a model in the user's catalog, usable by name."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import yaml
+
+POLYMORPH = [sys.executable, "-m", "gateway.cli"]
+# Qwen3-30B-A3B's published config.json (the keys the parser reads), under a name the built-in catalog does not have.
+QWEN3_MOE = {"architectures": ["Qwen3MoeForCausalLM"], "hidden_size": 2048, "num_hidden_layers": 48, "num_attention_heads": 32,
+             "num_key_value_heads": 4, "head_dim": 128, "intermediate_size": 6144, "moe_intermediate_size": 768,
+             "num_experts": 128, "num_experts_per_tok": 8, "vocab_size": 151936, "max_position_embeddings": 40960,
+             "tie_word_embeddings": False}
+
+
+def _polymorph(catalog: Path, *args: str) -> subprocess.CompletedProcess[str]:
+    env = {**os.environ, "POLYMORPH_MODEL_CATALOG": str(catalog)}
+    return subprocess.run([*POLYMORPH, *args], capture_output=True, text=True, timeout=60, check=False, env=env)
+
+
+def test_an_added_model_is_kept_in_the_user_catalog_and_predicted_by_name(tmp_path: Path) -> None:
+    folder = tmp_path / "acme-moe-30b"
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps(QWEN3_MOE))
+    catalog = tmp_path / "models.yaml"
+    done = _polymorph(catalog, "kernels", "add-model", "--hf-config", str(folder), "--json")
+    assert done.returncode == 0, done.stderr
+    added = json.loads(done.stdout)
+    assert added["name"] == "acme-moe-30b" and added["catalog"] == str(catalog)  # the folder's name by default
+    assert (added["num_layers"], added["hidden_size"], added["num_heads"], added["num_kv_heads"], added["head_dim"]) == (48, 2048, 32, 4, 128)
+    assert (added["vocab_size"], added["num_experts"], added["num_experts_per_tok"], added["moe_intermediate_size"]) == (151936, 128, 8, 768)
+    stored = yaml.safe_load(catalog.read_text())
+    assert stored["acme-moe-30b"]["num_experts"] == 128 and "add-model" in stored["acme-moe-30b"]["source"]
+
+    done = _polymorph(catalog, "kernels", "add-model", "--hf-config", str(folder / "config.json"), "--name", "my-moe")
+    assert done.returncode == 0, done.stderr
+    assert "added my-moe" in done.stdout and "128 experts" in done.stdout and "30.5B parameters" in done.stdout
+    assert set(yaml.safe_load(catalog.read_text())) == {"acme-moe-30b", "my-moe"}
+
+    done = _polymorph(catalog, "kernels", "predict", "--model", "my-moe", "--gpu", "H100", "--isl", "512", "--osl", "32",
+                      "--concurrency", "2", "--json")
+    assert done.returncode == 0, done.stderr
+    predicted = json.loads(done.stdout)
+    assert predicted["model"] == "my-moe" and predicted["tpot_p50_s"] > 0
+
+
+def test_add_model_refuses_what_it_cannot_add(tmp_path: Path) -> None:
+    catalog = tmp_path / "models.yaml"
+    config = tmp_path / "config.json"
+    config.write_text(json.dumps(QWEN3_MOE))
+    done = _polymorph(catalog, "kernels", "add-model", "--hf-config", str(config), "--name", "llama-3.1-8b")
+    assert done.returncode != 0 and "built-in model" in done.stderr and "Traceback" not in done.stderr
+    config.write_text(json.dumps({"vocab_size": 32000}))
+    done = _polymorph(catalog, "kernels", "add-model", "--hf-config", str(config), "--name", "broken")
+    assert done.returncode != 0 and "lacks hidden_size" in done.stderr and "Traceback" not in done.stderr
+    done = _polymorph(catalog, "kernels", "add-model", "--hf-config", str(tmp_path / "absent"))
+    assert done.returncode != 0 and "no config.json" in done.stderr
+    assert not catalog.exists()  # nothing was written
+    done = _polymorph(catalog, "kernels", "predict", "--model", "my-moe", "--gpu", "H100", "--isl", "8", "--osl", "8")
+    assert done.returncode != 0 and "add-model" in done.stderr
