@@ -167,6 +167,7 @@ def test_vllm_candidates_are_its_defaults_then_distinct_command_lines_predicted_
 
 
 @pytest.mark.slow
+@pytest.mark.xdist_group("vllm")  # one vLLM at a time (see tests/engines/test_launch.py)
 def test_probe_compile_measures_one_candidate_on_vllm(tmp_path: Path, vllm_python: Path, tiny_hf: Path) -> None:
     done = _polymorph("compile", "--model", "tiny-llama", "--engine", "vllm", "--evaluate", "probe", "--shape", "short-chat",
                       "--budget", "1", "--probe-requests", "2", "--store", str(tmp_path / "trials.sqlite3"), "--json",
