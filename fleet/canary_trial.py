@@ -2,8 +2,8 @@
 pool's traffic beside its unchanged siblings, and is judged against them (fleet.canary).
 
 Phases, one trial at a time, through the same ``Mover`` as every other move:
-  a/a        (one sibling only) wait until the canary's slot and its sibling each finished
-             ``min_requests`` over the last ``window_s`` on the old configuration: their spread is the noise
+  a/a        (one sibling only) the canary's slot and its sibling serve on the old configuration for
+             ``window_s`` from the request (longer until each finished ``min_requests``): their spread is the noise
   starting   drain the canary, restart it in its pool with the new configuration, health, activate
   serving    both sides serve for ``window_s`` (longer while a side is short of requests); then the verdict
   adopting   the siblings restart with the new configuration one at a time (the pool keeps serving)
@@ -102,9 +102,10 @@ class CanaryTrials:
         return TickOutput(decisions, commands)
 
     def _measure_aa(self, now: float, trial: _Trial, slots: Mapping[str, SlotState]) -> TickOutput:
+        # measured from the request on, not back from it: a window reaching back could hold an earlier trial's configurations
         w = self.settings.window_s
-        figures = tuple(self.outcomes.figures(slot, now - w, now) for slot in (trial.canary, *trial.siblings))
-        if enough(figures, self.settings):
+        figures = tuple(self.outcomes.figures(slot, trial.requested_at, now) for slot in (trial.canary, *trial.siblings))
+        if now - trial.requested_at >= w and enough(figures, self.settings):
             trial.aa_noise = Noise(spread(figures) or 0.0, "a/a", figures)
             return TickOutput(self._start_canary(now, trial), self._advance(now, trial, slots))
         if now - trial.requested_at < self.settings.max_windows * w:

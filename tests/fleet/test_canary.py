@@ -110,14 +110,14 @@ def _run(trials: CanaryTrials, fleet: _Fleet, outcomes: ReplicaOutcomes, start: 
 def test_a_trial_with_one_sibling_measures_aa_then_adopts_or_rolls_back(better: bool) -> None:
     outcomes, fleet = ReplicaOutcomes(), _Fleet(("chat-0", "chat-1"))
     speeds = {OLD: {"chat-0": 0.020, "chat-1": 0.021}, NEW: {"chat-0": 0.010 if better else 0.030, "chat-1": 0.010 if better else 0.030}}
-    _serve(outcomes, 0.0, 10.0, speeds[OLD])  # the A/A window is already there
+    _serve(outcomes, 0.0, 10.0, {"chat-0": 0.5, "chat-1": 0.001})  # before the request: not the A/A window
     trials = CanaryTrials(outcomes, SETTINGS)
     first = trials.request(10.0, fleet.snapshot(), "chat", NEW, source="operator")
-    fleet.apply(first.commands)
-    assert first.commands == [Drain("chat-0")] and isinstance(first.decisions[0].evidence, StepEvidence)
+    assert first.commands == [] and first.decisions == []  # the A/A window runs first
     with pytest.raises(MoveRefused, match="one trial at a time"):
         trials.request(10.0, fleet.snapshot(), "chat", NEW)
     evidence = _run(trials, fleet, outcomes, 11.0, speeds)
+    assert isinstance(evidence[0], StepEvidence) and fleet.applied[0] == Drain("chat-0")
     verdict = next(e for e in evidence if isinstance(e, CanaryEvidence))
     assert verdict.noise_source == "a/a" and verdict.noise == pytest.approx(0.001 / 0.0205, abs=1e-4)
     assert set(verdict.sibling_figures) == {"chat-1"} and verdict.canary_figures["num_requests"] >= 5
