@@ -4,9 +4,11 @@ Both sides serve the pool's live traffic over the same window (fleet.replica_out
 compared is seconds per completion token (``ReplicaFigures.s_per_token``: queueing in the engine, a
 slower prefill or decode raise it). Replicas on the same configuration differ too (the requests they
 drew, the machine's other work), so the canary must beat its siblings by more than that noise: with
-two or more siblings, their own relative spread over the window; with one, the spread between the
-canary's slot and that sibling over an A/A window measured before the canary started (both on the
-old configuration). The margin is the larger of that noise and ``min_margin``.
+two or more siblings, their own relative spread over the window. With one, an A/A window before the
+canary started (both on the old configuration) gives the canary's slot's ratio to its sibling, which
+the trial's ratio is measured against (a slot that was already faster gets no credit for it), and
+the noise: that ratio's sampling error from every request's own time per token (``aa_noise``). The
+margin is the larger of that noise and ``min_margin``.
 
 The verdict: ``wait`` while either side has fewer than ``min_requests`` (until ``max_windows``
 windows have passed: then ``roll back``); ``roll back`` when the canary failed a larger share of its
@@ -16,6 +18,7 @@ margin; else ``adopt``. Pure: the caller passes figures in and applies the verdi
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -48,6 +51,7 @@ class Noise:
     spread: float
     source: str  # "siblings" (their spread over the trial window) or "a/a" (canary slot and sibling before the trial)
     figures: tuple[ReplicaFigures, ...]
+    ratio: float | None = None  # a/a: the canary slot's s_per_token over its sibling's on the old configuration
 
 
 @dataclass(frozen=True, slots=True)
@@ -66,6 +70,7 @@ class CanaryVerdict:
                 "noise": None if self.noise is None else round(self.noise.spread, 4),
                 "noise_source": None if self.noise is None else self.noise.source,
                 "noise_figures": None if self.noise is None else {f.slot: f.to_json() for f in self.noise.figures},
+                "aa_ratio": None if self.noise is None or self.noise.ratio is None else round(self.noise.ratio, 4),
                 "margin": None if self.margin is None else round(self.margin, 4), "gain": None if self.gain is None else round(self.gain, 4)}
 
 
@@ -76,6 +81,24 @@ def spread(figures: Sequence[ReplicaFigures]) -> float | None:
         return None
     mean = sum(values) / len(values)
     return (max(values) - min(values)) / mean if mean > 0 else 0.0
+
+
+def aa_noise(canary_slot: ReplicaFigures, sibling: ReplicaFigures) -> Noise | None:
+    """The A/A noise of the canary's slot and its sibling on one configuration: their ratio, and its sampling
+    noise from every request (relative standard error ``sqrt(cv_a^2 / n_a + cv_b^2 / n_b)``) taken twice, for the
+    trial's ratio carries as much, at two standard errors: a gain inside it is not shown to be one. None while
+    a side has no ratio or no spread yet."""
+    ratio = _ratio(canary_slot, sibling)
+    if ratio is None or canary_slot.cv is None or sibling.cv is None:
+        return None
+    error = math.sqrt(canary_slot.cv ** 2 / canary_slot.num_requests + sibling.cv ** 2 / sibling.num_requests)
+    return Noise(2.0 * math.sqrt(2.0) * error, "a/a", (canary_slot, sibling), ratio)
+
+
+def _ratio(a: ReplicaFigures, b: ReplicaFigures) -> float | None:
+    if a.s_per_token is None or b.s_per_token is None or b.s_per_token <= 0:
+        return None
+    return a.s_per_token / b.s_per_token
 
 
 def enough(figures: Sequence[ReplicaFigures], settings: CanarySettings) -> bool:
@@ -89,26 +112,27 @@ def judge(canary: ReplicaFigures, siblings: tuple[ReplicaFigures, ...], aa_noise
     ``aa_noise`` is required with one sibling; ``windows_waited`` is the trial's age in windows."""
     if not siblings:
         raise ValueError("a canary needs at least one sibling on the old configuration")
-    if not enough((canary, *siblings), settings):
-        if windows_waited >= settings.max_windows:
-            return CanaryVerdict(ROLL_BACK, f"fewer than {settings.min_requests} requests on a side after {windows_waited:.1f} windows: "
-                                 "no evidence the new configuration is better", canary, siblings, None, None, None)
-        return CanaryVerdict(WAIT, f"fewer than {settings.min_requests} requests on a side", canary, siblings, None, None, None)
     if len(siblings) >= 2:
-        between = spread(siblings)
-        noise = Noise(between if between is not None else 0.0, "siblings", siblings)
+        noise = Noise(spread(siblings) or 0.0, "siblings", siblings)
     elif aa_noise is not None:
         noise = aa_noise
     else:
         raise ValueError("one sibling: the noise must come from an A/A window")
     margin = max(settings.min_margin, noise.spread)
     others = pooled("siblings", siblings)
-    assert canary.s_per_token is not None and others.s_per_token is not None  # enough() checked both
-    gain = 1.0 - canary.s_per_token / others.s_per_token if others.s_per_token > 0 else 0.0
+    gain = None  # the figures so far, logged with a verdict on too few requests too
+    if canary.s_per_token is not None and others.s_per_token:
+        ratio = noise.ratio if len(siblings) == 1 and noise.ratio else 1.0  # a/a: against what the slot did beside this sibling before
+        gain = 1.0 - canary.s_per_token / others.s_per_token / ratio
 
     def verdict(outcome: str, reason: str) -> CanaryVerdict:
         return CanaryVerdict(outcome, reason, canary, siblings, noise, margin, gain)
 
+    if not enough((canary, *siblings), settings) or gain is None:
+        if windows_waited >= settings.max_windows:
+            return verdict(ROLL_BACK, f"fewer than {settings.min_requests} requests on a side after {windows_waited:.1f} windows: "
+                                      "no evidence the new configuration is better")
+        return verdict(WAIT, f"fewer than {settings.min_requests} requests on a side")
     if canary.failed_share > others.failed_share:
         return verdict(ROLL_BACK, f"the canary failed {canary.failed_share:.1%} of its requests, its siblings {others.failed_share:.1%}")
     if canary.slo_share < others.slo_share - margin:

@@ -3,7 +3,8 @@ pool's traffic beside its unchanged siblings, and is judged against them (fleet.
 
 Phases, one trial at a time, through the same ``Mover`` as every other move:
   a/a        (one sibling only) the canary's slot and its sibling serve on the old configuration for
-             ``window_s`` from the request (longer until each finished ``min_requests``): their spread is the noise
+             ``window_s`` from the request (longer until each finished ``min_requests``): their ratio and
+             the noise (fleet.canary.aa_noise)
   starting   drain the canary, restart it in its pool with the new configuration, health, activate
   serving    both sides serve for ``window_s`` (longer while a side is short of requests); then the verdict
   adopting   the siblings restart with the new configuration one at a time (the pool keeps serving)
@@ -19,7 +20,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
-from fleet.canary import ADOPT, WAIT, CanarySettings, CanaryVerdict, Noise, enough, judge, spread
+from fleet.canary import ADOPT, WAIT, CanarySettings, CanaryVerdict, Noise, aa_noise, enough, judge
 from fleet.commands import Activate, Command
 from fleet.controller import TickOutput
 from fleet.decisions import Decision, Move
@@ -103,10 +104,11 @@ class CanaryTrials:
 
     def _measure_aa(self, now: float, trial: _Trial, slots: Mapping[str, SlotState]) -> TickOutput:
         # measured from the request on, not back from it: a window reaching back could hold an earlier trial's configurations
-        w = self.settings.window_s
-        figures = tuple(self.outcomes.figures(slot, trial.requested_at, now) for slot in (trial.canary, *trial.siblings))
-        if now - trial.requested_at >= w and enough(figures, self.settings):
-            trial.aa_noise = Noise(spread(figures) or 0.0, "a/a", figures)
+        w, start = self.settings.window_s, trial.requested_at
+        figures = (self.outcomes.figures(trial.canary, start, now), self.outcomes.figures(trial.siblings[0], start, now))
+        noise = aa_noise(*figures)
+        if now - start >= w and enough(figures, self.settings) and noise is not None:
+            trial.aa_noise = noise
             return TickOutput(self._start_canary(now, trial), self._advance(now, trial, slots))
         if now - trial.requested_at < self.settings.max_windows * w:
             return TickOutput([], [])
@@ -194,7 +196,8 @@ class CanaryTrials:
             reason=verdict.reason, old_config=trial.old_config_json, new_config=trial.new_config_json, window_s=round(
                 now - trial.serving_since if trial.serving_since is not None else self.settings.window_s, 3),
             canary_figures=record["canary_figures"], sibling_figures=record["sibling_figures"], noise=record["noise"],
-            noise_source=record["noise_source"], noise_figures=record["noise_figures"], margin=record["margin"], gain=record["gain"]))
+            noise_source=record["noise_source"], noise_figures=record["noise_figures"], aa_ratio=record["aa_ratio"], margin=record["margin"],
+            gain=record["gain"]))
 
     def _mover(self, moves: tuple[Move, ...], now: float) -> Mover:
         return Mover(moves, now, self.drain_timeout_s, self.start_timeout_s)

@@ -228,6 +228,7 @@ class CanaryEvidence(_Record):
     noise: float | None = None  # relative spread of s_per_token between replicas on one configuration
     noise_source: str | None = None  # "siblings" or "a/a" (canary slot and its sibling before the trial)
     noise_figures: dict[str, Any] | None = None
+    aa_ratio: float | None = None  # a/a: canary slot / sibling s_per_token before the trial; the gain is relative to it
     margin: float | None = None  # max(noise, min_margin): the gain needed to adopt
     gain: float | None = None  # 1 - canary s_per_token / siblings' s_per_token
 

@@ -8,6 +8,7 @@ replica's records over ``[since, until)`` on the caller's clock.
 
 from __future__ import annotations
 
+import math
 from collections import deque
 from dataclasses import dataclass
 from typing import Any
@@ -27,6 +28,9 @@ class ReplicaFigures:
     num_met_slo: int
     num_tokens: int
     s_per_token: float | None  # None: no successful request produced a token
+    # the coefficient of variation of each successful request's own seconds per token (its sampling noise:
+    # the relative standard error of s_per_token is about cv / sqrt(num_requests)); None with fewer than two
+    cv: float | None
     ttft_mean_s: float | None
     tpot_mean_s: float | None
 
@@ -40,16 +44,16 @@ class ReplicaFigures:
 
     def to_json(self) -> dict[str, Any]:
         return {"num_requests": self.num_requests, "num_failed": self.num_failed, "num_met_slo": self.num_met_slo,
-                "num_tokens": self.num_tokens, "s_per_token": _round(self.s_per_token), "ttft_mean_s": _round(self.ttft_mean_s),
+                "num_tokens": self.num_tokens, "s_per_token": _round(self.s_per_token), "cv": _round(self.cv), "ttft_mean_s": _round(self.ttft_mean_s),
                 "tpot_mean_s": _round(self.tpot_mean_s)}
 
 
 def pooled(slot: str, figures: tuple[ReplicaFigures, ...]) -> ReplicaFigures:
-    """Several replicas' figures as one (request- and token-weighted), named ``slot``."""
+    """Several replicas' figures as one (request- and token-weighted; no ``cv``), named ``slot``."""
     num_tokens = sum(f.num_tokens for f in figures)
     busy_s = sum(f.s_per_token * f.num_tokens for f in figures if f.s_per_token is not None)
     return ReplicaFigures(slot, sum(f.num_requests for f in figures), sum(f.num_failed for f in figures),
-                          sum(f.num_met_slo for f in figures), num_tokens, busy_s / num_tokens if num_tokens else None,
+                          sum(f.num_met_slo for f in figures), num_tokens, busy_s / num_tokens if num_tokens else None, None,
                           _weighted(figures, "ttft_mean_s"), _weighted(figures, "tpot_mean_s"))
 
 
@@ -70,7 +74,7 @@ class ReplicaOutcomes:
 
     def figures(self, replica: str, since: float, until: float) -> ReplicaFigures:
         num = failed = met = tokens = 0
-        busy_s, ttfts, tpots = 0.0, [], []
+        busy_s, ttfts, tpots, per_token = 0.0, [], [], []
         for at, ok, met_slo, answer_s, num_tokens, ttft_s, tpot_s in self._records.get(replica, ()):
             if not since <= at < until:
                 continue
@@ -82,11 +86,12 @@ class ReplicaOutcomes:
             if answer_s is not None and num_tokens > 0:
                 busy_s += answer_s
                 tokens += num_tokens
+                per_token.append(answer_s / num_tokens)
             if ttft_s is not None:
                 ttfts.append(ttft_s)
             if tpot_s is not None:
                 tpots.append(tpot_s)
-        return ReplicaFigures(replica, num, failed, met, tokens, busy_s / tokens if tokens else None,
+        return ReplicaFigures(replica, num, failed, met, tokens, busy_s / tokens if tokens else None, _cv(per_token),
                               sum(ttfts) / len(ttfts) if ttfts else None, sum(tpots) / len(tpots) if tpots else None)
 
 
@@ -94,6 +99,14 @@ def _weighted(figures: tuple[ReplicaFigures, ...], name: str) -> float | None:
     pairs = [(getattr(f, name), f.num_requests - f.num_failed) for f in figures if getattr(f, name) is not None]
     weight = sum(n for _, n in pairs)
     return sum(v * n for v, n in pairs) / weight if weight else None
+
+
+def _cv(values: list[float]) -> float | None:
+    if len(values) < 2:
+        return None
+    mean = sum(values) / len(values)
+    variance = sum((v - mean) ** 2 for v in values) / (len(values) - 1)
+    return math.sqrt(variance) / mean if mean > 0 else None
 
 
 def _round(value: float | None) -> float | None:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from fleet.canary import ADOPT, ROLL_BACK, WAIT, CanarySettings, Noise, judge
+from fleet.canary import ADOPT, ROLL_BACK, WAIT, CanarySettings, Noise, aa_noise, judge
 from fleet.canary_trial import CanaryTrials
 from fleet.commands import Activate, Command, Drain, Start, Stop
 from fleet.evidence import CanaryEvidence, RollbackEvidence, StepEvidence, VerifyEvidence
@@ -16,8 +16,8 @@ SETTINGS = CanarySettings(window_s=10.0, min_requests=5, min_margin=0.05)
 OLD, NEW = '{"max_running_requests":1}', '{"max_running_requests":4}'
 
 
-def _figures(slot: str, s_per_token: float, num: int = 20, failed: int = 0, met: int | None = None) -> ReplicaFigures:
-    return ReplicaFigures(slot, num, failed, num if met is None else met, 10 * (num - failed), s_per_token, 0.1, 0.01)
+def _figures(slot: str, s_per_token: float, num: int = 20, failed: int = 0, met: int | None = None, cv: float = 0.2) -> ReplicaFigures:
+    return ReplicaFigures(slot, num, failed, num if met is None else met, 10 * (num - failed), s_per_token, cv, 0.1, 0.01)
 
 
 def test_a_canary_faster_than_its_siblings_beyond_their_spread_is_adopted() -> None:
@@ -41,6 +41,19 @@ def test_one_sibling_uses_the_aa_noise_and_the_floor_margin() -> None:
     assert worse.outcome == ROLL_BACK and worse.gain == pytest.approx(-1.0)
     with pytest.raises(ValueError, match="A/A"):
         judge(_figures("a", 0.010), (_figures("b", 0.020),), None, 1.0, SETTINGS)
+
+
+def test_the_aa_window_gives_the_slots_ratio_and_its_sampling_error_as_noise() -> None:
+    whole = (_figures("a", 0.010, num=25, cv=0.5), _figures("b", 0.020, num=25, cv=0.5))
+    noise = aa_noise(*whole)
+    # relative standard error of the ratio: sqrt(2 x 0.25 / 25) = 0.141; twice (the trial's ratio), at 2 errors
+    assert noise is not None and noise.ratio == pytest.approx(0.5) and noise.spread == pytest.approx(0.4)
+    assert aa_noise(_figures("a", 0.010, num=100, cv=0.5), whole[1]).spread < noise.spread  # more requests, less noise
+    one_request = ReplicaFigures("a", 1, 0, 1, 10, 0.01, None, 0.1, None)
+    assert aa_noise(one_request, whole[1]) is None  # no spread yet: not measured
+    # the canary's slot was already twice as fast beside this sibling: the same ratio in the trial is no gain
+    verdict = judge(_figures("a", 0.010), (_figures("b", 0.020),), Noise(0.0, "a/a", whole, 0.5), 1.0, SETTINGS)
+    assert verdict.outcome == ROLL_BACK and verdict.gain == pytest.approx(0.0)
 
 
 def test_failures_or_missed_slos_roll_a_faster_canary_back() -> None:
@@ -119,7 +132,9 @@ def test_a_trial_with_one_sibling_measures_aa_then_adopts_or_rolls_back(better: 
     evidence = _run(trials, fleet, outcomes, 11.0, speeds)
     assert isinstance(evidence[0], StepEvidence) and fleet.applied[0] == Drain("chat-0")
     verdict = next(e for e in evidence if isinstance(e, CanaryEvidence))
-    assert verdict.noise_source == "a/a" and verdict.noise == pytest.approx(0.001 / 0.0205, abs=1e-4)
+    # constant speeds: no sampling noise; the gain is against the slots' A/A ratio
+    assert verdict.noise_source == "a/a" and verdict.noise == 0.0 and verdict.margin == 0.05
+    assert verdict.aa_ratio == pytest.approx(0.020 / 0.021, abs=1e-4) and verdict.gain == pytest.approx(0.5 if better else -0.5, abs=0.02)
     assert set(verdict.sibling_figures) == {"chat-1"} and verdict.canary_figures["num_requests"] >= 5
     if better:
         assert verdict.outcome == "adopt" and isinstance(evidence[-1], VerifyEvidence)
