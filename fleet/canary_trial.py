@@ -54,6 +54,7 @@ class CanaryTrials:
         self.drain_timeout_s = drain_timeout_s
         self.start_timeout_s = start_timeout_s
         self._trial: _Trial | None = None
+        self.num_rolled_back = 0  # verdicts that sent a canary back (the controller backs off after one)
 
     @property
     def busy(self) -> bool:
@@ -163,6 +164,7 @@ class CanaryTrials:
     def _roll_back(self, now: float, trial: _Trial, verdict: CanaryVerdict) -> list[Decision]:
         undo = Move(trial.canary, trial.pool, trial.pool, trial.old_config_json)
         trial.phase, trial.mover = "rolling back", self._mover((undo,), now)
+        self.num_rolled_back += 1
         return [self._decision(now, trial, verdict),
                 Decision(now, RollbackEvidence(source=trial.source, reason=verdict.reason), (undo,))]
 
@@ -181,6 +183,7 @@ class CanaryTrials:
         if mover.failed:  # the canary (or a sibling while adopting) never became healthy: it goes back
             undo = tuple(m.reversed(trial.old_config_json) for m in mover.failed)
             trial.phase, trial.mover = "rolling back", self._mover(undo, now)
+            self.num_rolled_back += 1
             return [Decision(now, RollbackEvidence(source=trial.source, reason="replica never became healthy", never_healthy=tuple(
                 m.slot for m in mover.failed), start_timeout_s=self.start_timeout_s), undo)]
         if trial.phase == "adopting" and trial.pending:

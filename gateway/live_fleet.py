@@ -163,7 +163,8 @@ class LiveFleet:
             telemetry = self.telemetry.of(model)
             # a compiled-configuration source compiles for one model (CompileSettings.model)
             configs = self.configs if len(models) == 1 else None
-            controllers[model] = Controller(settings, telemetry, capacity, telemetry.window(0.0), configs)
+            canary = CanaryTrials(self.state.replica_outcomes, self.settings.canary) if self.settings.canary.enabled else None
+            controllers[model] = Controller(settings, telemetry, capacity, telemetry.window(0.0), configs, canary)
         rebalance = (RebalanceSettings(self.settings.rebalance_cooldown_s, self.settings.rebalance_min_gain)
                      if self.settings.rebalance else None)
         self.controller = MultiController(controllers, self.split.slot_to_model, rebalance)

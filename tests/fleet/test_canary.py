@@ -2,15 +2,28 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+from pathlib import Path
+
 import pytest
 
 from fleet.canary import ADOPT, ROLL_BACK, WAIT, CanarySettings, Noise, aa_noise, judge
 from fleet.canary_trial import CanaryTrials
 from fleet.commands import Activate, Command, Drain, Start, Stop
+from fleet.compile_sources import VirtualTimeConfigSource
+from fleet.controller import Controller, ControllerSettings
+from fleet.decisions import Decision
+from fleet.drift import DriftSettings
 from fleet.evidence import CanaryEvidence, RollbackEvidence, StepEvidence, VerifyEvidence
 from fleet.operator import MoveRefused
+from fleet.options import pool_options
 from fleet.replica_outcomes import ReplicaFigures, ReplicaOutcomes
 from fleet.rollout import SlotState
+from fleet.telemetry import Telemetry
+from kernels.compiler import TrialStore
+from tests.fleet.test_compiled_configs import GPU, MODEL, EnvelopeCompiledFaster, _feed
+from tests.fleet.test_compiled_configs import SETTINGS as COMPILE
+from tests.fleet.test_planner_rollout import FakeActuator, tick
 
 SETTINGS = CanarySettings(window_s=10.0, min_requests=5, min_margin=0.05)
 OLD, NEW = '{"max_running_requests":1}', '{"max_running_requests":4}'
@@ -155,3 +168,49 @@ def test_a_trial_is_refused_for_a_pool_of_one_or_the_same_configuration() -> Non
     with pytest.raises(MoveRefused) as unknown:
         trials.request(0.0, [], "nope", NEW)
     assert unknown.value.status == 404
+
+
+@pytest.mark.parametrize("better", [True, False])
+def test_the_controller_canaries_an_in_place_recompile_before_the_pool_follows(tmp_path: Path, better: bool) -> None:
+    """The compile test's drift (tests/fleet/test_compiled_configs.py) with canaries on: the 4-replica pool's
+    recompile restarts one replica, judged against the 3 others; adopted, they follow; rolled back, only it restarts."""
+    tel, outcomes = Telemetry(), ReplicaOutcomes()
+    _feed(tel, 0.0, 200.0, 4.0, 1000)
+    reference = tel.window(200.0)
+    settings = ControllerSettings(MODEL, {GPU: 4}, drift=DriftSettings(min_interval_s=0.0), max_step_fraction=1.0)
+    pool = f"long-context@{GPU}"
+    with TrialStore(tmp_path / "t.sqlite3") as store:
+        source = VirtualTimeConfigSource(COMPILE, store, s_per_trial=1.0)
+        at_once = source.at_once()
+        start = pool_options(reference.shapes, (GPU,), EnvelopeCompiledFaster({"long-context": 2.0}, at_once), settings.tiers, at_once)
+        trials = CanaryTrials(outcomes, CanarySettings(window_s=20.0, min_requests=5))
+        controller = Controller(settings, tel, EnvelopeCompiledFaster({"long-context": 2.0}, source), reference, source, trials)
+        controller.options = start
+        old = start.configs_json()[pool]
+        actuator = FakeActuator({}, restart_s=0.0)
+        slots = {f"{GPU}/{k}": SlotState(f"{GPU}/{k}", pool, GPU, old) for k in range(4)}
+        _feed(tel, 200.0, 600.0, 8.0, 8000)  # prompts 8x longer: a compile, then a recompile of the pool
+        made: list[Decision] = []
+        for now in range(205, 600, 5):
+            # each replica serves at its configuration's speed: the compiled one twice as fast (or half as fast)
+            for name, slot in slots.items():
+                per_token = 0.02 if slot.config_json == old else (0.01 if better else 0.04)
+                for k in range(3):
+                    outcomes.record(now - 5 + k, name, True, True, per_token * 10, None, 10)
+            made += tick(controller, actuator, float(now), list(slots.values()))
+            slots = {name: replace(s, config_json=actuator.slot_to_pool.get(name, (pool, s.config_json))[1]) for name, s in slots.items()}
+    verdict = next(d.evidence for d in made if isinstance(d.evidence, CanaryEvidence))
+    assert verdict.source is None and verdict.noise_source == "siblings" and len(verdict.siblings) == 3
+    starts = [(slot, at) for kind, slot, at in actuator.calls if kind == "start"]
+    canary_at = next(d.at for d in made if isinstance(d.evidence, CanaryEvidence))
+    assert [slot for slot, at in starts if at < canary_at] == [verdict.canary]  # one replica first
+    if better:
+        assert verdict.outcome == "adopt" and {s.config_json for s in slots.values()} == {made_config(made)}
+    else:
+        assert verdict.outcome == "roll back" and {s.config_json for s in slots.values()} == {old}
+        assert {slot for slot, _ in starts} == {verdict.canary} and controller.backing_off(canary_at + 1)
+
+
+def made_config(made: list[Decision]) -> str:
+    """The configuration the recompile moved to."""
+    return next(d.moves[0].config_json for d in made if d.kind == "recompile")
