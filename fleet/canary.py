@@ -60,7 +60,7 @@ class CanaryVerdict:
     reason: str
     canary: ReplicaFigures
     siblings: tuple[ReplicaFigures, ...]
-    noise: Noise | None  # None: not measured yet (too few requests)
+    noise: Noise | None  # None: the trial ended before a verdict (too few requests in the A/A window, the canary gone)
     margin: float | None
     gain: float | None  # 1 - canary s_per_token / siblings' pooled s_per_token
 
