@@ -23,6 +23,7 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
+from typing import TYPE_CHECKING
 
 from fleet.capacity import CapacityModel
 from fleet.commands import Command
@@ -37,6 +38,9 @@ from fleet.rollout import Mover, SlotState, batch_moves, diff_moves
 from fleet.telemetry import Telemetry, TrafficMix
 from kernels.config import EngineConfig
 from kernels.tiers import DEFAULT_TIERS, TierSlo
+
+if TYPE_CHECKING:  # fleet.canary_trial imports this module (TickOutput)
+    from fleet.canary_trial import CanaryTrials
 
 
 @dataclass(frozen=True, slots=True)
@@ -105,6 +109,7 @@ class Controller:
         capacity: CapacityModel,
         reference_mix: TrafficMix,
         configs: ConfigSource | None = None,
+        canary: CanaryTrials | None = None,
     ) -> None:
         self.settings = settings
         self.configs = configs  # compiled configurations (fleet.compiled); None: the fixed candidates only
@@ -127,6 +132,10 @@ class Controller:
         s = settings
         self.start_timeout_s = s.start_timeout_s or s.start_timeout_margin * max(
             (s.move_cost.restart_s(s.model, gpu, EngineConfig()) for gpu in s.gpu_to_budget), default=60.0)
+        # given (fleet.controller.canary.enabled, where the edge records each replica's outcomes): an in-place
+        # recompile of a pool of two or more replicas trials one of them first; the rest follow if it is adopted
+        self._canary = canary
+        self._canary_queue: list[tuple[str, str]] = []  # (pool, config JSON) recompiles waiting for their trial
 
     def budget(self) -> dict[str, int]:
         """GPU slots the planner may allocate: the configured budget less the slots that are gone."""
@@ -137,7 +146,7 @@ class Controller:
 
     @property
     def busy(self) -> bool:
-        return self._rollout is not None
+        return self._rollout is not None or self._canary is not None and (self._canary.busy or bool(self._canary_queue))
 
     def backing_off(self, now: float) -> bool:
         """A rolled-back plan's back-off runs: no plan is made before it ends."""
@@ -160,6 +169,8 @@ class Controller:
         out = self._note_dead(now, slots)
         if self._rollout is not None:
             return out + self._advance(now, slots)
+        if self._canary is not None and (self._canary.busy or self._canary_queue):
+            return out + self._advance_canary(now, slots)
         if now < self._backoff_until:
             return out
         if self.configs is not None:
@@ -258,8 +269,10 @@ class Controller:
         if recompiled:
             out.append(Decision(now, RecompileEvidence(reason="the shape's length profile changed its best configuration"), tuple(recompiled)))
             self.num_recompiles += len(recompiled)
+            recompiled = self._queue_canaries(recompiled, slots)
+            moves = [m for m in moves if m.from_pool != m.to_pool] + recompiled
         if not moves:
-            return out
+            return out + (self._advance_canary(now, slots) if self._canary_queue else [])
         self.num_repartitions += 1
         old = {slot.slot: slot.config_json for slot in slots}
         # A fleet already missing its demand cannot judge a step (its verification is skipped, see
@@ -273,6 +286,42 @@ class Controller:
                  + batch_moves(recompiled, len(slots), s.max_step_fraction))
         self._rollout = _Rollout(new_plan, planned, steps, slot_to_old_config=old)  # verify predicts with the discount
         return out + self._start_step(now)
+
+    def _queue_canaries(self, recompiled: list[Move], slots: list[SlotState]) -> list[Move]:
+        """With canaries on: each pool whose two or more replicas all recompile to one configuration waits for its
+        trial (queued, one pool at a time after the rollout); the other recompiles stay steps."""
+        if self._canary is None:
+            return recompiled
+        by_pool: dict[str, list[Move]] = {}
+        for move in recompiled:
+            by_pool.setdefault(move.to_pool, []).append(move)
+        left: list[Move] = []
+        for pool, pool_moves in by_pool.items():
+            members = {s.slot for s in slots if s.pool == pool}
+            if len(members) >= 2 and members == {m.slot for m in pool_moves} and len({m.config_json for m in pool_moves}) == 1:
+                self._canary_queue.append((pool, pool_moves[0].config_json))
+            else:
+                left += pool_moves
+        return left
+
+    def _advance_canary(self, now: float, slots: list[SlotState]) -> list[Decision]:
+        """The running trial's next tick, or the next queued pool's trial; a rolled-back canary backs off as a failed step."""
+        assert self._canary is not None
+        rolled_back = self._canary.num_rolled_back
+        if self._canary.busy:
+            out = self._canary.tick(now, slots)
+        else:
+            pool, config_json = self._canary_queue.pop(0)
+            try:
+                out = self._canary.request(now, slots, pool, config_json)
+            except ValueError:  # MoveRefused: the pool changed since the plan (a slot died); its replicas keep their configuration
+                return []
+        self._commands += out.commands
+        if self._canary.num_rolled_back > rolled_back:
+            self._num_failures += 1
+            self._backoff_until = now + self.settings.backoff_s * 2 ** (self._num_failures - 1)
+            self._canary_queue.clear()  # the plan these came from is not what runs now
+        return out.decisions
 
     def _start_step(self, now: float) -> list[Decision]:
         rollout = self._rollout

@@ -207,13 +207,39 @@ class RebalanceEvidence(_Record):
     reason: str
 
 
+@dataclass(frozen=True, slots=True, kw_only=True)
+class CanaryEvidence(_Record):
+    """A canary trial's verdict (fleet.canary): one replica of ``pool`` on ``new_config`` against its siblings on
+    ``old_config`` over the same window; ``adopt`` (the siblings follow), ``roll back`` (the canary restarts on the
+    old configuration) or ``abandoned`` (too few requests to measure the noise before it began)."""
+
+    kind: ClassVar[str] = "canary"
+    source: str | None = None  # "operator" for POST /admin/canary; absent for the controller
+    pool: str
+    canary: str  # its slot
+    siblings: tuple[str, ...]
+    outcome: str
+    reason: str
+    old_config: str
+    new_config: str
+    window_s: float  # how long both sides were measured (fleet seconds)
+    canary_figures: dict[str, Any]  # fleet.replica_outcomes.ReplicaFigures.to_json()
+    sibling_figures: dict[str, Any]  # slot -> figures, over the same window
+    noise: float | None = None  # relative spread of s_per_token between replicas on one configuration
+    noise_source: str | None = None  # "siblings" or "a/a" (canary slot and its sibling before the trial)
+    noise_figures: dict[str, Any] | None = None
+    aa_ratio: float | None = None  # a/a: canary slot / sibling s_per_token before the trial; the gain is relative to it
+    margin: float | None = None  # max(noise, min_margin): the gain needed to adopt
+    gain: float | None = None  # 1 - canary s_per_token / siblings' s_per_token
+
+
 Evidence = (DriftEvidence | CapacityEvidence | PlanEvidence | RecompileEvidence | StepEvidence | VerifyEvidence
-            | RollbackEvidence | CompileEvidence | CompiledEvidence | RebalanceEvidence)
+            | RollbackEvidence | CompileEvidence | CompiledEvidence | RebalanceEvidence | CanaryEvidence)
 
 KIND_TO_RECORD: dict[str, type[Evidence]] = {
     record.kind: record
     for record in (DriftEvidence, PlanEvidence, StepEvidence, VerifyEvidence, RollbackEvidence, RecompileEvidence,
-                   CapacityEvidence, CompileEvidence, CompiledEvidence, RebalanceEvidence)
+                   CapacityEvidence, CompileEvidence, CompiledEvidence, RebalanceEvidence, CanaryEvidence)
 }
 KINDS = tuple(KIND_TO_RECORD)
 _KIND_TO_HINTS = {kind: get_type_hints(record) for kind, record in KIND_TO_RECORD.items()}

@@ -170,6 +170,38 @@ class AdminHandlers:
         return web.Response(status=202, body=orjson.dumps({"move": {"replica": body["replica"], "to_pool": body["to_pool"]},
                                                            "decisions": [d.to_json(offset) for d in decisions]}), content_type=_JSON)
 
+    async def admin_canary(self, request: web.Request) -> web.Response:
+        """``POST /admin/canary`` ``{"pool": POOL, "config": {KNOB: VALUE, ...}}``: one replica of the pool restarts with
+        the pool's engine configuration changed so, serves beside its siblings, and is adopted (the siblings follow)
+        or rolled back by the canary judge (fleet.canary; 202: begun; the verdict is a ``canary`` decision)."""
+        try:
+            self._check_admin(request)
+            if request.method != "POST":
+                raise ApiError(405, "Use POST with {\"pool\": POOL, \"config\": {...}}.", "method_not_allowed")
+            try:
+                body = orjson.loads(await request.read())
+            except orjson.JSONDecodeError:
+                raise ApiError(400, "The body must be a JSON object.", "invalid_json") from None
+            if not isinstance(body, dict):
+                raise ApiError(400, "The body must be a JSON object.", "invalid_json")
+            if not isinstance(body.get("pool"), str) or not body["pool"]:
+                raise ApiError(400, "'pool' must be a non-empty string.", "invalid_value", "pool")
+            config = body.get("config")
+            if not isinstance(config, dict) or not config:
+                raise ApiError(400, "'config' must be a non-empty object of engine configuration fields.", "invalid_value", "config")
+            trial = getattr(self.state.live, "request_canary", None)
+            if trial is None:
+                raise ApiError(409, "This gateway launches no replicas (replicas: {launch: N}), so it has none to trial.", "no_launched_replicas")
+            try:
+                decisions = trial(body["pool"], config)
+            except MoveRefused as exc:
+                raise ApiError(exc.status, str(exc), "canary_refused", "config" if exc.status == 400 else None) from None
+        except ApiError as err:
+            return error_response(err)
+        offset = self.state.decisions.clock_offset_s
+        return web.Response(status=202, body=orjson.dumps({"canary": {"pool": body["pool"], "config": config},
+                                                           "decisions": [d.to_json(offset) for d in decisions]}), content_type=_JSON)
+
     async def admin_decisions(self, request: web.Request) -> web.Response:
         try:
             self._check_admin(request)

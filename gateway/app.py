@@ -330,6 +330,9 @@ class Handlers:
             self.state.series.record(time.time(), shape.name, tier, outcome.pool, outcome.status == 200, met_slo, outcome.ttft_s, outcome.tpot_s)
             if self.state.live is not None:
                 self.state.live.telemetry.record_outcome(self.state.live.now(), shape.name, outcome.pool, met_slo, outcome.completion_tokens or 0, model)
+                if outcome.replica != "-":
+                    self.state.replica_outcomes.record(self.state.live.now(), outcome.replica, outcome.status == 200 and outcome.stream_error is None,
+                                                       met_slo, outcome.ttft_s, outcome.tpot_s, outcome.completion_tokens or 0)
         if outcome.completion_tokens is not None:
             metrics.child(metrics.tokens, tenant, meter.output_kind).inc(outcome.completion_tokens)
             if shape is not None and outcome.status == 200 and meter.learns_output:
@@ -487,6 +490,7 @@ def build_app(
     router.add_get("/admin/state", admin.admin_state, allow_head=False)
     router.add_get("/admin/decisions", admin.admin_decisions, allow_head=False)
     router.add_route("*", "/admin/move", admin.admin_move)
+    router.add_route("*", "/admin/canary", admin.admin_canary)
     router.add_get("/openapi.json", h.openapi, allow_head=False)
     add_dashboard_routes(
         app,

@@ -20,6 +20,7 @@ import orjson
 
 from classifiers.config import ClassifierConfigError, rules_from_mapping
 from classifiers.shape import ShapeRules, default_shape_rules
+from fleet.canary import CanarySettings
 from fleet.engines.launch import EngineLaunch
 from fleet.engines.load import ENGINE_KINDS
 from fleet.kubernetes_manifests import KubernetesSettings
@@ -157,6 +158,7 @@ class ControllerSettingsFile:
     rebalance: bool = True
     rebalance_cooldown_s: float = 300.0  # fleet seconds between two such moves
     rebalance_min_gain: float = 0.05  # the receiver's predicted goodput must rise by more than this share of its demand
+    canary: CanarySettings = CanarySettings()  # trial a configuration on one replica of a pool first (fleet.canary)
 
 
 @dataclass(frozen=True, slots=True)
@@ -615,7 +617,7 @@ def _controller(doc: YamlDoc, base: Path, raw: object) -> ControllerSettingsFile
     r = _Reader(doc, ("fleet", "controller"), raw,
                 {"enabled", "tick_s", "decision_log", "capacity_cache", "mode", "url", "state_file", "report_s", "compile_store",
                  "leader_election", "lease_name", "lease_duration_s", "renew_every_s", "rebalance", "rebalance_cooldown_s",
-                 "rebalance_min_gain"})
+                 "rebalance_min_gain", "canary"})
     log, cache, state = r.text("decision_log", None), r.text("capacity_cache", None), r.text("state_file", None)
     mode = r.text("mode", "embedded")
     if mode not in ("embedded", "external"):
@@ -654,6 +656,18 @@ def _controller(doc: YamlDoc, base: Path, raw: object) -> ControllerSettingsFile
         rebalance=r.flag("rebalance", True),
         rebalance_cooldown_s=r.number("rebalance_cooldown_s", 300.0, hi=86400),
         rebalance_min_gain=r.number("rebalance_min_gain", 0.05, hi=0.99),
+        canary=_canary(doc, r.data.get("canary")),
+    )
+
+
+def _canary(doc: YamlDoc, raw: object) -> CanarySettings:
+    r = _Reader(doc, ("fleet", "controller", "canary"), raw, {"enabled", "window_s", "min_requests", "min_margin", "max_windows"})
+    return CanarySettings(
+        enabled=r.flag("enabled", False),
+        window_s=r.number("window_s", 120.0, lo=1.0, hi=86400),
+        min_requests=r.number("min_requests", 20, lo=1, hi=1_000_000, integer=True),
+        min_margin=r.number("min_margin", 0.05, hi=0.99),
+        max_windows=r.number("max_windows", 3.0, lo=1.0, hi=100),
     )
 
 

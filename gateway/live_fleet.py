@@ -29,6 +29,7 @@ from typing import TYPE_CHECKING
 
 import orjson
 
+from fleet.canary_trial import CanaryTrials
 from fleet.capacity import PerfCapacity
 from fleet.commands import Command, apply
 from fleet.controller import Controller, ControllerSettings, TickOutput
@@ -142,6 +143,7 @@ class LiveFleet:
         self.pool_to_model: dict[str, PoolModel] = {}
         self.ejections = EjectionWatch()
         self.operator = OperatorMoves()
+        self.canary = CanaryTrials(state.replica_outcomes, settings.canary)
 
     def adopt(self) -> None:
         """Each launched slot belongs to the model of the pool it serves in now; the slots of a model are
@@ -161,7 +163,8 @@ class LiveFleet:
             telemetry = self.telemetry.of(model)
             # a compiled-configuration source compiles for one model (CompileSettings.model)
             configs = self.configs if len(models) == 1 else None
-            controllers[model] = Controller(settings, telemetry, capacity, telemetry.window(0.0), configs)
+            canary = CanaryTrials(self.state.replica_outcomes, self.settings.canary) if self.settings.canary.enabled else None
+            controllers[model] = Controller(settings, telemetry, capacity, telemetry.window(0.0), configs, canary)
         rebalance = (RebalanceSettings(self.settings.rebalance_cooldown_s, self.settings.rebalance_min_gain)
                      if self.settings.rebalance else None)
         self.controller = MultiController(controllers, self.split.slot_to_model, rebalance)
@@ -180,8 +183,35 @@ class LiveFleet:
                                    "a move between models' pools is not supported (each model's controller owns its slots)")
         if self.controller is not None and self.controller.busy:
             raise MoveRefused(409, "the fleet controller is carrying out a repartition; try again when it is done")
+        if self.canary.busy:
+            raise MoveRefused(409, f"a canary of pool {self.canary.pool!r} is running; try again when it is done")
         now = self.now()
         out = self.operator.request(now, self.snapshot(now), replica, to_pool, config_json)
+        self._apply(out, now)
+        return out.decisions
+
+    def request_canary(self, pool: str, changes: Mapping[str, object]) -> list[Decision]:
+        """Trial the pool's engine configuration with ``changes`` (EngineConfig knobs) on one replica of ``pool``
+        against its siblings (fleet.canary_trial); its first commands are applied at once. Raises ``MoveRefused``
+        (with the HTTP status) when it cannot start."""
+        now = self.now()
+        slots = self.snapshot(now)
+        current = next((s.config_json for s in sorted(slots, key=lambda s: s.slot) if s.pool == pool), None)
+        if current is None:
+            raise MoveRefused(404, f"no replica launched by this gateway serves in pool {pool!r}")
+        merged = {**orjson.loads(current), **changes}
+        try:
+            old, new = EngineConfig.from_dict(orjson.loads(current)), EngineConfig.from_dict(merged)
+        except (ValueError, TypeError) as exc:
+            raise MoveRefused(400, f"config: {exc}") from None
+        if new.num_gpus != old.num_gpus:
+            raise MoveRefused(400, f"config: a canary restarts on its slot's {old.num_gpus} device(s); tp x dp must stay {old.num_gpus}")
+        if self.operator.busy:
+            raise MoveRefused(409, f"replica {self.operator.moving} is being moved; try again when it is done")
+        if self.controller is not None and self.controller.busy:
+            raise MoveRefused(409, "the fleet controller is carrying out a repartition; try again when it is done")
+        config_json = orjson.dumps(merged, option=orjson.OPT_SORT_KEYS).decode()  # as PoolSpec.config_json spells it
+        out = self.canary.request(now, slots, pool, config_json, source="operator")
         self._apply(out, now)
         return out.decisions
 
@@ -312,6 +342,8 @@ class LiveFleet:
                 now = self.now()
                 if self.operator.busy:  # the controller waits for it: both would move the same slots
                     self._apply(self.operator.tick(now, self.snapshot(now)), now)
+                elif self.canary.busy:  # so it does for a canary trial
+                    self._apply(self.canary.tick(now, self.snapshot(now)), now)
                 elif self.controller is not None and loop.time() >= controller_at - 1e-3:
                     controller_at = loop.time() + tick_s
                     commands = await loop.run_in_executor(self.executor, self._tick, now, self.snapshot(now))

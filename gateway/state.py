@@ -11,6 +11,7 @@ import aiohttp
 
 from fleet.decisions import DecisionLog
 from fleet.health import HealthState
+from fleet.replica_outcomes import ReplicaOutcomes
 from gateway.accesslog import AccessLog
 from gateway.config import GatewayConfig
 from gateway.metrics import GatewayMetrics
@@ -51,6 +52,7 @@ class GatewayState:
         self.access_log = AccessLog() if config.server.access_log else None
         self.series = Series()
         self.decisions = DecisionLog()
+        self.replica_outcomes = ReplicaOutcomes()  # per replica, on the fleet clock: what canary trials compare
         self.started_at = time.time()
         self.session: aiohttp.ClientSession | None = None  # probes and model discovery only
         self.upstream_pool: UpstreamPool | None = None

@@ -15,6 +15,7 @@ from fleet.decisions import Decision, DecisionLog, LoggedMove, Move, read_decisi
 from fleet.drift import DriftSettings
 from fleet.evidence import (
     KINDS,
+    CanaryEvidence,
     CapacityEvidence,
     CompiledEvidence,
     CompileEvidence,
@@ -56,6 +57,10 @@ EVERY_FIELD: tuple[Evidence, ...] = (
     RebalanceEvidence(gpu="H200", slot="G/3", from_model="m1", to_model="m2", from_pool="chat", from_goodput_before_rps=1.5,
                       from_goodput_after_rps=1.5, from_demand_rps=1.5, to_goodput_before_rps=2.0, to_goodput_after_rps=2.75,
                       to_demand_rps=3.0, reason="m2's plan needs another H200 slot"),
+    CanaryEvidence(source="operator", pool="chat", canary="chat-0", siblings=("chat-1",), outcome="adopt", reason="faster",
+                   old_config='{"max_running_requests":1}', new_config='{"max_running_requests":4}', window_s=20.0,
+                   canary_figures={"num_requests": 30, "s_per_token": 0.01}, sibling_figures={"chat-1": {"num_requests": 25, "s_per_token": 0.02}},
+                   noise=0.1, noise_source="a/a", noise_figures={"chat-0": {"num_requests": 20}}, margin=0.1, gain=0.5),
 )
 
 

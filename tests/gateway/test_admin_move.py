@@ -56,16 +56,18 @@ def _until(predicate: Callable[[], bool], timeout_s: float, what: str) -> None:
 
 
 class _Load:
-    """Requests through the gateway from two client threads until stopped: every outcome is counted."""
+    """Requests through the gateway from ``num_threads`` client threads until stopped: every outcome is counted.
+    Each request's user message begins with its own number; ``system``, when given, is a system prompt they all share."""
 
-    def __init__(self, url: str, model: str, max_tokens: int) -> None:
+    def __init__(self, url: str, model: str, max_tokens: int, num_threads: int = 2, system: str | None = None) -> None:
         self.client = openai.OpenAI(base_url=f"{url}/v1", api_key=KEY, max_retries=0, timeout=60)
         self.model, self.max_tokens = model, max_tokens
+        self.system: list[dict[str, str]] = [{"role": "system", "content": system}] if system else []
         self.ok = 0
         self.failed: list[str] = []
         self.replicas: set[str] = set()
         self._stop = threading.Event()
-        self._threads = [threading.Thread(target=self._run, daemon=True) for _ in range(2)]
+        self._threads = [threading.Thread(target=self._run, daemon=True) for _ in range(num_threads)]
 
     def __enter__(self) -> _Load:
         for thread in self._threads:
@@ -82,7 +84,8 @@ class _Load:
         while not self._stop.is_set():
             try:
                 raw = self.client.chat.completions.with_raw_response.create(
-                    model=self.model, messages=[{"role": "user", "content": "Tell me about the sea."}], max_tokens=self.max_tokens)
+                    model=self.model, messages=[*self.system, {"role": "user", "content": f"{self.ok + len(self.failed)}. Tell me about the sea."}],
+                    max_tokens=self.max_tokens)
                 raw.parse()
                 self.ok += 1
                 self.replicas.add(raw.headers["x-polymorph-replica"])
