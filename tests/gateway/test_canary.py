@@ -101,6 +101,7 @@ def _caching(state: dict[str, Any], name: str) -> bool:
 
 
 @pytest.mark.slow
+@pytest.mark.serial  # the verdict compares two replicas' speeds: another worker's load on the cores would be noise
 def test_a_real_llamacpp_canary_adopts_a_better_configuration_and_rolls_back_a_worse_one(
         tmp_path: Path, llama_server_bin: Path, tiny_gguf: Path) -> None:
     # Every request shares a ~250-token system prompt and asks for 4 tokens, so prefill is most of a request's
