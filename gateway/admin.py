@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from typing import Any
 
 import orjson
 from aiohttp import web
@@ -146,14 +147,7 @@ class AdminHandlers:
         follow it in ``/admin/decisions`` and ``/admin/state``)."""
         try:
             self._check_admin(request)
-            if request.method != "POST":
-                raise ApiError(405, "Use POST with {\"replica\": NAME, \"to_pool\": POOL}.", "method_not_allowed")
-            try:
-                body = orjson.loads(await request.read())
-            except orjson.JSONDecodeError:
-                raise ApiError(400, "The body must be a JSON object.", "invalid_json") from None
-            if not isinstance(body, dict):
-                raise ApiError(400, "The body must be a JSON object.", "invalid_json")
+            body = await _posted_object(request, "{\"replica\": NAME, \"to_pool\": POOL}")
             for key in ("replica", "to_pool"):
                 if not isinstance(body.get(key), str) or not body[key]:
                     raise ApiError(400, f"{key!r} must be a non-empty string.", "invalid_value", key)
@@ -176,14 +170,7 @@ class AdminHandlers:
         or rolled back by the canary judge (fleet.canary; 202: begun; the verdict is a ``canary`` decision)."""
         try:
             self._check_admin(request)
-            if request.method != "POST":
-                raise ApiError(405, "Use POST with {\"pool\": POOL, \"config\": {...}}.", "method_not_allowed")
-            try:
-                body = orjson.loads(await request.read())
-            except orjson.JSONDecodeError:
-                raise ApiError(400, "The body must be a JSON object.", "invalid_json") from None
-            if not isinstance(body, dict):
-                raise ApiError(400, "The body must be a JSON object.", "invalid_json")
+            body = await _posted_object(request, "{\"pool\": POOL, \"config\": {...}}")
             if not isinstance(body.get("pool"), str) or not body["pool"]:
                 raise ApiError(400, "'pool' must be a non-empty string.", "invalid_value", "pool")
             config = body.get("config")
@@ -215,3 +202,15 @@ class AdminHandlers:
         entries = [{**entry, "summary": _summary(entry)} for entry in self.state.decisions.tail(limit)]
         return web.Response(body=orjson.dumps({"decisions": entries, "log": self.state.decisions.health()}), content_type=_JSON)
 
+
+async def _posted_object(request: web.Request, shape: str) -> dict[str, Any]:
+    """The JSON object an admin action was POSTed with (``shape`` tells a wrong method how to call it)."""
+    if request.method != "POST":
+        raise ApiError(405, f"Use POST with {shape}.", "method_not_allowed")
+    try:
+        body = orjson.loads(await request.read())
+    except orjson.JSONDecodeError:
+        raise ApiError(400, "The body must be a JSON object.", "invalid_json") from None
+    if not isinstance(body, dict):
+        raise ApiError(400, "The body must be a JSON object.", "invalid_json")
+    return body
