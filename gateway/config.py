@@ -62,6 +62,8 @@ class UpstreamSettings:
     # per pool: requests waiting for a replica's room when the pool is saturated (0: no queues)
     queue_max_len: int = 1024
     engine_metrics_interval_s: float = 1.0  # how often each replica engine's /metrics is read (gateway.engine_scrape)
+    # how long a request may wait while every replica of its model restarts (gateway.restart_waits; 0: not at all)
+    restart_hold_s: float = 30.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -310,6 +312,7 @@ def _upstream(doc: YamlDoc) -> UpstreamSettings:
         health_interval_s=r.number("health_interval_s", d.health_interval_s, lo=0.05, hi=3600),
         queue_max_len=r.number("queue_max_len", d.queue_max_len, lo=0, hi=1_000_000, integer=True),
         engine_metrics_interval_s=r.number("engine_metrics_interval_s", d.engine_metrics_interval_s, lo=0.05, hi=3600),
+        restart_hold_s=r.number("restart_hold_s", d.restart_hold_s, lo=0, hi=3600),
     )
 
 

@@ -39,6 +39,7 @@ from fleet.operator import MoveRefused, OperatorMoves
 from fleet.options import DeclaredPool, Options, PoolModel, pool_models
 from fleet.pool import PoolState, ReplicaState
 from fleet.rebalance import RebalanceSettings
+from fleet.restart_hold import Restart
 from fleet.rollout import SlotState
 from gateway.background import BackgroundTask
 from gateway.config import ControllerSettingsFile, GatewayConfig
@@ -82,6 +83,7 @@ def swap_pools(state: GatewayState, pools: tuple[PoolState, ...]) -> None:
     state.runtime = dataclasses.replace(state.runtime, pools=pools, replica_by_name={r.name: r for p in pools for r in p.replicas})
     if state.proxy is not None:
         state.proxy.waits.attach(state.runtime, asyncio.get_running_loop().time())
+        state.proxy.holds.wake(asyncio.get_running_loop().time())  # a replica back in service takes the requests held for it
 
 
 EJECTED_DEAD_AFTER_COOLDOWNS = 3.0  # a replica out of service this many eject cool-downs in a row is lost
@@ -319,8 +321,25 @@ class LiveFleet:
             except Exception as exc:  # noqa: BLE001 (the gateway keeps routing on the last plan)
                 print(f"polymorph: controller tick failed, keeping the current plan: {exc!r}", flush=True)
 
+    def restarts(self) -> list[Restart]:
+        """Launched replicas out of service for a move that brings them back (fleet.restart_hold): draining
+        ones, in the pool they leave, and started ones not yet routed, in the pool they start in."""
+        routed, out = self.state.runtime.replica_by_name, []
+        for slot, model in self.split.slot_to_model.items():
+            replica = routed.get(slot)
+            if replica is not None:
+                if replica.draining:
+                    out.append(Restart(slot, replica.pool, model))
+                continue
+            found = self.control.slot_state(slot)
+            if found is not None and found.alive:  # its engine runs (starting); a failed start's process has exited
+                out.append(Restart(slot, found.pool, model))
+        return out
+
     def start_loop(self) -> None:
         self.loop = asyncio.get_running_loop()
+        if self.state.proxy is not None:
+            self.state.proxy.holds.connect(self.restarts, lambda: self.state.runtime.pools)
         self.state.decisions.open(self.settings.decision_log)
         self.state.decisions.clock_offset_s = time.time() - self.loop.time()
         self.task.start()
