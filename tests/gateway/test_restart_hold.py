@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 import openai
+
 from tests.gateway.test_admin_move import KEY, _config, _move_and_watch
 from tests.gateway.test_config import _error_for
 from tests.support.procs import start_gateway
