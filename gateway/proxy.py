@@ -230,6 +230,10 @@ class Proxy:
             tried.append(replica.name)
             replica.breaker.on_dispatch()
             replica.begin(budget_tokens, decision.work)  # an overflow from another shape weighs what the router weighed
+            # an urgent request's time in flight is what the pool's urgent reserve is sized from (fleet.urgent_demand)
+            demand = pool.urgent_demand if pool is not None and tier is not None and tier.priority < runtime.config.router.shed_priority else None
+            if demand is not None:
+                demand.begin(loop.time())
             gauge = self.metrics.child(self.metrics.in_flight, decision.pool)
             gauge.inc()
             share_mark = replica.share.begin(loop.time())
@@ -249,6 +253,8 @@ class Proxy:
                 if span is not None:
                     span.end(outcome.status, outcome.stream_error)
                 replica.end(budget_tokens, decision.work)
+                if demand is not None:
+                    demand.end(loop.time())
                 outcome.engine_share_s += replica.share.end(loop.time(), share_mark)
                 gauge.dec()
                 if self.waits.num_waiting:
