@@ -23,7 +23,7 @@ import dataclasses
 import os
 import time
 import zlib
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from concurrent.futures import ProcessPoolExecutor, ThreadPoolExecutor
 from typing import TYPE_CHECKING
 
@@ -43,6 +43,7 @@ from fleet.restart_hold import Restart
 from fleet.rollout import SlotState
 from gateway.background import BackgroundTask
 from gateway.config import ControllerSettingsFile, GatewayConfig
+from gateway.replicas import made_pool_adapters
 from kernels.compiler.worker import background_process_pool, terminate_process_pool
 from kernels.config import EngineConfig
 
@@ -63,13 +64,14 @@ def controller_settings(config: GatewayConfig, model: str, gpu_to_budget: dict[s
     return ControllerSettings(model=model, gpu_to_budget=gpu_to_budget, tiers=dict(config.tiers), declared=declared, pool_prefix=pool_prefix)
 
 
-def new_pool(name: str, model: str, gpu: str, config_json: str) -> PoolState:
+def new_pool(name: str, model: str, gpu: str, config_json: str, adapters: Collection[str] = ()) -> PoolState:
     """A pool the controller made (named ``[<model>:]<shape>@<gpu>``: no declared pool served its shape on
-    that GPU kind), sized by its engine configuration."""
+    that GPU kind), sized by its engine configuration; it serves ``model`` and the LoRA ``adapters`` its
+    engine loads (those of the model's declared pools: gateway.replicas launches it with them)."""
     engine = orjson.loads(config_json)
     max_running = engine.get("max_running_requests") or _DEFAULT_MAX_RUNNING
     shape = name.split("@", 1)[0].removeprefix(f"{model}:")
-    return PoolState(name, frozenset({model}), frozenset({shape}), gpu, int(max_running))
+    return PoolState(name, frozenset({model, *adapters}), frozenset({shape}), gpu, int(max_running))
 
 
 def new_replica(state: GatewayState, name: str, url: str, pool: str) -> ReplicaState:
@@ -245,7 +247,8 @@ class LiveFleet:
         pools = list(self.state.runtime.pools)
         pool = next((p for p in pools if p.name == found.pool), None)
         if pool is None:
-            pool = new_pool(found.pool, self.split.slot_to_model[slot], found.gpu, found.config_json)
+            adapters = made_pool_adapters(self.state.runtime.config, found.pool, found.gpu)
+            pool = new_pool(found.pool, self.split.slot_to_model[slot], found.gpu, found.config_json, adapters)
             if found.pool in self.pool_to_model:
                 self.pool_to_model[found.pool].apply(pool)
             pools.append(pool)
