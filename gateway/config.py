@@ -603,7 +603,7 @@ def _router(doc: YamlDoc) -> RouterSettings:
         shed_chance=r.number("shed_chance", d.shed_chance, lo=0.0, hi=1.0),
         wait_share=r.number("wait_share", d.wait_share, lo=0.01, hi=1.0),
         urgent_reserve=r.number("urgent_reserve", d.urgent_reserve, lo=0.0, hi=0.9),
-        urgent_window_s=r.number("urgent_window_s", d.urgent_window_s, lo=0.1, hi=86400.0),
+        urgent_window_s=r.number("urgent_window_s", d.urgent_window_s, lo=0.0, hi=86400.0),
         pool_filter=step("pool_filter", d.pool_filter),
         pool_scorer=step("pool_scorer", d.pool_scorer),
         admission=step("admission", d.admission),

@@ -87,7 +87,8 @@ class PoolWaits:
                 queue = self._queues[pool.name] = PoolQueue(max_len, self.settings.shed_retry_after_s)
             queue.max_len = max_len
             pool.queue = queue
-            if self.settings.urgent_reserve > 0:  # the reserve covers the urgent requests measured in flight together
+            pool.urgent_demand = None
+            if self.settings.urgent_reserve > 0 and self.settings.urgent_window_s > 0:  # the reserve covers the urgent requests measured in flight together
                 demand = self._demands.get(pool.name)
                 if demand is None:
                     demand = self._demands[pool.name] = UrgentDemand(self.settings.urgent_window_s)

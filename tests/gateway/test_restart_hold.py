@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 import openai
+import pytest
 
 from tests.gateway.test_admin_move import KEY, _config, _move_and_watch
 from tests.gateway.test_config import _error_for
@@ -78,6 +79,10 @@ def test_a_hold_shorter_than_the_restart_ends_in_a_clean_503_with_retry_after(tm
     assert after.choices[0].message.content  # and once it is back, it serves
 
 
-def test_a_negative_restart_hold_names_its_field(tmp_path: Path) -> None:
-    err = _error_for(tmp_path, "restart_hold_s: 30.0", "restart_hold_s: -1")
-    assert err.field == "upstream.restart_hold_s" and err.line is not None
+@pytest.mark.parametrize(("old", "new", "field"), [
+    ("restart_hold_s: 30.0", "restart_hold_s: -1", "upstream.restart_hold_s"),
+    ("urgent_window_s: 30.0", "urgent_window_s: soon", "router.urgent_window_s"),
+])
+def test_a_bad_hold_or_urgent_window_names_its_field_and_line(tmp_path: Path, old: str, new: str, field: str) -> None:
+    err = _error_for(tmp_path, old, new)
+    assert err.field == field and err.line is not None and err.file.endswith("config.yaml")
