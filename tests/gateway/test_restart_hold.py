@@ -57,6 +57,29 @@ def test_requests_wait_for_the_only_replica_of_their_model_while_it_restarts(tmp
     assert holds.get("released", 0) > 0 and holds.get("deadline", 0) == 0, holds
 
 
+@pytest.mark.slow
+def test_requests_wait_for_the_only_real_llamacpp_replica_of_their_model_while_it_restarts(
+        tmp_path: Path, llama_server_bin: Path, tiny_gguf: Path) -> None:
+    """The same with a real llama-server: it stops, starts with ``--parallel 2`` on its CPU slot, warms up, and serves again."""
+    llama = {"kind": "llamacpp", "threads": 1}
+    pools = [
+        {"name": "chat-cpu", "model": "tiny-llama", "gpu": "cpu", "shapes": ["short-chat"],
+         "engine": {**llama, "max_running_requests": 4}, "replicas": {"launch": 1}},
+        {"name": "chat-cpu-next", "model": "tiny-llama", "gpu": "cpu", "shapes": ["short-chat"],
+         "engine": {**llama, "max_running_requests": 2}, "replicas": {"launch": 0}},
+    ]
+    config = _config(tmp_path, pools, devices={"cpu": {"count": 1}})
+    gateway = start_gateway(tmp_path, ["--config", str(config), "--replica-logs", str(tmp_path / "replicas")], timeout_s=180)
+    try:
+        load, decisions = _move_and_watch(gateway, "chat-cpu-0", "chat-cpu-next", "tiny-llama", 8, 120)
+        holds = _holds(gateway.url)
+    finally:
+        gateway.stop()
+    assert [d["kind"] for d in decisions] == ["step", "verify"]
+    assert load.failed == [] and load.ok > 8
+    assert holds.get("released", 0) > 0 and holds.get("deadline", 0) == 0, holds
+
+
 def test_a_hold_shorter_than_the_restart_ends_in_a_clean_503_with_retry_after(tmp_path: Path) -> None:
     config = _config(tmp_path, _pools())
     config.write_text(config.read_text().replace('"server":', '"upstream": {"restart_hold_s": 0.05}, "server":', 1))
