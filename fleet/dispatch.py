@@ -47,7 +47,7 @@ def pump(
     with room serves its model (route it again)."""
     while len(queue):
         head = queue.head_priority()  # the room a waiter may take depends on its tier (RouterSettings.urgent_reserve)
-        room = pool.replicas_with_room(now, slots_per_replica(pool, head, settings) if head is not None else None)
+        room = pool.replicas_with_room(now, slots_per_replica(pool, head, settings, now) if head is not None else None)
         if not room:
             return
         item, expired = queue.take(now)

@@ -13,6 +13,7 @@ from fleet.engine_share import ShareClock
 from fleet.engines.load import EngineLoad
 from fleet.health import CircuitBreaker
 from fleet.queueing import PoolQueue
+from fleet.urgent_demand import UrgentDemand
 
 
 @dataclass(slots=True, eq=False)
@@ -81,6 +82,9 @@ class PoolState:
     declared_limit: bool = False
     engine_kind: str = "emulated"  # fleet.engines.load.ENGINE_KINDS: how the pool's replicas read /metrics and take priorities
     priority_scheduling: bool = False  # its engines schedule by each request's ``priority`` (set from the tier)
+    # Urgent requests in flight and their recent peak, as the gateway measures them (fleet.urgent_demand):
+    # the running slots ``urgent_reserve`` keeps from batch cover them. None: the reserve is its share alone.
+    urgent_demand: UrgentDemand | None = None
 
     def serves(self, model: str) -> bool:
         if self.models is not None:

@@ -60,6 +60,10 @@ class RouterSettings:
     # full batch for a newcomer). 0 (default): batch may fill the slots; its throughput then pays nothing
     # when no urgent traffic comes. See `polymorph bench priority` for the measured trade-off.
     urgent_reserve: float = 0.0
+    # How far back the gateway looks for the most urgent requests a pool had in flight at once: with
+    # ``urgent_reserve`` > 0 each replica keeps that many slots (spread over its replicas), plus one,
+    # from batch when that is more than the share (fleet.urgent_demand). 0: measure nothing (the share alone).
+    urgent_window_s: float = 30.0
     # The steps, by name (fleet.router_steps.STEPS lists each stage's; these are the defaults).
     pool_filter: str = "serves_model"
     pool_scorer: str = "slo_chance"

@@ -129,7 +129,7 @@ def slo_chance_score(
     # own requests miss their SLO; an overflow heavier than those (a long prompt into a chat pool)
     # would stall them with its prefill, so only a model's word sends it there.
     heavy_unmodelled = has_own and other and work > 1.0 and pool.rate_per_replica_rps <= 0
-    chance = 0.0 if heavy_unmodelled else slo_chance(pool, now, priority, wait_s, work, slots_per_replica(pool, priority, settings))
+    chance = 0.0 if heavy_unmodelled else slo_chance(pool, now, priority, wait_s, work, slots_per_replica(pool, priority, settings, now))
     if chance >= settings.good_chance:
         return (0.0, float(other), pool.cost_per_request() if other else 0.0, _balance_load(pool, now))
     return (1.0, -chance, float(other), _balance_load(pool, now))
@@ -150,7 +150,7 @@ def queue_or_shed(
 ) -> Wait | Reject | None:
     best, work = ranked[0]
     n = best.num_routable(now)
-    slots = slots_per_replica(best, slo.priority, settings)
+    slots = slots_per_replica(best, slo.priority, settings, now)
     if best.queue is not None and n > 0 and _num_to_leave(best, now, slo.priority, n, work, slots) > 0:
         chance = slo_chance(best, now, slo.priority, wait_s, work, slots)
         if chance < settings.shed_chance and best.rate_per_replica_rps > 0:
@@ -256,12 +256,18 @@ def _step(registry: Mapping[str, S], stage: str, name: str) -> S:
 # --- the closed forms the steps share ------------------------------------------------------------
 
 
-def slots_per_replica(pool: PoolState, priority: int, settings: RouterSettings) -> float:
+def slots_per_replica(pool: PoolState, priority: int, settings: RouterSettings, now: float) -> float:
     """The running slots per replica a request of ``priority`` may take in ``pool``: all of them, less the
-    ``urgent_reserve`` for tiers at or below ``shed_priority`` in a pool with a queue (at least one)."""
+    reserve for tiers at or below ``shed_priority`` in a pool with a queue (at least one). The reserve
+    is the ``urgent_reserve`` share, or, when more, the urgent requests per replica the pool had in
+    flight at once lately (``pool.urgent_demand``) plus one: room for the next one to start at once."""
     if settings.urgent_reserve <= 0 or priority < settings.shed_priority or pool.queue is None:
         return pool.max_running_per_replica
-    return max(1, math.floor(pool.max_running_per_replica * (1.0 - settings.urgent_reserve)))
+    slots = math.floor(pool.max_running_per_replica * (1.0 - settings.urgent_reserve))
+    peak = pool.urgent_demand.peak(now) if pool.urgent_demand is not None else 0
+    if peak:
+        slots = min(slots, pool.max_running_per_replica - math.ceil(peak / max(1, pool.num_routable(now))) - 1)
+    return max(1, slots)
 
 
 def slo_chance(pool: PoolState, now: float, priority: int, wait_s: float, work: float = 1.0, slots: float | None = None) -> float:

@@ -21,6 +21,16 @@ def adapter_bases(pools: Sequence[PoolSpec]) -> dict[str, str]:
     return {name: pool.model for pool in pools for name in pool.adapter_names}
 
 
+def model_adapters(pools: Sequence[PoolSpec], model: str) -> tuple[tuple[str, str], ...]:
+    """Every LoRA adapter (name, path) the declared pools of ``model`` load, each once: what a pool the
+    controller makes for that model loads too, so an adapter's requests may go there as to its declared pools."""
+    found: dict[str, str] = {}
+    for pool in pools:
+        if pool.model == model:
+            found.update((name, path) for name, path in pool.launch.adapters if name not in found)
+    return tuple(found.items())
+
+
 def listed_adapters(bases: Mapping[str, str], tenant: Tenant) -> list[dict[str, object]]:
     """/v1/models entries of the adapters ``tenant`` may use: with their ``parent`` as vLLM lists them, but no
     ``root``, which would show tenants a path on the engines' hosts."""

@@ -63,6 +63,8 @@ class UpstreamSettings:
     # per pool: requests waiting for a replica's room when the pool is saturated (0: no queues)
     queue_max_len: int = 1024
     engine_metrics_interval_s: float = 1.0  # how often each replica engine's /metrics is read (gateway.engine_scrape)
+    # how long a request may wait while every replica of its model restarts (gateway.restart_waits; 0: not at all)
+    restart_hold_s: float = 30.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -312,6 +314,7 @@ def _upstream(doc: YamlDoc) -> UpstreamSettings:
         health_interval_s=r.number("health_interval_s", d.health_interval_s, lo=0.05, hi=3600),
         queue_max_len=r.number("queue_max_len", d.queue_max_len, lo=0, hi=1_000_000, integer=True),
         engine_metrics_interval_s=r.number("engine_metrics_interval_s", d.engine_metrics_interval_s, lo=0.05, hi=3600),
+        restart_hold_s=r.number("restart_hold_s", d.restart_hold_s, lo=0, hi=3600),
     )
 
 
@@ -585,7 +588,7 @@ def _router(doc: YamlDoc) -> RouterSettings:
     d = RouterSettings()
     r = _Reader(doc, ("router",), doc.data.get("router"), {"affinity_slack", "shed_priority", "shed_load_fraction",
                                                             "shed_retry_after_s", "good_chance", "shed_chance", "wait_share", "urgent_reserve",
-                                                            *STEPS})
+                                                            "urgent_window_s", *STEPS})
 
     def step(stage: str, default: str) -> str:
         name = r.text(stage, default)
@@ -602,6 +605,7 @@ def _router(doc: YamlDoc) -> RouterSettings:
         shed_chance=r.number("shed_chance", d.shed_chance, lo=0.0, hi=1.0),
         wait_share=r.number("wait_share", d.wait_share, lo=0.01, hi=1.0),
         urgent_reserve=r.number("urgent_reserve", d.urgent_reserve, lo=0.0, hi=0.9),
+        urgent_window_s=r.number("urgent_window_s", d.urgent_window_s, lo=0.0, hi=86400.0),
         pool_filter=step("pool_filter", d.pool_filter),
         pool_scorer=step("pool_scorer", d.pool_scorer),
         admission=step("admission", d.admission),

@@ -23,7 +23,7 @@ import dataclasses
 import os
 import time
 import zlib
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from concurrent.futures import ProcessPoolExecutor, ThreadPoolExecutor
 from typing import TYPE_CHECKING
 
@@ -40,9 +40,11 @@ from fleet.operator import MoveRefused, OperatorMoves
 from fleet.options import DeclaredPool, Options, PoolModel, pool_models
 from fleet.pool import PoolState, ReplicaState
 from fleet.rebalance import RebalanceSettings
+from fleet.restart_hold import Restart
 from fleet.rollout import SlotState
 from gateway.background import BackgroundTask
 from gateway.config import ControllerSettingsFile, GatewayConfig
+from gateway.replicas import made_pool_adapters
 from kernels.compiler.worker import background_process_pool, terminate_process_pool
 from kernels.config import EngineConfig
 
@@ -63,13 +65,14 @@ def controller_settings(config: GatewayConfig, model: str, gpu_to_budget: dict[s
     return ControllerSettings(model=model, gpu_to_budget=gpu_to_budget, tiers=dict(config.tiers), declared=declared, pool_prefix=pool_prefix)
 
 
-def new_pool(name: str, model: str, gpu: str, config_json: str) -> PoolState:
+def new_pool(name: str, model: str, gpu: str, config_json: str, adapters: Collection[str] = ()) -> PoolState:
     """A pool the controller made (named ``[<model>:]<shape>@<gpu>``: no declared pool served its shape on
-    that GPU kind), sized by its engine configuration."""
+    that GPU kind), sized by its engine configuration; it serves ``model`` and the LoRA ``adapters`` its
+    engine loads (those of the model's declared pools: gateway.replicas launches it with them)."""
     engine = orjson.loads(config_json)
     max_running = engine.get("max_running_requests") or _DEFAULT_MAX_RUNNING
     shape = name.split("@", 1)[0].removeprefix(f"{model}:")
-    return PoolState(name, frozenset({model}), frozenset({shape}), gpu, int(max_running))
+    return PoolState(name, frozenset({model, *adapters}), frozenset({shape}), gpu, int(max_running))
 
 
 def new_replica(state: GatewayState, name: str, url: str, pool: str) -> ReplicaState:
@@ -83,6 +86,7 @@ def swap_pools(state: GatewayState, pools: tuple[PoolState, ...]) -> None:
     state.runtime = dataclasses.replace(state.runtime, pools=pools, replica_by_name={r.name: r for p in pools for r in p.replicas})
     if state.proxy is not None:
         state.proxy.waits.attach(state.runtime, asyncio.get_running_loop().time())
+        state.proxy.holds.wake(asyncio.get_running_loop().time())  # a replica back in service takes the requests held for it
 
 
 EJECTED_DEAD_AFTER_COOLDOWNS = 3.0  # a replica out of service this many eject cool-downs in a row is lost
@@ -273,7 +277,8 @@ class LiveFleet:
         pools = list(self.state.runtime.pools)
         pool = next((p for p in pools if p.name == found.pool), None)
         if pool is None:
-            pool = new_pool(found.pool, self.split.slot_to_model[slot], found.gpu, found.config_json)
+            adapters = made_pool_adapters(self.state.runtime.config, found.pool, found.gpu)
+            pool = new_pool(found.pool, self.split.slot_to_model[slot], found.gpu, found.config_json, adapters)
             if found.pool in self.pool_to_model:
                 self.pool_to_model[found.pool].apply(pool)
             pools.append(pool)
@@ -351,8 +356,25 @@ class LiveFleet:
             except Exception as exc:  # noqa: BLE001 (the gateway keeps routing on the last plan)
                 print(f"polymorph: controller tick failed, keeping the current plan: {exc!r}", flush=True)
 
+    def restarts(self) -> list[Restart]:
+        """Launched replicas out of service for a move that brings them back (fleet.restart_hold): draining
+        ones, in the pool they leave, and started ones not yet routed, in the pool they start in."""
+        routed, out = self.state.runtime.replica_by_name, []
+        for slot, model in self.split.slot_to_model.items():
+            replica = routed.get(slot)
+            if replica is not None:
+                if replica.draining:
+                    out.append(Restart(slot, replica.pool, model))
+                continue
+            found = self.control.slot_state(slot)
+            if found is not None and found.alive:  # its engine runs (starting); a failed start's process has exited
+                out.append(Restart(slot, found.pool, model))
+        return out
+
     def start_loop(self) -> None:
         self.loop = asyncio.get_running_loop()
+        if self.state.proxy is not None:
+            self.state.proxy.holds.connect(self.restarts, lambda: self.state.runtime.pools)
         self.state.decisions.open(self.settings.decision_log)
         self.state.decisions.clock_offset_s = time.time() - self.loop.time()
         self.task.start()

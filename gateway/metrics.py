@@ -44,6 +44,9 @@ class GatewayMetrics:
         self.queue_waits = Counter("polymorph_pool_queue_waits", "Requests parked in a pool's queue because its replicas were full.", ["pool", "tier"], registry=r)
         self.queue_sheds = Counter("polymorph_pool_queue_sheds", "Waiting requests shed with 429, by reason (deadline: it passed; full: the queue was).", ["pool", "tier", "reason"], registry=r)
         self.queue_wait = Histogram("polymorph_pool_queue_wait_seconds", "Time a request waited in its pool's queue before a replica took it.", ["pool", "tier"], buckets=_LATENCY_BUCKETS_S, registry=r)
+        # Requests held while every replica of their model restarts (gateway.restart_waits).
+        self.restart_held = Gauge("polymorph_restart_held", "Requests held now because every replica serving their model is restarting.", ["pool", "tier"], registry=r, multiprocess_mode="livesum")
+        self.restart_holds = Counter("polymorph_restart_holds", "Requests held while their model's replicas restarted, by outcome (released, deadline, full, gone).", ["pool", "tier", "outcome"], registry=r)
         # Each replica engine's own figures, as the gateway last read them from its /metrics (gateway.engine_scrape).
         replica = ["pool", "replica"]
         self.engine_running = Gauge("polymorph_engine_requests_running", "Requests the replica's engine is computing, at its last /metrics scrape.", replica, registry=r, multiprocess_mode="livemax")

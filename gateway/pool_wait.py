@@ -25,6 +25,7 @@ from fleet.dispatch import Queued, pump
 from fleet.pool import PoolState, ReplicaState
 from fleet.queueing import PoolQueue, Shed
 from fleet.router import Route, RouterSettings, Wait, work_units
+from fleet.urgent_demand import UrgentDemand
 from gateway.errors import ApiError
 from gateway.metrics import GatewayMetrics
 from gateway.runtime import Runtime
@@ -62,6 +63,7 @@ class PoolWaits:
         self.num_waiting = 0
         self._queues: dict[str, PoolQueue[_Waiter]] = {}
         self._pools: dict[str, PoolState] = {}
+        self._demands: dict[str, UrgentDemand] = {}  # by pool name, like the queues: in-flight counts outlive a swap
         self._tick: asyncio.TimerHandle | None = None
 
     def attach(self, runtime: Runtime, now: float) -> None:
@@ -85,6 +87,13 @@ class PoolWaits:
                 queue = self._queues[pool.name] = PoolQueue(max_len, self.settings.shed_retry_after_s)
             queue.max_len = max_len
             pool.queue = queue
+            pool.urgent_demand = None
+            if self.settings.urgent_reserve > 0 and self.settings.urgent_window_s > 0:  # the reserve covers the urgent requests measured in flight together
+                demand = self._demands.get(pool.name)
+                if demand is None:
+                    demand = self._demands[pool.name] = UrgentDemand(self.settings.urgent_window_s)
+                demand.window_s = self.settings.urgent_window_s
+                pool.urgent_demand = demand
         self.pump_all(now)
 
     async def wait(

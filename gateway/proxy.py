@@ -26,6 +26,7 @@ from gateway.config import UpstreamSettings
 from gateway.errors import ApiError, error_body, sse_error_event
 from gateway.metrics import GatewayMetrics
 from gateway.pool_wait import PoolWaits
+from gateway.restart_waits import RestartHolds
 from gateway.runtime import Runtime
 from gateway.stream_usage import UsageChunkFilter, asked_for_usage, upstream_body
 from gateway.tracing import RequestTrace, UpstreamSpan, forwarded_trace_headers
@@ -154,6 +155,7 @@ class Proxy:
         self.pool = pool
         self.metrics = metrics
         self.waits = PoolWaits(metrics, RouterSettings())  # pools' queues; attached to each runtime as it goes live (with its router settings)
+        self.holds = RestartHolds(metrics)  # requests held while every replica of their model restarts
         self.retry_budget = RetryBudget(settings.retry_budget_ratio, now)
 
     async def forward(
@@ -195,6 +197,10 @@ class Proxy:
                 # with the tiers, the router sheds the lowest tiers at once when every usable pool is full
                 decision = route(shape, model, runtime.pools, now, runtime.config.router, tried, runtime.config.tiers)
             if isinstance(decision, Reject):
+                # no replica serves the model now: if one is restarting, wait for it instead of failing
+                if decision.code == "no_healthy_replica" and last_error is None and await self.holds.hold(model, shape.tier, tier, runtime.config):
+                    runtime = self.waits.runtime or runtime
+                    continue
                 if last_error is not None:
                     raise last_error
                 raise ApiError(decision.status, decision.reason, decision.code, "model" if decision.status == 404 else None, decision.retry_after_s or None)
@@ -224,6 +230,10 @@ class Proxy:
             tried.append(replica.name)
             replica.breaker.on_dispatch()
             replica.begin(budget_tokens, decision.work)  # an overflow from another shape weighs what the router weighed
+            # an urgent request's time in flight is what the pool's urgent reserve is sized from (fleet.urgent_demand)
+            demand = pool.urgent_demand if pool is not None and tier is not None and tier.priority < runtime.config.router.shed_priority else None
+            if demand is not None:
+                demand.begin(loop.time())
             gauge = self.metrics.child(self.metrics.in_flight, decision.pool)
             gauge.inc()
             share_mark = replica.share.begin(loop.time())
@@ -243,6 +253,8 @@ class Proxy:
                 if span is not None:
                     span.end(outcome.status, outcome.stream_error)
                 replica.end(budget_tokens, decision.work)
+                if demand is not None:
+                    demand.end(loop.time())
                 outcome.engine_share_s += replica.share.end(loop.time(), share_mark)
                 gauge.dec()
                 if self.waits.num_waiting:

@@ -12,6 +12,7 @@ it on close; otherwise it joins the cluster at that address.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import sys
 import time
@@ -24,6 +25,7 @@ from fleet.actuators.local import LaunchSpec, LocalActuator, emulated_replica_ar
 from fleet.actuators.local_slots import LaunchFor, LocalSlots
 from fleet.engines.launch import EngineLaunch, launch_argv, launch_env
 from fleet.rollout import SlotState
+from gateway.adapters import model_adapters
 from gateway.config import GatewayConfig, PoolSpec, RaySettings, replica_devices
 from kernels.config import EngineConfig
 
@@ -101,10 +103,20 @@ def launcher(config: GatewayConfig, command: tuple[str, ...]) -> LaunchFor:
 
 def _engine_pool(config: GatewayConfig, pool: str, gpu: str) -> PoolSpec | None:
     """The declared pool whose engine a pool the controller made runs: the first launched one on ``gpu``
-    of the model its name carries (``<model>:<shape>@<gpu>``), or of any model (``<shape>@<gpu>``)."""
+    of the model its name carries (``<model>:<shape>@<gpu>``), or of any model (``<shape>@<gpu>``),
+    loading every LoRA adapter of that model's declared pools (llama.cpp pools load none)."""
     on_gpu = [spec for spec in config.pools if spec.num_launched and spec.gpu == gpu]
     head = pool.split("@", 1)[0]
-    return next((spec for spec in on_gpu if head.startswith(f"{spec.model}:")), on_gpu[0] if on_gpu else None)
+    spec = next((spec for spec in on_gpu if head.startswith(f"{spec.model}:")), on_gpu[0] if on_gpu else None)
+    if spec is None or spec.launch.kind == "llamacpp":
+        return spec
+    return dataclasses.replace(spec, launch=dataclasses.replace(spec.launch, adapters=model_adapters(config.pools, spec.model)))
+
+
+def made_pool_adapters(config: GatewayConfig, pool: str, gpu: str) -> frozenset[str]:
+    """The LoRA adapters a pool the controller made loads (``_engine_pool``): routed there beside its model."""
+    spec = _engine_pool(config, pool, gpu)
+    return spec.adapter_names if spec is not None else frozenset()
 
 
 def replica_control(config: GatewayConfig, command: tuple[str, ...], log_dir: Path) -> ReplicaControl:

@@ -277,10 +277,15 @@ def _register_bench_priority(benches: argparse._SubParsersAction) -> None:  # ty
     p.add_argument("--flood-concurrency", type=int, default=16, help="closed-loop batch clients during the flood phases")
     p.add_argument("--flood-max-tokens", type=int, default=32, help="output tokens of each batch request (ignore_eos)")
     p.add_argument("--flood-warmup", type=float, default=3.0, metavar="S", help="flood time before the first interactive send")
+    p.add_argument("--rounds", type=int, default=3, help="the phases run in this many rounds (each with a share of the interactive "
+                   "requests), side by side, so the host's other load weighs on each phase alike")
     p.add_argument("--max-num-seqs", type=int, default=4, help="vLLM's batch size: the flood beyond it queues inside the engine")
     p.add_argument("--urgent-reserve", type=float, default=0.25, metavar="F",
                    help="router.urgent_reserve of the priority pool: the share of the engine's batch the gateway keeps from batch requests "
                         "(they wait in its queue), so an interactive request starts at the next step; 0: batch may fill it")
+    p.add_argument("--urgent-window", type=float, default=30.0, metavar="S",
+                   help="router.urgent_window_s: the reserve is the share, or the interactive requests in flight at once within this "
+                        "window plus one, when more (0: the share alone)")
     p.add_argument("--start-timeout", type=float, default=300.0, metavar="S", help="how long vLLM may take to become healthy")
     p.add_argument("--vllm-python", help="python of a vLLM venv (default: fleet.engines.install.vllm_python(), installed on first use)")
     p.add_argument("--model-dir", help="Hugging Face model folder (default: fleet.engines.install.tiny_model_hf())")

@@ -65,6 +65,7 @@ class _Load:
         self.system: list[dict[str, str]] = [{"role": "system", "content": system}] if system else []
         self.ok = 0
         self.failed: list[str] = []
+        self.errors: list[openai.APIError] = []  # the same, as raised (status, headers, body)
         self.replicas: set[str] = set()
         self._stop = threading.Event()
         self._threads = [threading.Thread(target=self._run, daemon=True) for _ in range(num_threads)]
@@ -91,6 +92,7 @@ class _Load:
                 self.replicas.add(raw.headers["x-polymorph-replica"])
             except openai.APIError as exc:
                 self.failed.append(repr(exc))
+                self.errors.append(exc)
 
 
 def _config(tmp_path: Path, pools: list[dict[str, Any]], **fleet: Any) -> Path:
