@@ -10,8 +10,9 @@ multiplied by one ``--scale`` so their ratio stays the data's; arrivals are Pois
 that rate; prompt and output lengths are drawn independently from the service's ``length_pmf.csv.gz``
 (ServeGen publishes marginal distributions, not per-request pairs). Why it drifts: the reasoning
 service peaks at night (14.7% of m-large's requests at 02:00) and falls to ~3.5% by 09:00 while
-m-large rises by half, so the reasoning share of the GPU work falls from about a third to under a
-tenth over the default hours 01:00-09:00. Deterministic: the same inputs and seed give the same file.
+m-large rises by half; over the default hours 01:00-09:00 the requests the router classifies as
+``reasoning`` (math, >= 384 output tokens) fall from 10% to 3% of the requests and from 18% to 4% of
+the tokens (prompt + output). Deterministic: the same inputs and seed give the same file.
 The output is the native JSONL trace (``polymorph simulate --trace F --format native --speedup X``).
 """
 
