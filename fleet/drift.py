@@ -9,9 +9,8 @@ Three signals, each divided by its threshold so that 1.0 means "changed enough":
 * profile change: the largest ``|log|`` ratio of a shape's mean prompt or output length (a shape
   whose requests got longer needs more capacity even at the same rate), for shapes with a real share.
 
-Drift fires only when the score (the largest of the three) has stayed at or above 1 for ``dwell_s``
-(``strong_dwell_s`` while it is at or above ``strong_score``), at least ``min_interval_s`` after the
-last plan and once the window is warm. It re-arms only after the
+Drift fires only when the score (the largest of the three) has stayed at or above 1 for ``dwell_s``,
+at least ``min_interval_s`` after the last plan and once the window is warm. It re-arms only after the
 score has dropped below ``rearm_below`` (hysteresis), so a mix that hovers at the threshold cannot
 flap. Pure: the caller passes ``now`` and both mixes.
 """
@@ -31,12 +30,6 @@ class DriftSettings:
     profile_change_threshold: float = math.log(1.5)
     min_profile_share: float = 0.05  # shapes below this share of work do not count for profile change
     dwell_s: float = 30.0
-    # A score this far over the threshold is a step, not noise (stationary traffic stays below 1): every
-    # second of dwell then serves the new mix on the old partition, which cost drift-step ~10% of its
-    # second phase's attainment at 0.8x its capacity (fleet/README.md "Capacity at SLO"), so it waits
-    # only long enough for the plan to see two telemetry buckets of the new mix.
-    strong_score: float = 4.0
-    strong_dwell_s: float = 10.0
     min_interval_s: float = 120.0
     warmup_s: float = 60.0
     rearm_below: float = 0.7
@@ -47,8 +40,6 @@ class DriftSettings:
                 raise ValueError(f"drift {name} must be > 0")
         if not 0 < self.rearm_below <= 1:
             raise ValueError("drift rearm_below must be in (0, 1]")
-        if not (self.strong_score >= 1 and 0 <= self.strong_dwell_s <= self.dwell_s):
-            raise ValueError("drift strong_score must be >= 1 and strong_dwell_s in [0, dwell_s]")
 
 
 @dataclass(frozen=True, slots=True)
@@ -136,11 +127,10 @@ class DriftDetector:
             return current, None
         if self.above_since is None:
             self.above_since = now
-        dwell_s = s.strong_dwell_s if current.score >= s.strong_score else s.dwell_s
         ready = (
             self.armed
             and covered_s >= s.warmup_s
-            and now - self.above_since >= dwell_s
+            and now - self.above_since >= s.dwell_s
             and now - self.last_plan_at >= s.min_interval_s
         )
         if not ready:

@@ -5,7 +5,7 @@ from __future__ import annotations
 from classifiers.shape import default_shape_rules
 from fleet.drift import DriftDetector, DriftSettings, js_divergence, score
 from fleet.simulator.world import classify
-from fleet.telemetry import Telemetry, TrafficMix
+from fleet.telemetry import Telemetry
 from loadtest.scenario import build_workload, load_scenario
 
 
@@ -60,34 +60,9 @@ def test_stationary_traffic_never_drifts_after_warm_up() -> None:
     assert _run_detector("stationary", 20.0, 1200.0) == []
 
 
-def test_drift_step_is_detected_after_the_strong_dwell_not_the_full_one() -> None:
-    settings = DriftSettings()
+def test_drift_step_is_detected_once_after_the_dwell() -> None:
     fired = _run_detector("drift-step", 20.0, 600.0)
-    # the step's score passes strong_score within a few ticks: it fires before the plain 30 s dwell is over
-    assert len(fired) >= 1 and 300 + settings.strong_dwell_s <= fired[0] < 300 + settings.dwell_s
-
-
-def _mix_at_rate(rate_rps: float) -> TrafficMix:
-    tel = Telemetry()
-    for k in range(int(60 * rate_rps)):
-        tel.record_arrival(k / rate_rps, "chat", "standard", 500)
-    return tel.window(60.0)
-
-
-def _first_fire(live: TrafficMix, planned: TrafficMix) -> float | None:
-    det = DriftDetector(DriftSettings())
-    for now in range(200, 300, 5):
-        if det.observe(float(now), live, planned, covered_s=120.0)[1] is not None:
-            return float(now)
-    return None
-
-
-def test_a_strong_score_fires_after_the_short_dwell_and_a_weak_one_waits_the_full_dwell() -> None:
-    settings, planned = DriftSettings(), _mix_at_rate(2.0)
-    weak, strong = _mix_at_rate(3.0), _mix_at_rate(10.0)  # rate x1.5 (score ~1.5) and x5 (score ~6)
-    assert 1 <= score(weak, planned, settings).score < settings.strong_score <= score(strong, planned, settings).score
-    assert _first_fire(weak, planned) == 200 + settings.dwell_s
-    assert _first_fire(strong, planned) == 200 + settings.strong_dwell_s
+    assert len(fired) >= 1 and 300 + DriftSettings().dwell_s <= fired[0] <= 400
 
 
 def test_score_names_the_signal_that_moved() -> None:
