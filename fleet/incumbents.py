@@ -3,9 +3,9 @@
 An in-place recompile restarts every replica of a pool that stays: each is out for a drain and a
 restart. ``pool_options`` keeps a pool's running configuration unless a candidate is faster by
 ``restart_margin``: the share of the plan's horizon one restart takes, so a replica's gain over
-the horizon pays for its own outage. drift-step and drift-ramp re-planned pools whose shape's lengths
-had moved a little (chat during the ramp) and restarted them in steps of their own, each verified
-for 45 s, while the mix kept moving (fleet/README.md "Capacity at SLO").
+the horizon pays for its own outage. drift-ramp used to restart both short-chat replicas for a 2%
+edge, in steps of their own, each verified for 45 s, while the ramp went on (fleet/README.md
+"Capacity at SLO").
 """
 
 from __future__ import annotations
