@@ -160,7 +160,7 @@ def mix_capacity(parts: Sequence[tuple[float, Capacity]]) -> Capacity:
 
 def choose_config(
     capacity: CapacityModel, gpu: str, load: ShapeLoad, slo: TierSlo, compiled: EngineConfig | None = None,
-    incumbent: EngineConfig | None = None,
+    incumbent: EngineConfig | None = None, incumbent_margin: float = 0.02,
 ) -> tuple[EngineConfig, Capacity]:
     """The engine configuration that serves ``load`` fastest within ``slo`` on one ``gpu`` replica.
 
@@ -168,15 +168,16 @@ def choose_config(
     result for the load's envelope), then sglang's defaults and two chunk sizes. A later candidate
     replaces an earlier one only when this model rates it > 2% faster: a restart is not spent on a
     tie, and a compile judged on a cruder evaluator (the simulator's analytic screen) cannot cost
-    capacity. Without either, sglang's defaults win unless another config really helps.
+    capacity. Without either, sglang's defaults win unless another config really helps. A candidate
+    must beat the incumbent by ``incumbent_margin`` (at least 2%): what restarting its replicas costs.
     """
-    config, (found,) = choose_mix_config(capacity, gpu, ((load, slo, 1.0),), compiled, incumbent)
+    config, (found,) = choose_mix_config(capacity, gpu, ((load, slo, 1.0),), compiled, incumbent, incumbent_margin)
     return config, found
 
 
 def choose_mix_config(
     capacity: CapacityModel, gpu: str, mix: Sequence[tuple[ShapeLoad, TierSlo, float]], compiled: EngineConfig | None = None,
-    incumbent: EngineConfig | None = None,
+    incumbent: EngineConfig | None = None, incumbent_margin: float = 0.02,
 ) -> tuple[EngineConfig, tuple[Capacity, ...]]:
     """``choose_config`` for a pool that serves several shapes, ``(load, its strictest tier's SLO, share
     of the pool's requests)`` each: candidates are judged by the mix's rate (``mix_capacity``), with the
@@ -190,6 +191,6 @@ def choose_mix_config(
     best_config, (best, best_rate) = candidates[0], judged(candidates[0])
     for config in candidates[1:]:
         found, rate = judged(config)
-        if rate > best_rate * 1.02:
+        if rate > best_rate * (1 + max(0.02, incumbent_margin if best_config == incumbent else 0.0)):
             best_config, best, best_rate = config, found, rate
     return best_config, best

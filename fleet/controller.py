@@ -32,6 +32,7 @@ from fleet.decisions import Decision, Move
 from fleet.drift import DriftDetector, DriftSettings
 from fleet.evidence import CapacityEvidence, DriftEvidence, PlanEvidence, RecompileEvidence, RollbackEvidence, StepEvidence, VerifyEvidence
 from fleet.foreign_load import ForeignLoad, discounted, foreign_shares
+from fleet.incumbents import restart_margin, running_configs
 from fleet.options import DeclaredPool, MoveCost, Options, pool_options, problem_for
 from fleet.planner import Plan, evaluate, fill_budget, plan
 from fleet.rollout import Mover, SlotState, batch_moves, diff_moves
@@ -234,13 +235,14 @@ class Controller:
         slots = [slot for slot in slots if slot.alive]  # a dead slot can neither serve nor move
         budget = self.budget()
         gpus = tuple(sorted(budget))
-        options = pool_options(live.shapes, gpus, self.capacity, s.tiers, self.configs, now, self.options, s.declared, s.pool_prefix)
+        move_s = s.move_cost.drain_s + s.move_cost.restart_s(s.model, gpus[0], EngineConfig())
+        options = pool_options(live.shapes, gpus, self.capacity, s.tiers, self.configs, now, self.options, s.declared, s.pool_prefix,
+                               running_configs(slots), restart_margin(move_s, s.plan_horizon_s))
         self.options = options
         asked = [compile_submitted(now, a.pool, a.gpu, a.envelope, a.previous) for a in options.submitted if a.new]
         counts: dict[str, int] = {}
         for slot in slots:
             counts[slot.pool] = counts.get(slot.pool, 0) + 1
-        move_s = s.move_cost.drain_s + s.move_cost.restart_s(s.model, gpus[0], EngineConfig())
         # the planner credits a replica only with the capacity its engine's foreign load leaves the gateway;
         # self.options keeps the full rates: the router counts the foreign requests itself
         shares = foreign_shares(options, self.foreign.per_replica(now))

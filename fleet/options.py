@@ -140,6 +140,8 @@ def pool_options(
     previous: Options | None = None,
     declared: tuple[DeclaredPool, ...] = (),
     model_prefix: str = "",
+    running: Mapping[str, EngineConfig] | None = None,
+    restart_margin: float = 0.02,
 ) -> Options:
     """Pool options for ``loads``. With ``configs``, a pool keeps its envelope of ``previous`` while
     its traffic stays inside it (so a wobble neither recompiles nor changes the configuration).
@@ -147,7 +149,9 @@ def pool_options(
     Each ``declared`` pool on a GPU kind of ``gpus`` is an option under its own name, serving those of
     its shapes that have load (none: it may still keep its replicas), with the configuration it runs
     as the incumbent (the declared one until a plan changes it). A (shape, GPU kind) pair no declared
-    pool covers gets a pool of its own, ``<shape>@<gpu>``."""
+    pool covers gets a pool of its own, ``<shape>@<gpu>``. Such a pool with replicas in ``running``
+    keeps the configuration they run unless a candidate is ``restart_margin`` faster
+    (fleet.incumbents)."""
     pools: list[PoolOption] = []
     chosen: list[tuple[str, EngineConfig]] = []
     concurrency: list[tuple[str, float]] = []
@@ -210,7 +214,10 @@ def pool_options(
             compiled = compiled_config(name, gpu, load, slo)
             # with compiled configurations the running one is the incumbent: a restart needs a real gain
             incumbent = None if configs is None else ran.get(name)
-            config, cap = choose_config(capacity, gpu, load, slo, None if compiled is None else compiled.config, incumbent)
+            margin = 0.02
+            if running is not None and name in running:  # its replicas would restart in place for a new one
+                incumbent, margin = running[name], restart_margin
+            config, cap = choose_config(capacity, gpu, load, slo, None if compiled is None else compiled.config, incumbent, margin)
             if cap.rate_rps <= 0:
                 continue
             pools.append(PoolOption.one(name, gpu, load.name, config.num_gpus, cap.rate_rps, weight))
