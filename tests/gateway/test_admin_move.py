@@ -22,8 +22,6 @@ import pytest
 
 from tests.support.procs import Proc, start_gateway, write_tenant
 
-pytestmark = pytest.mark.xdist_group("ray")  # one local Ray cluster at a time: the Ray tests keep to one xdist worker
-
 KEY, ADMIN = "sk-test-move", "admin-token-move"
 
 
@@ -159,7 +157,7 @@ def test_an_emulated_replica_moves_between_pools_under_load_without_failing_a_re
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("actuator", ["local", "ray"])
+@pytest.mark.parametrize("actuator", ["local", "ray"])  # ungrouped: it runs with the engine tests, last, after the other Ray tests
 def test_a_real_llamacpp_replica_moves_to_other_arguments_and_a_failed_start_rolls_back(
         tmp_path: Path, llama_server_bin: Path, tiny_gguf: Path, actuator: str) -> None:
     """The same moves through either actuator: local processes, or Ray actors on a local cluster (one logical GPU a replica)."""

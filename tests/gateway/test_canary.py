@@ -20,8 +20,6 @@ from tests.gateway.test_admin_move import ADMIN, KEY, _admin, _Load, _replica, _
 from tests.gateway.test_config import _error_for, _line_of
 from tests.support.procs import Proc, start_gateway, write_tenant
 
-pytestmark = pytest.mark.xdist_group("ray")  # real engines on the shared cores: beside the other move tests, not in parallel
-
 
 def _config(tmp_path: Path, pools: list[dict[str, Any]], canary: dict[str, Any], router: dict[str, Any] | None = None, **fleet: Any) -> Path:
     (tmp_path / "tenants").mkdir()

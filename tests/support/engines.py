@@ -8,6 +8,8 @@ port, wait for its ``/health`` and always stop it.
 
 from __future__ import annotations
 
+import subprocess
+import sys
 import tempfile
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -27,6 +29,8 @@ if TYPE_CHECKING:
 
 __all__ = [
     "chat_both_ways",
+    "ENGINE_FIXTURES",
+    "install_in_background",
     "installing",
     "llama_server",
     "llama_server_bin",
@@ -42,6 +46,24 @@ T = TypeVar("T")
 LLAMA_START_TIMEOUT_S = 60.0
 VLLM_START_TIMEOUT_S = 480.0  # about 40 s alone on two cores; 200 s seen beside other engines and a build
 VLLM_ENV = {**install.QUIET_ENV, "VLLM_CPU_KVCACHE_SPACE": "1"}  # GiB of KV cache: the tiny model needs little
+
+
+ENGINE_FIXTURES = frozenset({"llama_server_bin", "tiny_gguf", "tiny_hf", "vllm_python"})
+
+
+def install_in_background() -> None:
+    """Start installing the engines and the tiny model in a process of its own (idempotent, under the install
+    locks the fixtures wait on), its lines in the cache's logs/background-install.log. On a fresh machine the
+    tests that need no engine run meanwhile, instead of every worker waiting at its first engine test."""
+    if all(entry.installed for entry in install.cache_status()):
+        return
+    log_path = install.cache_dir() / "logs" / "background-install.log"
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    cli = f"{sys.executable} -m gateway.cli engines"
+    with open(log_path, "a") as log:  # the child keeps its own descriptor
+        subprocess.Popen(["sh", "-c", f"{cli} install llamacpp && {cli} model"], stdout=log, stderr=subprocess.STDOUT,
+                         stdin=subprocess.DEVNULL, start_new_session=True)
+    print(f"\nreal engines: installing in the background (log: {log_path}); the tests that need them run last", file=sys.stderr, flush=True)
 
 
 def installing(config: pytest.Config, step: Callable[[], T]) -> T:
