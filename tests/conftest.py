@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -25,20 +26,28 @@ def shared_dir() -> Path:
 
 
 # Real CPU engines, the tiny model and the client tools, installed on first use (last: the modules import free_port from here).
-from tests.support.engines import ENGINE_FIXTURES, install_in_background, llama_server_bin, tiny_gguf, tiny_hf, vllm_python  # noqa: E402,F401
+from tests.support.engines import ENGINE_FIXTURES, engines_installed, install_in_background, llama_server_bin, tiny_gguf, tiny_hf, vllm_python  # noqa: E402,F401
 from tests.support.redis import redis  # noqa: E402,F401
 from tests.support.tools import curl, litellm_python, redis_server_bin, schemathesis_bin, selenium_python  # noqa: E402,F401
 
 
+def pytest_configure_node(node: Any) -> None:
+    """(xdist's controller) Tell every worker whether the engines are installed, so all order alike."""
+    node.workerinput["engines_installed"] = engines_installed()
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """The tests on real engines run last (vLLM's first among them: its group is one worker's long unit), and
-    the first worker, or a run without workers, installs the engines in the background meanwhile."""
+    """vLLM's tests go first when the engines are installed: their group is one worker's longest unit, so the
+    other worker takes the rest meanwhile. Otherwise every test on a real engine goes last (vLLM's first among
+    them), and the first worker, or a run without workers, installs the engines in the background meanwhile."""
+    worker = getattr(config, "workerinput", {"workerid": "gw0", "engines_installed": None})
+    installed = worker["engines_installed"] if worker["engines_installed"] is not None else engines_installed()
 
-    def engines_last(item: pytest.Item) -> tuple[bool, bool]:
+    def order(item: pytest.Item) -> tuple[bool, bool]:
         needs = ENGINE_FIXTURES & set(item.fixturenames)
-        return bool(needs), "vllm_python" not in needs and "tiny_hf" not in needs
+        on_vllm = bool(needs & {"vllm_python", "tiny_hf"})
+        return (not on_vllm, False) if installed else (bool(needs), not on_vllm)
 
-    items.sort(key=engines_last)  # stable: the collection order otherwise
-    on_engines = any(ENGINE_FIXTURES & set(item.fixturenames) for item in items)
-    if on_engines and getattr(config, "workerinput", {"workerid": "gw0"})["workerid"] == "gw0":
+    items.sort(key=order)  # stable: the collection order otherwise
+    if not installed and worker["workerid"] == "gw0" and any(ENGINE_FIXTURES & set(item.fixturenames) for item in items):
         install_in_background()

@@ -30,6 +30,7 @@ if TYPE_CHECKING:
 __all__ = [
     "chat_both_ways",
     "ENGINE_FIXTURES",
+    "engines_installed",
     "install_in_background",
     "installing",
     "llama_server",
@@ -51,12 +52,14 @@ VLLM_ENV = {**install.QUIET_ENV, "VLLM_CPU_KVCACHE_SPACE": "1"}  # GiB of KV cac
 ENGINE_FIXTURES = frozenset({"llama_server_bin", "tiny_gguf", "tiny_hf", "vllm_python"})
 
 
+def engines_installed() -> bool:
+    return all(entry.installed for entry in install.cache_status())
+
+
 def install_in_background() -> None:
     """Start installing the engines and the tiny model in a process of its own (idempotent, under the install
     locks the fixtures wait on), its lines in the cache's logs/background-install.log. On a fresh machine the
     tests that need no engine run meanwhile, instead of every worker waiting at its first engine test."""
-    if all(entry.installed for entry in install.cache_status()):
-        return
     log_path = install.cache_dir() / "logs" / "background-install.log"
     log_path.parent.mkdir(parents=True, exist_ok=True)
     cli = f"{sys.executable} -m gateway.cli engines"
