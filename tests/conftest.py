@@ -49,5 +49,5 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         return (not on_vllm, False) if installed else (bool(needs), not on_vllm)
 
     items.sort(key=order)  # stable: the collection order otherwise
-    if not installed and worker["workerid"] == "gw0" and any(ENGINE_FIXTURES & set(item.fixturenames) for item in items):
+    if not installed and not config.option.collectonly and worker["workerid"] == "gw0" and any(ENGINE_FIXTURES & set(item.fixturenames) for item in items):
         install_in_background()
