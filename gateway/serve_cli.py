@@ -115,6 +115,7 @@ async def _serve(
     replica_urls: dict[str, list[str]],
     config_path: Path | None,
     live_fleet: Callable[[GatewayState], LiveFleet] | None = None,
+    shared_port: bool = False,
 ) -> None:
     from aiohttp import web
 
@@ -130,7 +131,9 @@ async def _serve(
         limit_store.bind_metrics(app[STATE_KEY].metrics.registry)
     runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
     await runner.setup()
-    site = web.TCPSite(runner, config.server.host, config.server.port, backlog=4096, reuse_port=True)
+    # SO_REUSEPORT only among `--workers` siblings: a lone gateway must fail on a port in use (say, another
+    # gateway's), not silently share its connections with whatever holds it.
+    site = web.TCPSite(runner, config.server.host, config.server.port, backlog=4096, reuse_port=shared_port)
     await site.start()
     watcher = ConfigWatcher(app[STATE_KEY], config_path) if config_path is not None else None
     if watcher is not None:
@@ -164,7 +167,7 @@ def _run_worker(
         from gateway.limits_shared import attach_process
 
         attach_process(worker_limits)
-    uvloop.run(_serve(config, replica_urls, config_path, live_fleet or _plan_client_factory(config)))
+    uvloop.run(_serve(config, replica_urls, config_path, live_fleet or _plan_client_factory(config), shared_port=worker_limits is not None))
 
 
 def _plan_client_factory(config: GatewayConfig) -> Callable[[GatewayState], PlanClient] | None:
