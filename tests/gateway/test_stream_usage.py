@@ -195,8 +195,8 @@ def _tokens(stack: Stack, kind: str) -> float:
 
 
 def _tokens_after(stack: Stack, kind: str, before: float) -> float:
-    """The counter once the request is recorded (that happens just after its stream's last byte; a busy
-    machine, two test workers on two cores, has delayed it past 5 s)."""
+    """The counter once the request is recorded (that happens just after its stream's last byte; the wait
+    is generous for a busy machine, two test workers on two cores)."""
     deadline = time.monotonic() + 20
     while (now := _tokens(stack, kind)) == before and time.monotonic() < deadline:
         time.sleep(0.02)
