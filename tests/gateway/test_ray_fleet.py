@@ -123,7 +123,9 @@ def test_gateway_runs_and_moves_its_replicas_as_ray_actors_and_stops_clean(tmp_p
                                                    extra_body={"ignore_eos": True})
         before = _admin(gateway.url, "/admin/state")
         running = _descendants(gateway.process.pid)
-        outcomes = asyncio.run(_load_until_moved(gateway.url, timeout_s=20.0))
+        # 60 s, not 20: the move's new Ray actor and replica start beside the other test worker on CI's 2 cores
+        # (a CI run saw the step decided but its replica not yet up at 20 s); the load stops once it is up
+        outcomes = asyncio.run(_load_until_moved(gateway.url, timeout_s=60.0))
         after = _admin(gateway.url, "/admin/state")
         decisions = _admin(gateway.url, "/admin/decisions")["decisions"]
         running |= _descendants(gateway.process.pid)
