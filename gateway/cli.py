@@ -46,6 +46,7 @@ def build_parser() -> argparse.ArgumentParser:
         package.register_bench(benches)
     # kernels may not import the load tester that measures `compile --evaluator probe`; this is where they meet.
     commands.choices["compile"].set_defaults(prober=_engine_prober)
+    benches.choices["compile"].set_defaults(prober=_engine_prober)
     return parser
 
 

@@ -145,15 +145,30 @@ def register_bench(benches: argparse._SubParsersAction) -> None:  # type: ignore
         description="For every (model, GPU, shape) cell: compile cold and compare the predicted goodput per GPU with "
         "sglang's default configuration on the same evaluator; then drift the shape (lengths x --drift) and compare "
         "a from-scratch compile with one warm-started from the first compile's trials (trials until within 2% of "
-        "the from-scratch optimum). The last line is one JSON object.",
+        "the from-scratch optimum). With --evaluate probe, on real CPU engines instead: for every (engine, shape) "
+        "cell a probe compile of --model (the default and the best --budget - 1 candidates measured), then the "
+        "default and the chosen configuration measured once more side by side; the speed-up is that pair's, "
+        "with the chosen one's prediction error (about 10-25 minutes a llama.cpp cell with the defaults, more "
+        "on vLLM). The last line is one JSON object.",
     )
+    compile_bench.add_argument("--evaluate", choices=("model", "probe"), default="model",
+                               help="model: predicted by the performance model; probe: measured on the CPU engines")
     compile_bench.add_argument("--models", nargs="+", default=["llama-3.1-8b:1", "llama-3.1-70b:4"],
-                               help="MODEL[:GPUS_PER_REPLICA] entries")
-    compile_bench.add_argument("--gpus", nargs="+", default=["H100", "H200"], help="GPU kinds")
-    compile_bench.add_argument("--shapes", nargs="+", default=["short-chat", "long-context", "reasoning", "batch"],
-                               help="built-in traffic shapes")
+                               help="MODEL[:GPUS_PER_REPLICA] entries (--evaluate model)")
+    compile_bench.add_argument("--gpus", nargs="+", default=["H100", "H200"], help="GPU kinds (--evaluate model)")
+    compile_bench.add_argument("--shapes", nargs="+",
+                               help="built-in traffic shapes (default: short-chat long-context reasoning batch; "
+                               "with --evaluate probe: short-chat long-context)")
     compile_bench.add_argument("--drift", type=float, default=1.3, help="length scale of the drifted shape")
-    compile_bench.add_argument("--budget", type=int, default=60, help="most evaluations per compile")
+    compile_bench.add_argument("--budget", type=int,
+                               help="most evaluations per compile (default 60; with --evaluate probe: measured candidates, default 4)")
+    compile_bench.add_argument("--engines", nargs="+", help="--evaluate probe: llamacpp and/or vllm (default: both)")
+    compile_bench.add_argument("--model", default="tiny-llama", help="--evaluate probe: the model the engines serve")
+    compile_bench.add_argument("--probe-requests", type=int, default=12, help="--evaluate probe: requests a ladder step")
+    compile_bench.add_argument("--no-confirm", action="store_true",
+                               help="--evaluate probe: take the compile's own pair instead of measuring both again side by side")
+    compile_bench.add_argument("--store", type=Path,
+                               help="--evaluate probe: trial store to keep (and warm-start from); default a temporary one")
     compile_bench.add_argument("--seconds", type=float, default=300.0, help="most wall seconds per compile")
     compile_bench.add_argument("--workers", type=int, default=2, help="cells compiled in parallel processes")
     compile_bench.add_argument("--no-warm", action="store_true", help="skip the drift comparison (cold compiles only)")
@@ -284,6 +299,10 @@ def _run_compile_history(args: argparse.Namespace) -> int:
 
 
 def _run_bench_compile(args: argparse.Namespace) -> int:
+    if args.evaluate == "probe":
+        from kernels.compiler.probe_bench import main_probe_bench
+
+        return main_probe_bench(args, getattr(args, "prober", None))
     from kernels.compiler.bench import main_bench
 
     return main_bench(args)

@@ -25,6 +25,8 @@ from kernels.compiler.space import default_space
 from kernels.compiler.store import TrialStore
 
 DEFAULT_MODELS = ("llama-3.1-8b:1", "llama-3.1-70b:4")
+DEFAULT_SHAPES = ("short-chat", "long-context", "reasoning", "batch")
+DEFAULT_BUDGET = 60
 WITHIN = 0.02
 
 
@@ -113,12 +115,13 @@ def _changed(result: CompileResult) -> str:
 
 
 def main_bench(args: argparse.Namespace) -> int:
+    shapes = args.shapes or list(DEFAULT_SHAPES)
     cells = [(m.split(":")[0], int(m.split(":")[1]) if ":" in m else 1, gpu, shape)
-             for m in args.models for gpu in args.gpus for shape in args.shapes]
-    unknown = [s for s in args.shapes if s not in NAMED_SHAPES]
+             for m in args.models for gpu in args.gpus for shape in shapes]
+    unknown = [s for s in shapes if s not in NAMED_SHAPES]
     if unknown:
         raise SystemExit(f"unknown shapes {unknown}; built-in: {', '.join(NAMED_SHAPES)}")
-    options = BenchOptions(args.drift, Budget(trials=args.budget, seconds=args.seconds), not args.no_warm,
+    options = BenchOptions(args.drift, Budget(trials=DEFAULT_BUDGET if args.budget is None else args.budget, seconds=args.seconds), not args.no_warm,
                            args.allow_fp8_weights, tuple(args.draft or ()))
     print(f"{'model':<16}{'gpus':>5} {'gpu':<9}{'shape':<13}{'default':>9}{'compiled':>9}{'x':>6}"
           f"{'trials':>7}{'cpu s':>7}{'drift cold':>11}{'warm':>6}{'warm->2%':>9}  changed", flush=True)
