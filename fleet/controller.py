@@ -70,6 +70,9 @@ class ControllerSettings:
     drain_timeout_s: float = 300.0  # past it a draining slot is stopped anyway: its requests end with a clear error
     start_timeout_s: float | None = None  # a start not healthy by then fails the step; None: the margin below
     start_timeout_margin: float = 4.0  # x the MoveCost restart time of the slowest GPU kind
+    # The least time a start gets, in fleet seconds: a live fleet's process start (imports, a Ray actor) is
+    # wall time the emulator's speed does not shorten (gateway.live_fleet sets it; the simulator starts nothing).
+    min_start_timeout_s: float = 0.0
 
     def __post_init__(self) -> None:
         if not (0 < self.max_step_fraction <= 1 and 0 < self.failing_step_fraction <= 1):
@@ -131,8 +134,8 @@ class Controller:
         self.foreign = ForeignLoad(telemetry.window_s)  # the engines' load beyond the gateway's, over the telemetry window
         self._planned_shares: dict[str, float] = {}  # the foreign shares the current plan was made with
         s = settings
-        self.start_timeout_s = s.start_timeout_s or s.start_timeout_margin * max(
-            (s.move_cost.restart_s(s.model, gpu, EngineConfig()) for gpu in s.gpu_to_budget), default=60.0)
+        self.start_timeout_s = s.start_timeout_s or max(s.min_start_timeout_s, s.start_timeout_margin * max(
+            (s.move_cost.restart_s(s.model, gpu, EngineConfig()) for gpu in s.gpu_to_budget), default=60.0))
         # given (fleet.controller.canary.enabled, where the edge records each replica's outcomes): an in-place
         # recompile of a pool of two or more replicas trials one of them first; the rest follow if it is adopted
         self._canary = canary

@@ -56,13 +56,21 @@ if TYPE_CHECKING:
 _DEFAULT_MAX_RUNNING = 256
 
 
+# Wall seconds a replica's process may take to start beyond what the move cost predicts. An emulated H100
+# restart is 28 fleet seconds, so at emulator speed 20 the default deadline (4x) left 5.6 wall seconds for
+# the process, its imports and (with the Ray actuator) its actor: a quiet machine's move took 3-5 s, and on a
+# busy CI runner a start missed it and was rolled back as never healthy.
+PROCESS_START_ALLOWANCE_S = 15.0
+
+
 def controller_settings(config: GatewayConfig, model: str, gpu_to_budget: dict[str, int], pool_prefix: str = "") -> ControllerSettings:
     """The controller's settings for ``config``'s tiers and a budget of replica slots per GPU kind; its
     starting plan is ``config``'s pools of ``model`` whose replicas the actuator starts (their slots
     already serve in them), which it keeps while they fit the mix; ``pool_prefix`` names the pools it makes."""
     declared = tuple(DeclaredPool(p.name, p.gpu, p.shapes, EngineConfig.from_dict(p.engine), p.config_json)
                      for p in config.pools if p.model == model and p.gpu in gpu_to_budget and not p.urls)
-    return ControllerSettings(model=model, gpu_to_budget=gpu_to_budget, tiers=dict(config.tiers), declared=declared, pool_prefix=pool_prefix)
+    return ControllerSettings(model=model, gpu_to_budget=gpu_to_budget, tiers=dict(config.tiers), declared=declared, pool_prefix=pool_prefix,
+                              min_start_timeout_s=PROCESS_START_ALLOWANCE_S * config.emulator_speed)
 
 
 def new_pool(name: str, model: str, gpu: str, config_json: str, adapters: Collection[str] = ()) -> PoolState:

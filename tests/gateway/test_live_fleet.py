@@ -82,7 +82,7 @@ def test_controller_repartitions_under_load_without_failing_a_request(tmp_path: 
     moved = decisions[2]["evidence"]["moves"]  # type: ignore[index]
     assert moved and all(m[1:] == ["mixed", NEW_POOL] for m in moved)
     pools = {p["name"]: p for p in state["pools"]}  # type: ignore[union-attr]
-    assert NEW_POOL in pools and pools[NEW_POOL]["replicas"] and pools["mixed"]["replicas"]  # the declared pool keeps a replica
+    assert NEW_POOL in pools and pools[NEW_POOL]["replicas"] and pools["mixed"]["replicas"], kinds  # the declared pool keeps a replica
     planned = pools[NEW_POOL]  # the router scores it with the plan's capacity model
     assert planned["rate_per_replica_rps"] > 0 and planned["cost_per_hour"] > 0 and planned["max_running_per_replica"] >= 1
     logged = [json.loads(line) for line in (tmp_path / "decisions.jsonl").read_text().splitlines()]

@@ -144,7 +144,7 @@ def test_gateway_runs_and_moves_its_replicas_as_ray_actors_and_stops_clean(tmp_p
     kinds = [d["kind"] for d in decisions]  # type: ignore[index]
     assert "step" in kinds, f"no move within the load: {kinds}\n{log[-3000:]}"
     moved = {p["name"]: [r["url"] for r in p["replicas"]] for p in after["pools"]}  # type: ignore[union-attr,index]
-    assert moved.get(MOVED_TO) and not {u for urls in replicas.values() for u in urls} & set(moved[MOVED_TO]), moved
+    assert moved.get(MOVED_TO) and not {u for urls in replicas.values() for u in urls} & set(moved[MOVED_TO]), (moved, decisions)
     assert all(_host_of(url, running).startswith("ray::") for url in moved[MOVED_TO]), tree
     assert outcomes and set(outcomes) <= {"length", "stop"}, sorted(set(outcomes))
 
