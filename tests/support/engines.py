@@ -8,6 +8,7 @@ port, wait for its ``/health`` and always stop it.
 
 from __future__ import annotations
 
+import shlex
 import subprocess
 import sys
 import tempfile
@@ -57,15 +58,21 @@ def engines_installed() -> bool:
 
 
 def install_in_background() -> None:
-    """Start installing the engines and the tiny model in a process of its own (idempotent, under the install
-    locks the fixtures wait on), its lines in the cache's logs/background-install.log. On a fresh machine the
-    tests that need no engine run meanwhile, instead of every worker waiting at its first engine test."""
+    """Start installing the engines and the tiny model in processes of their own (idempotent, under the install
+    locks the fixtures wait on), their lines in the cache's logs/background-install.log. On a fresh machine the
+    tests that need no engine run meanwhile, instead of every worker waiting at its first engine test.
+
+    vLLM's download runs beside llama.cpp's build (it is mostly network and disk), then the model (whose
+    Hugging Face folder needs vLLM's venv). All of it at nice 19: the build takes both cores for 8-13
+    minutes, and at equal priority it starved the timing-bound tests running beside it (a fresh run saw
+    emulated replicas miss their start deadline and shedding exceed its latency bound). The shell is
+    detached and waited for at once, so no Popen of a running child is left to be collected mid-test
+    (pytest reported its ResourceWarning as the next test's setup error)."""
     log_path = install.cache_dir() / "logs" / "background-install.log"
     log_path.parent.mkdir(parents=True, exist_ok=True)
-    cli = f"{sys.executable} -m gateway.cli engines"
-    with open(log_path, "a") as log:  # the child keeps its own descriptor
-        subprocess.Popen(["sh", "-c", f"{cli} install llamacpp && {cli} model"], stdout=log, stderr=subprocess.STDOUT,
-                         stdin=subprocess.DEVNULL, start_new_session=True)
+    cli = f"nice -n 19 {shlex.quote(sys.executable)} -m gateway.cli engines"
+    script = f"({cli} install vllm & {cli} install llamacpp; wait; {cli} model --hf) >> {shlex.quote(str(log_path))} 2>&1 < /dev/null &"
+    subprocess.run(["sh", "-c", script], check=True, start_new_session=True)
     print(f"\nreal engines: installing in the background (log: {log_path}); the tests that need them run last", file=sys.stderr, flush=True)
 
 

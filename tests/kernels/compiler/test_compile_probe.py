@@ -125,7 +125,10 @@ def test_a_store_without_probe_trials_opens_and_then_keeps_them(tmp_path: Path) 
 
 
 @pytest.mark.slow
-def test_a_second_probe_compile_reuses_stored_measurements_and_the_fitted_correction(tmp_path: Path) -> None:
+def test_a_second_probe_compile_reuses_stored_measurements_and_the_fitted_correction(
+        tmp_path: Path, llama_server_bin: Path, tiny_gguf: Path) -> None:
+    # The fixtures install llama-server and the model first (and order the test with the engine tests, last on
+    # a fresh machine): the command itself would wait for a background build past its timeout.
     store = tmp_path / "trials.sqlite3"
     probe = ("compile", "--model", "tiny-llama", "--engine", "llamacpp", "--evaluate", "probe", "--shape", "short-chat",
              "--probe-requests", "2", "--store", str(store), "--json")
