@@ -9,6 +9,7 @@ installed and cached by ``fleet.engines.install`` on first use) from ``--paralle
 from __future__ import annotations
 
 import json
+import socket
 import threading
 import time
 import urllib.error
@@ -154,6 +155,45 @@ def test_an_emulated_replica_moves_between_pools_under_load_without_failing_a_re
     assert verify["evidence"]["ok"] is True and verify["evidence"]["start_to_healthy_s"] is not None
     assert refused[0] == 409 and "already serves" in refused[1]["error"]["message"]
     assert unknown[0] == 404 and bad[0] == 400 and bad[1]["error"]["param"] == "to_pool"
+
+
+def test_requests_read_while_a_moved_replica_comes_back_are_routed_on_the_pools_that_hold_it(tmp_path: Path) -> None:
+    """A request takes the gateway's runtime when it arrives and routes after reading its body. Requests
+    that arrive while the model's only replica is stopped for a move, and whose bodies finish after it is
+    back in a pool, meet pools that hold it (the pool objects are shared) but a runtime whose name map
+    does not: they are routed again on the newest runtime, not answered 500 (a KeyError the real
+    llama.cpp canary test hit under load)."""
+    pools = [
+        {"name": "chat", "model": "llama-3.1-8b", "gpu": "H100-SXM", "shapes": ["short-chat"],
+         "engine": {"max_running_requests": 64}, "replicas": {"emulated": 1}},
+        {"name": "chat-next", "model": "llama-3.1-8b", "gpu": "H100-SXM", "shapes": ["short-chat"],
+         "engine": {"max_running_requests": 32}, "replicas": {"launch": 0}},
+    ]
+    gateway = start_gateway(tmp_path, ["--config", str(_config(tmp_path, pools, emulator_speed=20.0))])
+    body = json.dumps({"model": "llama-3.1-8b", "messages": [{"role": "user", "content": "Say hello."}], "max_tokens": 4}).encode()
+    head = (f"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nAuthorization: Bearer {KEY}\r\n"
+            f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\nConnection: close\r\n\r\n").encode()
+    port = int(gateway.url.rsplit(":", 1)[1])
+    try:
+        status, answer = _admin(gateway.url, "/admin/move", {"replica": "chat-0", "to_pool": "chat-next"})
+        assert status == 202, answer
+        _until(lambda: _replica(_admin(gateway.url, "/admin/state")[1], "chat-0")[0] == "", 60, "chat-0 stopped")
+        clients = [socket.create_connection(("127.0.0.1", port), timeout=30) for _ in range(12)]
+        for client in clients:
+            client.sendall(head + body[:8])  # the handler runs, holding this runtime, and waits for the rest
+        _until(lambda: _replica(_admin(gateway.url, "/admin/state")[1], "chat-0")[0] == "chat-next", 60, "chat-0 back, in chat-next")
+        answers = []
+        for client in clients:
+            client.sendall(body[8:])
+            answers.append(b"".join(iter(lambda c=client: c.recv(65536), b"")).decode(errors="replace"))  # type: ignore[misc]
+            client.close()
+    finally:
+        gateway.stop()
+    statuses = [a.split(" ", 2)[1] for a in answers]
+    assert statuses == ["200"] * len(clients), [a[:400] for a in answers if " 200 " not in a.split("\r\n", 1)[0]]
+    served_by = {line.split(":", 1)[1].strip() for a in answers for line in a.split("\r\n") if line.lower().startswith("x-polymorph-replica:")}
+    assert served_by == {"chat-0"}, served_by  # the model's only replica, absent from the runtime each request took
+    assert "KeyError" not in gateway.log()
 
 
 @pytest.mark.slow
