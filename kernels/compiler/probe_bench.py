@@ -163,7 +163,7 @@ def main_probe_bench(args: argparse.Namespace, prober: Callable[[str], Prober] |
     def progress(line: str) -> None:
         print(line, file=sys.stderr, flush=True)
 
-    print(f"{'engine':<10}{'shape':<14}{'default':>9}{'chosen':>9}{'x':>7}{'compile x':>10}{'pred err':>9}{'s':>6}  chosen flags",
+    print(f"{'engine':<10}{'shape':<14}{'default':>9}{'chosen':>9}{'x':>7}{'compile x':>10}{'pred err':>10}{'s':>6}  chosen flags",
           flush=True)
     cells: list[ProbeCell] = []
     with tempfile.TemporaryDirectory() as tmp:
@@ -188,11 +188,11 @@ def main_probe_bench(args: argparse.Namespace, prober: Callable[[str], Prober] |
 
 def _row(cell: ProbeCell) -> str:
     def figure(value: float | None, suffix: str = "") -> str:
-        return "-" if value is None else f"{value:.3g}{suffix}"
+        return "-" if value is None else f"{value:.0f}{suffix}" if abs(value) >= 1000 else f"{value:.3g}{suffix}"
 
     speedup = figure(cell.speedup) if cell.speedup is not None else (
         f">{cell.chosen_goodput_rps / cell.default_below_rps:.3g}" if cell.default_below_rps and cell.chosen_goodput_rps else "-")
     error = cell.prediction_error
     return (f"{cell.engine:<10}{cell.shape:<14}{cell.default_goodput_rps:>9.3g}{cell.chosen_goodput_rps:>9.3g}{speedup:>7}"
-            f"{figure(cell.compile_speedup):>10}{figure(None if error is None else 100 * error, '%'):>9}"
+            f"{figure(cell.compile_speedup):>10}{figure(None if error is None else 100 * error, '%'):>10}"
             f"{cell.elapsed_s:>6.0f}  {' '.join(cell.compile.chosen.engine_args) or '(defaults)'}")
