@@ -265,7 +265,8 @@ def test_a_stream_asks_the_engine_for_usage_and_hides_a_usage_chunk_split_over_r
     assert chunks and all(chunk.choices for chunk in chunks)
     received = json.loads("".join(c.choices[0].delta.content or "" for c in chunks))
     assert received["stream_options"] == {"continuous_usage_stats": True, "include_usage": True}
-    assert _tokens_after(stack, "completion", before) - before == 4
+    # the access log's lines say how the gateway recorded the stream (it failed once under two workers, undiagnosed)
+    assert _tokens_after(stack, "completion", before) - before == 4, stack.gateway.log()[-3000:]
 
     chunks = list(stack.client.chat.completions.create(model="llamacpp", messages=messages, stream=True, stream_options={"include_usage": True}))
     assert not chunks[-1].choices and chunks[-1].usage is not None and chunks[-1].usage.total_tokens == 9
