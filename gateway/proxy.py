@@ -217,16 +217,9 @@ class Proxy:
                     continue
                 decision, replica = placed
             else:
-                found = runtime.replica_by_name.get(decision.replica)
-                if found is None:
-                    # A replica that came back after this request took its runtime was appended to the pool it
-                    # routed on (the pools are shared, the name map is not): route again on the newest runtime,
-                    # whose pools and names agree (swap_pools publishes them together).
-                    runtime = self.waits.runtime or runtime
-                    if decision.replica not in runtime.replica_by_name:
-                        raise ApiError(503, "The replica chosen for this request left its pool; retry.", "no_healthy_replica", retry_after_s=1)
-                    continue
-                replica = found
+                # taken from the pools the router chose among, not the runtime's name map: a replica that came
+                # back after this request took its runtime is in those (shared) pools but not in that map
+                replica = next(r for p in runtime.pools if p.name == decision.pool for r in p.replicas if r.name == decision.replica)
                 if trace is not None:
                     trace.routed(runtime, shape, decision, now)
             pool = next((p for p in runtime.pools if p.name == decision.pool), None)

@@ -69,6 +69,11 @@ class ProbeCell:
         return None if measured.goodput_rps > 0 else min(step.rate_rps for step in measured.steps)
 
     @property
+    def speedup_at_least(self) -> float | None:
+        """The speed-up, or, when the default met no rate, the chosen one's ratio to the lowest rate tried."""
+        return self.speedup if self.speedup is not None else _ratio(self.chosen_goodput_rps, self.default_below_rps or 0.0)
+
+    @property
     def compile_speedup(self) -> float | None:
         """The compile's own pair (each the best of its ladder, not side by side)."""
         return _ratio(self.compile.chosen.measured.goodput_rps, self.compile.baseline.measured.goodput_rps)
@@ -130,9 +135,7 @@ def confirmed(engine: str, shape_name: str, result: ProbeResult, prober: Prober,
 def summarize(cells: list[ProbeCell]) -> dict[str, object]:
     """The bench's last line: per cell and the issue's two checks (>= 1.3x on one shape, never worse)."""
     speedups = [c.speedup for c in cells]
-    # A chosen configuration that met a rate the default did not is at least its ratio to the lowest rate tried.
-    lower_bounds = [c.speedup if c.speedup is not None else _ratio(c.chosen_goodput_rps, c.default_below_rps or 0.0)
-                    for c in cells]
+    lower_bounds = [c.speedup_at_least for c in cells]
     return {
         "evaluator": "probe", "cells": len(cells),
         "best_speedup": max((s for s in lower_bounds if s is not None), default=None),
@@ -190,8 +193,8 @@ def _row(cell: ProbeCell) -> str:
     def figure(value: float | None, suffix: str = "") -> str:
         return "-" if value is None else f"{value:.0f}{suffix}" if abs(value) >= 1000 else f"{value:.3g}{suffix}"
 
-    speedup = figure(cell.speedup) if cell.speedup is not None else (
-        f">{cell.chosen_goodput_rps / cell.default_below_rps:.3g}" if cell.default_below_rps and cell.chosen_goodput_rps else "-")
+    at_least = cell.speedup_at_least
+    speedup = figure(at_least) if cell.speedup is not None or at_least is None else f">{figure(at_least)}"
     error = cell.prediction_error
     return (f"{cell.engine:<10}{cell.shape:<14}{cell.default_goodput_rps:>9.3g}{cell.chosen_goodput_rps:>9.3g}{speedup:>7}"
             f"{figure(cell.compile_speedup):>10}{figure(None if error is None else 100 * error, '%'):>10}"
