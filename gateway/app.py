@@ -38,7 +38,7 @@ from gateway.response_ids import ResponseIds
 from gateway.response_lookup import find_stored
 from gateway.runtime import Runtime
 from gateway.state import GatewayState
-from gateway.tracing import RequestTracer, build_tracer
+from gateway.tracing import RequestTrace, RequestTracer, build_tracer
 from gateway.upstream import UpstreamPool
 from gateway.validate import validate_body
 
@@ -47,6 +47,7 @@ if TYPE_CHECKING:
 
 _JSON = "application/json"
 _UNAUTHENTICATED = "_unauthenticated"
+CLIENT_CLOSED = 499  # nginx's status for a client that closed before its answer began
 STATE_KEY: web.AppKey[GatewayState] = web.AppKey("polymorph_state")
 ENGINE_SCRAPER_KEY: web.AppKey[EngineScraper] = web.AppKey("polymorph_engine_scraper")
 
@@ -173,9 +174,8 @@ class Handlers:
             response = await state.proxy.forward(request, runtime, shape, model, raw, stream, outcome, body, trace=trace)  # type: ignore[arg-type]
         except Exception as err:  # an ApiError is its envelope; a bug costs one request a 500, never the process or a hang
             response = self._failed(err, outcome, tenant_name, shape)
-        except asyncio.CancelledError:  # the client went away: its span still ends, with no answer
-            if trace is not None:
-                trace.finish(0, tenant_name, tier, model, shape, outcome)
+        except asyncio.CancelledError:  # the client went away: counted as it got, and its span still ends
+            self._client_left(runtime, tenant_name, tier, model, shape, outcome, loop.time() - started_at, public, CHAT_METER if chat else COMPLETIONS_METER, trace)
             raise
         finally:
             if limiter is not None:
@@ -235,9 +235,8 @@ class Handlers:
                 self.response_ids.remember(outcome.response_id, outcome.replica)
         except Exception as err:  # an ApiError is its envelope; a bug costs one request a 500, never the process or a hang
             response = self._failed(err, outcome, tenant_name, shape)
-        except asyncio.CancelledError:  # the client went away: its span still ends, with no answer
-            if trace is not None:
-                trace.finish(0, tenant_name, tier, model, shape, outcome)
+        except asyncio.CancelledError:  # the client went away: counted as it got, and its span still ends
+            self._client_left(runtime, tenant_name, tier, model, shape, outcome, loop.time() - started_at, public, endpoint.meter, trace)
             raise
         finally:
             if limiter is not None:
@@ -313,6 +312,16 @@ class Handlers:
         traceback.print_exc(file=sys.stderr)
         outcome.status = 500
         return error_response(ApiError(500, "Internal gateway error; it has been logged.", "internal_error"))
+
+    def _client_left(self, runtime: Runtime, tenant: str, tier: str, model: str, shape: Shape | None, outcome: Outcome, duration_s: float,
+                     alias: str | None, meter: Meter, trace: RequestTrace | None) -> None:
+        """A request whose client went away (aiohttp cancels its handler): recorded with what it got, so a
+        stream read to its end is counted whole; one that got no answer is a 499, nginx's client-closed."""
+        if outcome.status == 0:
+            outcome.status = CLIENT_CLOSED
+        self._record(runtime, tenant, tier, model, shape, outcome, duration_s, alias, meter)
+        if trace is not None:
+            trace.finish(0, tenant, tier, model, shape, outcome)
 
     def _record(self, runtime: Runtime, tenant: str, tier: str, model: str, shape: Shape | None, outcome: Outcome, duration_s: float,
                 alias: str | None, meter: Meter) -> None:

@@ -80,6 +80,15 @@ class Outcome:
     engine_share_s: float = 0.0  # its share of its replicas' engine time over all attempts (fleet.engine_share)
 
 
+def _count_stream(outcome: Outcome, tail: bytes, num_events: int, first_at: float, last_event_at: float) -> None:
+    """A chat or completions stream's usage (from its last bytes, when the engine sent it) and TPOT."""
+    outcome.prompt_tokens = _usage_int(tail, _PROMPT_KEY)
+    outcome.completion_tokens = _usage_int(tail, _USAGE_KEY)
+    num_tokens = outcome.completion_tokens or max(0, num_events - 2)
+    if num_tokens > 1:
+        outcome.tpot_s = (last_event_at - first_at) / (num_tokens - 1)
+
+
 def _is_json_object(body: bytes, array_ok: bool = False) -> bool:
     try:
         parsed = orjson.loads(body)
@@ -403,22 +412,31 @@ class Proxy:
         last_event_at = first_at
         chunk = first
         tail = b""
-        while chunk:
-            num_events += chunk.count(b"data:")
-            last_event_at = loop.time()
-            tail = (tail + chunk[-512:])[-512:]
-            passed = chunk if usage_filter is None else usage_filter.feed(chunk)
-            if passed:
-                await response.write(passed)
-            try:
-                chunk = await upstream.read_chunk()  # TimeoutError after between_chunks_timeout_s
-            except TimeoutError:
-                upstream.close()
-                outcome.stream_error = "upstream_stalled"
-                break
-            except UpstreamError:
-                outcome.stream_error = "upstream_disconnected"
-                break
+        try:
+            while chunk:
+                num_events += chunk.count(b"data:")
+                last_event_at = loop.time()
+                tail = (tail + chunk[-512:])[-512:]
+                passed = chunk if usage_filter is None else usage_filter.feed(chunk)
+                if passed:
+                    await response.write(passed)
+                try:
+                    chunk = await upstream.read_chunk()  # TimeoutError after between_chunks_timeout_s
+                except TimeoutError:
+                    upstream.close()
+                    outcome.stream_error = "upstream_stalled"
+                    break
+                except UpstreamError:
+                    outcome.stream_error = "upstream_disconnected"
+                    break
+        except asyncio.CancelledError:
+            # The handler is cancelled when its client leaves. A client that read [DONE] often closes
+            # before the replica's end of stream arrives: that stream was whole, and what it carried counts.
+            upstream.close()
+            if _DONE not in tail:
+                outcome.stream_error = "client_disconnected"
+            _count_stream(outcome, tail, num_events, first_at, last_event_at)
+            raise
         if outcome.stream_error is None and _DONE not in tail:
             outcome.stream_error = "upstream_truncated"
         if usage_filter is not None and (rest := usage_filter.flush()):
@@ -429,11 +447,7 @@ class Proxy:
             await response.write(sse_error_event(message, outcome.stream_error))
         else:
             self.mark_success(replica)
-        outcome.prompt_tokens = _usage_int(tail, _PROMPT_KEY)
-        outcome.completion_tokens = _usage_int(tail, _USAGE_KEY)
-        num_tokens = outcome.completion_tokens or max(0, num_events - 2)
-        if num_tokens > 1:
-            outcome.tpot_s = (last_event_at - first_at) / (num_tokens - 1)
+        _count_stream(outcome, tail, num_events, first_at, last_event_at)
 
     async def _relay_events(
         self,

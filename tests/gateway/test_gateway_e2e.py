@@ -298,6 +298,10 @@ def test_client_disconnect_cancels_the_upstream_request(deployment: Deployment) 
         assert time.monotonic() - closed_at < 0.25  # 100 ms target plus the /metrics polling cost
     after = _admin_state(deployment)["pools"][0]["replicas"]  # type: ignore[index]
     assert [(r["ejections"], r["health"]) for r in after] == [(r["ejections"], r["health"]) for r in before]
+    time.sleep(0.5)  # the access log is flushed in batches
+    lines = [json.loads(line) for line in deployment.gateway.log().splitlines() if line.startswith("{")]
+    left = [line for line in lines if line.get("stream_error") == "client_disconnected"]
+    assert len(left) == 3 and all(line["status"] == 200 and line["replica"] != "-" for line in left)  # recorded, as the client left them
 
 
 def test_metrics_and_admin_state(deployment: Deployment) -> None:
