@@ -99,6 +99,9 @@ def main(base: str, token: str, screenshot: str) -> dict[str, Any]:
             facts["seconds_to_render"] = round(time.monotonic() - started, 2)
             facts["pool_names"] = driver.execute_script("return [...document.querySelectorAll('#pools .pool')].map(p => p.dataset.pool)")
             facts["mix_shapes"] = driver.execute_script("return [...document.querySelectorAll('#mix-chart path.area')].map(p => p.dataset.shape)")
+            # a decision is marked once the mix chart's buckets reach its time (complete 10 s buckets only):
+            # one that came late, in the bucket still filling, shows at the next refresh
+            _wait(driver, lambda d: _count(d, "#mix-chart .event") >= 1, 30)
             facts["decision_markers"] = _count(driver, "#mix-chart .event")
             facts["decision_kinds"] = driver.execute_script("return [...document.querySelectorAll('#decisions .decision')].map(d => d.dataset.kind)")
             facts["tier_lines"] = _count(driver, "#ttft-chart path.line")
