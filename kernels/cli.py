@@ -165,6 +165,9 @@ def register_bench(benches: argparse._SubParsersAction) -> None:  # type: ignore
     compile_bench.add_argument("--engines", nargs="+", help="--evaluate probe: llamacpp and/or vllm (default: both)")
     compile_bench.add_argument("--model", default="tiny-llama", help="--evaluate probe: the model the engines serve")
     compile_bench.add_argument("--probe-requests", type=int, default=12, help="--evaluate probe: requests a ladder step")
+    compile_bench.add_argument("--tier", choices=("interactive", "standard", "batch"), default="interactive",
+                               help="--evaluate probe: whose objectives goodput is measured against (the tiers' GPU figures: "
+                               "vLLM's CPU build on one core meets no interactive one; standard allows 3 s TTFT, 100 ms TPOT)")
     compile_bench.add_argument("--no-confirm", action="store_true",
                                help="--evaluate probe: take the compile's own pair instead of measuring both again side by side")
     compile_bench.add_argument("--store", type=Path,

@@ -4,9 +4,11 @@ both measured on the real engine, for every (engine, shape) cell.
 A cell is one probe compile (probe.py: the model screens, the default and the best `budget - 1` are
 measured, the best measured is chosen). Choosing the best of several noisy measurements flatters the
 winner, so unless `confirm` is off the cell then measures the default and the chosen configuration
-once more, one after the other, on a ladder starting at the lower of their goodputs; the cell's
-speed-up is that side-by-side pair's (the compile's own pair is kept beside it). A chosen
-configuration that is the default has nothing to confirm: 1.0x. The chosen configuration's prediction
+once more, one after the other, on a ladder starting at the lower of their goodputs. The cell adopts
+the chosen configuration only when that side-by-side pair confirms it (more goodput than the
+default's); otherwise it keeps the default, as a controller would, and its speed-up is 1.0x, with the
+pair's own ratio beside it (`confirm_speedup`; the compile's pair is kept too). A chosen
+configuration that is the default has nothing to confirm: 1.0x. The adopted configuration's prediction
 error (predicted / measured goodput - 1) says how far the performance model was from the engine.
 
 kernels starts no process: the prober is injected (the `polymorph` command supplies the real one)."""
@@ -18,14 +20,15 @@ import json
 import sys
 import tempfile
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from kernels.catalog import get_gpu, get_model
 from kernels.compiler.measurement import Measurement, ProbeLadder
-from kernels.compiler.probe import ENGINES, Prober, ProbeResult, probe_compile
-from kernels.compiler.shape import get_shape
+from kernels.compiler.probe import ENGINES, Prober, ProbeResult, ProbeTrial, probe_compile
+from kernels.compiler.shape import TrafficShape, get_shape
 from kernels.compiler.store import StoreError, TrialStore
+from kernels.tiers import DEFAULT_TIERS
 
 DEFAULT_SHAPES = ("short-chat", "long-context")
 DEFAULT_BUDGET = 4
@@ -45,22 +48,41 @@ class ProbeCell:
         return self.compile.chosen.default
 
     @property
+    def rejected(self) -> bool:
+        """Measured again beside the default, the compile's choice did not beat it: the default stays."""
+        if self.confirm_chosen is None or self.confirm_default is None:
+            return False
+        return self.confirm_chosen.goodput_rps <= self.confirm_default.goodput_rps
+
+    @property
+    def adopted(self) -> ProbeTrial:
+        return self.compile.baseline if self.chose_default or self.rejected else self.compile.chosen
+
+    @property
     def default_goodput_rps(self) -> float:
         return (self.confirm_default or self.compile.baseline.measured).goodput_rps
 
     @property
     def chosen_goodput_rps(self) -> float:
-        if self.chose_default:
+        """The adopted configuration's goodput."""
+        if self.adopted.default:
             return self.default_goodput_rps
         return (self.confirm_chosen or self.compile.chosen.measured).goodput_rps
 
     @property
     def speedup(self) -> float | None:
-        """Chosen over default, measured side by side; None when neither sustained the lowest rate tried
+        """Adopted over default, measured side by side; None when neither sustained the lowest rate tried
         (or only the chosen did: the ratio is then unbounded, `default_below_rps` says below what)."""
-        if self.chose_default:
+        if self.adopted.default:
             return 1.0
         return self.chosen_goodput_rps / self.default_goodput_rps if self.default_goodput_rps > 0 else None
+
+    @property
+    def confirm_speedup(self) -> float | None:
+        """The confirmation pair's own ratio, the compile's choice over the default (None: not confirmed)."""
+        if self.confirm_chosen is None or self.confirm_default is None:
+            return None
+        return _ratio(self.confirm_chosen.goodput_rps, self.confirm_default.goodput_rps)
 
     @property
     def default_below_rps(self) -> float | None:
@@ -85,20 +107,20 @@ class ProbeCell:
 
     @property
     def prediction_error(self) -> float | None:
-        """The chosen configuration's predicted / measured goodput - 1 (None: it met no rate)."""
+        """The adopted configuration's predicted / measured goodput - 1 (None: it met no rate)."""
         measured = self.chosen_goodput_rps
-        return self.compile.chosen.predicted.goodput_rps / measured - 1.0 if measured > 0 else None
+        return self.adopted.predicted.goodput_rps / measured - 1.0 if measured > 0 else None
 
     def to_json(self) -> dict[str, object]:
-        chosen = self.compile.chosen
+        adopted = self.adopted
         return {
-            "engine": self.engine, "shape": self.shape, "chosen_args": list(chosen.engine_args),
-            "chose_default": self.chose_default,
+            "engine": self.engine, "shape": self.shape, "chosen_args": list(adopted.engine_args),
+            "chose_default": self.chose_default, "compile_chosen_args": list(self.compile.chosen.engine_args),
             "default_goodput_rps": self.default_goodput_rps, "chosen_goodput_rps": self.chosen_goodput_rps,
-            "speedup": self.speedup, "default_below_rps": self.default_below_rps,
+            "speedup": self.speedup, "speedup_at_least": self.speedup_at_least, "default_below_rps": self.default_below_rps,
             "compile_speedup": self.compile_speedup,
-            "confirmed": self.confirm_chosen is not None,
-            "chosen_predicted_goodput_rps": chosen.predicted.goodput_rps, "chosen_prediction_error": self.prediction_error,
+            "confirmed": self.confirm_chosen is not None, "rejected_on_confirmation": self.rejected, "confirm_speedup": self.confirm_speedup,
+            "chosen_predicted_goodput_rps": adopted.predicted.goodput_rps, "chosen_prediction_error": self.prediction_error,
             "measured": len(self.compile.trials) - self.compile.num_reused, "screened": self.compile.num_screened,
             "elapsed_s": self.elapsed_s, "fingerprint": self.compile.fingerprint.to_dict(),
             "run_id": self.compile.run_id,
@@ -109,9 +131,15 @@ def _ratio(numerator: float, denominator: float) -> float | None:
     return numerator / denominator if denominator > 0 else None
 
 
+def tier_shape(shape_name: str, tier: str) -> TrafficShape:
+    """A built-in shape judged by ``tier``'s objectives (the built-ins carry interactive's)."""
+    slo = DEFAULT_TIERS[tier]
+    return replace(get_shape(shape_name), ttft_p99_s=slo.ttft_p99_s, tpot_p99_s=slo.tpot_p99_s, tier=tier)
+
+
 def run_probe_cell(engine: str, shape_name: str, model: str, budget: int, requests_per_step: int, prober: Prober,
-                   store: TrialStore | None, confirm: bool, progress: Callable[[str], None]) -> ProbeCell:
-    result = probe_compile(get_model(model), get_gpu("cpu"), get_shape(shape_name), budget, prober, requests_per_step, store,
+                   store: TrialStore | None, confirm: bool, progress: Callable[[str], None], tier: str = "interactive") -> ProbeCell:
+    result = probe_compile(get_model(model), get_gpu("cpu"), tier_shape(shape_name, tier), budget, prober, requests_per_step, store,
                            progress=progress, engine=engine)
     return confirmed(engine, shape_name, result, prober, progress) if confirm else ProbeCell(engine, shape_name, result, None, None)
 
@@ -133,15 +161,20 @@ def confirmed(engine: str, shape_name: str, result: ProbeResult, prober: Prober,
 
 
 def summarize(cells: list[ProbeCell]) -> dict[str, object]:
-    """The bench's last line: per cell and the issue's two checks (>= 1.3x on one shape, never worse)."""
+    """The bench's last line: per cell and the issue's two checks, >= 1.3x on one shape, and never worse
+    than the default (what the adoption rule keeps: `min_speedup`; `cells_rejected_on_confirmation` says
+    how often the compile's pick lost its confirmation, and `worst_confirm_speedup` by how much)."""
     speedups = [c.speedup for c in cells]
     lower_bounds = [c.speedup_at_least for c in cells]
+    confirms = [c.confirm_speedup for c in cells if c.confirm_speedup is not None]
     return {
         "evaluator": "probe", "cells": len(cells),
         "best_speedup": max((s for s in lower_bounds if s is not None), default=None),
+        "min_speedup": min((s for s in speedups if s is not None), default=None),
         "cells_at_target": sum(1 for s in lower_bounds if s is not None and s >= TARGET_SPEEDUP),
         "target_speedup": TARGET_SPEEDUP,
-        "cells_worse_than_default": sum(1 for s in speedups if s is not None and s < 1.0),
+        "cells_rejected_on_confirmation": sum(1 for c in cells if c.rejected),
+        "worst_confirm_speedup": min(confirms, default=None),
         "per_cell": [c.to_json() for c in cells],
     }
 
@@ -180,7 +213,7 @@ def main_probe_bench(args: argparse.Namespace, prober: Callable[[str], Prober] |
                     progress(f"== {engine} / {shape}: budget {budget}, {args.probe_requests} requests a step")
                     try:
                         cell = run_probe_cell(engine, shape, args.model, budget, args.probe_requests, prober(engine), store,
-                                              not args.no_confirm, progress)
+                                              not args.no_confirm, progress, args.tier)
                     except (RuntimeError, StoreError) as exc:
                         raise SystemExit(f"polymorph bench compile: {engine} / {shape}: {exc}") from exc
                     cells.append(cell)
@@ -196,6 +229,9 @@ def _row(cell: ProbeCell) -> str:
     at_least = cell.speedup_at_least
     speedup = figure(at_least) if cell.speedup is not None or at_least is None else f">{figure(at_least)}"
     error = cell.prediction_error
+    flags = " ".join(cell.adopted.engine_args) or "(defaults)"
+    if cell.rejected:
+        flags += f"  (the compile's {' '.join(cell.compile.chosen.engine_args)} measured {figure(cell.confirm_speedup)}x beside it: kept the default)"
     return (f"{cell.engine:<10}{cell.shape:<14}{cell.default_goodput_rps:>9.3g}{cell.chosen_goodput_rps:>9.3g}{speedup:>7}"
             f"{figure(cell.compile_speedup):>10}{figure(None if error is None else 100 * error, '%'):>10}"
-            f"{cell.elapsed_s:>6.0f}  {' '.join(cell.compile.chosen.engine_args) or '(defaults)'}")
+            f"{cell.elapsed_s:>6.0f}  {flags}")

@@ -16,8 +16,8 @@ from gateway.cli import build_parser
 from kernels.catalog import get_gpu, get_model
 from kernels.compiler.measurement import Measurement, ProbeFingerprint, ProbeLadder, ProbeStep
 from kernels.compiler.probe import ProbeResult, probe_compile
-from kernels.compiler.probe_bench import confirmed, summarize
-from kernels.compiler.shape import TrafficShape, get_shape
+from kernels.compiler.probe_bench import confirmed, summarize, tier_shape
+from kernels.compiler.shape import TrafficShape, get_shape, shape_fingerprint
 from kernels.compiler.store import TrialStore
 from kernels.config import EngineConfig
 
@@ -67,14 +67,24 @@ def test_the_speedup_is_the_side_by_side_confirmation_not_the_compiles_lucky_pai
     assert out["chosen_prediction_error"] == pytest.approx(out["chosen_predicted_goodput_rps"] / 0.3 - 1.0)
     assert out["elapsed_s"] == pytest.approx(compiled.elapsed_s + 4.0)
     summary = summarize([cell])
-    assert summary["cells_at_target"] == 1 and summary["best_speedup"] == pytest.approx(1.5)
-    assert summary["cells_worse_than_default"] == 0
+    assert summary["cells_at_target"] == 1 and summary["best_speedup"] == pytest.approx(1.5) and summary["min_speedup"] == pytest.approx(1.5)
+    assert summary["cells_rejected_on_confirmation"] == 0 and out["confirm_speedup"] == pytest.approx(1.5)
 
-    # Measured again the other way round, the choice counts as worse than the default: the bench can fail.
+    # Measured again the other way round, the choice loses its confirmation: the default is kept (1.0x),
+    # with the pair's own ratio beside it, and its prediction error is the default's.
     worse = confirmed("llamacpp", "short-chat", compiled, TableProber({None: 0.3, 8: 0.2}), lambda line: None)
     summary = summarize([cell, worse])
-    assert summary["cells_worse_than_default"] == 1 and summary["cells_at_target"] == 1
-    assert summary["per_cell"][1]["speedup"] == pytest.approx(2 / 3)  # type: ignore[index]
+    assert summary["cells_rejected_on_confirmation"] == 1 and summary["cells_at_target"] == 1 and summary["min_speedup"] == 1.0
+    assert summary["worst_confirm_speedup"] == pytest.approx(2 / 3)
+    rejected = summary["per_cell"][1]  # type: ignore[index]
+    assert rejected["rejected_on_confirmation"] and rejected["speedup"] == 1.0 and rejected["confirm_speedup"] == pytest.approx(2 / 3)
+    assert rejected["chosen_args"] == list(compiled.baseline.engine_args) and rejected["compile_chosen_args"] == ["--parallel", "8"]
+    assert rejected["chosen_goodput_rps"] == pytest.approx(0.3) == rejected["default_goodput_rps"]
+    assert rejected["chosen_prediction_error"] == pytest.approx(compiled.baseline.predicted.goodput_rps / 0.3 - 1.0)
+    assert worse.adopted is compiled.baseline
+    # A tie keeps the default too: a restart for no measured gain
+    tie = confirmed("llamacpp", "short-chat", compiled, TableProber({None: 0.3, 8: 0.3}), lambda line: None)
+    assert tie.rejected and tie.speedup == 1.0
     # A default that met no rate gives the chosen one's ratio to the lowest rate tried, as a lower bound.
     unbounded = replace(cell, confirm_default=_measured(0.0, rate_rps=0.1), confirm_chosen=_measured(0.4))
     assert unbounded.speedup is None and unbounded.default_below_rps == 0.1
@@ -112,3 +122,11 @@ def test_bench_compile_probe_measures_a_cell_on_a_real_llama_server(tmp_path: Pa
     assert cell["fingerprint"]["engine"] == "llamacpp" and "measured goodput" in done.stderr
     with TrialStore(tmp_path / "s.sqlite3") as store:
         assert len(store.probe_trials(cell["run_id"])) == 1
+
+
+def test_a_tier_judges_the_shape_by_its_objectives_and_keeps_its_trials_apart() -> None:
+    standard = tier_shape("short-chat", "standard")
+    assert (standard.ttft_p99_s, standard.tpot_p99_s, standard.tier) == (3.0, 0.1, "standard")
+    assert standard.prompt_tokens == get_shape("short-chat").prompt_tokens
+    # a warm start never reuses a trial judged against other objectives
+    assert shape_fingerprint(standard) != shape_fingerprint(tier_shape("short-chat", "interactive")) == shape_fingerprint(get_shape("short-chat"))
