@@ -88,7 +88,7 @@ def _register_compile(commands: argparse._SubParsersAction) -> None:  # type: ig
     compile_.add_argument("--trace", type=Path, help="summarise this request trace as the shape instead")
     compile_.add_argument("--format", choices=("azure", "burstgpt", "mooncake", "native"), help="format of --trace")
     compile_.add_argument("--tier", default="interactive", choices=("interactive", "standard", "batch"),
-                          help="SLO tier of a --trace shape")
+                          help="the SLO tier whose objectives the shape is compiled for (a --trace shape's, or a built-in's)")
     compile_.add_argument("--evaluator", "--evaluate", default="perf-model", choices=("perf-model", "analytic", "replay", "probe"),
                           help="perf-model: bisect the SLO-meeting rate on the performance model (simulated); "
                           "analytic: closed-form screening, milliseconds a trial; replay: replay the --trace "

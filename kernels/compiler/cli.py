@@ -15,7 +15,7 @@ import orjson
 from kernels.compiler.evaluators import Evaluator, ReplayEvaluator, evaluator_by_name
 from kernels.compiler.probe import ENGINES, Prober, probe_compile
 from kernels.compiler.search import Budget, CompileResult, compile_config
-from kernels.compiler.shape import TrafficShape, get_shape
+from kernels.compiler.shape import TrafficShape, tier_shape
 from kernels.compiler.space import default_space
 from kernels.compiler.store import StoreError, TrialStore
 from kernels.compiler.trace_shape import shape_from_trace
@@ -76,7 +76,7 @@ def _main_probe(args: argparse.Namespace, prober: Callable[[str], Prober] | None
     if args.probe_requests < 1:
         raise SystemExit(f"polymorph compile: --probe-requests must be >= 1, got {args.probe_requests}")
     try:
-        model, gpu, shape = get_model(args.model), get_gpu(args.gpu or "cpu"), get_shape(args.shape)
+        model, gpu, shape = get_model(args.model), get_gpu(args.gpu or "cpu"), tier_shape(args.shape, args.tier)
         store = None if args.no_store else TrialStore(args.store or default_store_path())
     except (ValueError, StoreError) as exc:
         raise SystemExit(f"polymorph compile: {exc}") from exc
@@ -144,7 +144,7 @@ def _shape_and_evaluator(args: argparse.Namespace) -> tuple[TrafficShape, Evalua
     if args.shape:
         if args.evaluator == "replay":
             raise ValueError("--evaluator replay needs --trace (it replays the trace's requests)")
-        return get_shape(args.shape), evaluator_by_name(args.evaluator)
+        return tier_shape(args.shape, args.tier), evaluator_by_name(args.evaluator)
     if not args.format:
         raise ValueError("--trace needs --format (azure, burstgpt, mooncake or native)")
     shape, requests = shape_from_trace(args.trace, args.format, args.tier)

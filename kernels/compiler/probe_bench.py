@@ -20,15 +20,14 @@ import json
 import sys
 import tempfile
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
 
 from kernels.catalog import get_gpu, get_model
 from kernels.compiler.measurement import Measurement, ProbeLadder
 from kernels.compiler.probe import ENGINES, Prober, ProbeResult, ProbeTrial, probe_compile
-from kernels.compiler.shape import TrafficShape, get_shape
+from kernels.compiler.shape import get_shape, tier_shape
 from kernels.compiler.store import StoreError, TrialStore
-from kernels.tiers import DEFAULT_TIERS
 
 DEFAULT_SHAPES = ("short-chat", "long-context")
 DEFAULT_BUDGET = 4
@@ -129,12 +128,6 @@ class ProbeCell:
 
 def _ratio(numerator: float, denominator: float) -> float | None:
     return numerator / denominator if denominator > 0 else None
-
-
-def tier_shape(shape_name: str, tier: str) -> TrafficShape:
-    """A built-in shape judged by ``tier``'s objectives (the built-ins carry interactive's)."""
-    slo = DEFAULT_TIERS[tier]
-    return replace(get_shape(shape_name), ttft_p99_s=slo.ttft_p99_s, tpot_p99_s=slo.tpot_p99_s, tier=tier)
 
 
 def run_probe_cell(engine: str, shape_name: str, model: str, budget: int, requests_per_step: int, prober: Prober,

@@ -90,6 +90,12 @@ class TrafficShape:
         )
 
 
+def tier_shape(name: str, tier: str) -> TrafficShape:
+    """A built-in shape judged by ``tier``'s objectives (the built-ins carry interactive's)."""
+    slo = DEFAULT_TIERS[tier]
+    return replace(get_shape(name), ttft_p99_s=slo.ttft_p99_s, tpot_p99_s=slo.tpot_p99_s, tier=tier)
+
+
 def shape_fingerprint(shape: TrafficShape) -> str:
     """Digest of what the compiler optimises for (the name is a label and is left out)."""
     content = shape.to_dict()

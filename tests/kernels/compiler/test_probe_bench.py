@@ -16,8 +16,8 @@ from gateway.cli import build_parser
 from kernels.catalog import get_gpu, get_model
 from kernels.compiler.measurement import Measurement, ProbeFingerprint, ProbeLadder, ProbeStep
 from kernels.compiler.probe import ProbeResult, probe_compile
-from kernels.compiler.probe_bench import confirmed, summarize, tier_shape
-from kernels.compiler.shape import TrafficShape, get_shape, shape_fingerprint
+from kernels.compiler.probe_bench import confirmed, summarize
+from kernels.compiler.shape import TrafficShape, get_shape, shape_fingerprint, tier_shape
 from kernels.compiler.store import TrialStore
 from kernels.config import EngineConfig
 
