@@ -20,7 +20,8 @@ from kernels import cli as kernels_cli
 from loadtest import cli as loadtest_cli
 
 if TYPE_CHECKING:
-    from loadtest.probe import LlamacppProbe, VllmProbe
+    from kernels.compiler.probe import ProbeTarget
+    from loadtest.probe import LlamacppProbe, SglangProbe, VllmProbe
 
 _PACKAGES = (serve_cli, deploy_cli, classifiers_cli, kernels_cli, fleet_cli, engines_cli, loadtest_cli)
 
@@ -50,10 +51,10 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _engine_prober(engine: str = "llamacpp") -> LlamacppProbe | VllmProbe:
-    from loadtest.probe import LlamacppProbe, VllmProbe
+def _engine_prober(target: ProbeTarget) -> LlamacppProbe | VllmProbe | SglangProbe:
+    from loadtest.probe import prober_for
 
-    return VllmProbe() if engine == "vllm" else LlamacppProbe()
+    return prober_for(target)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

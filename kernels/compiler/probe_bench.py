@@ -25,7 +25,7 @@ from pathlib import Path
 
 from kernels.catalog import get_gpu, get_model
 from kernels.compiler.measurement import Measurement, ProbeLadder
-from kernels.compiler.probe import ENGINES, Prober, ProbeResult, ProbeTrial, probe_compile
+from kernels.compiler.probe import CPU_ENGINES, Prober, ProbeResult, ProbeTarget, ProbeTrial, probe_compile
 from kernels.compiler.shape import get_shape, tier_shape
 from kernels.compiler.store import StoreError, TrialStore
 
@@ -172,14 +172,14 @@ def summarize(cells: list[ProbeCell]) -> dict[str, object]:
     }
 
 
-def main_probe_bench(args: argparse.Namespace, prober: Callable[[str], Prober] | None) -> int:
+def main_probe_bench(args: argparse.Namespace, prober: Callable[[ProbeTarget], Prober] | None) -> int:
     if prober is None:
         raise SystemExit("polymorph bench compile: --evaluate probe needs the load tester's prober (run it as `polymorph bench`)")
-    engines, shapes = args.engines or list(ENGINES), args.shapes or list(DEFAULT_SHAPES)
+    engines, shapes = args.engines or list(CPU_ENGINES), args.shapes or list(DEFAULT_SHAPES)
     budget = DEFAULT_BUDGET if args.budget is None else args.budget
-    unknown = [e for e in engines if e not in ENGINES]
+    unknown = [e for e in engines if e not in CPU_ENGINES]
     if unknown:
-        raise SystemExit(f"polymorph bench compile: --evaluate probe measures on {' and '.join(ENGINES)}, not {unknown}")
+        raise SystemExit(f"polymorph bench compile: --evaluate probe measures on {' and '.join(CPU_ENGINES)}, not {unknown}")
     try:
         for shape in shapes:
             get_shape(shape)
@@ -205,7 +205,7 @@ def main_probe_bench(args: argparse.Namespace, prober: Callable[[str], Prober] |
                 for shape in shapes:
                     progress(f"== {engine} / {shape}: budget {budget}, {args.probe_requests} requests a step")
                     try:
-                        cell = run_probe_cell(engine, shape, args.model, budget, args.probe_requests, prober(engine), store,
+                        cell = run_probe_cell(engine, shape, args.model, budget, args.probe_requests, prober(ProbeTarget(engine)), store,
                                               not args.no_confirm, progress, args.tier)
                     except (RuntimeError, StoreError) as exc:
                         raise SystemExit(f"polymorph bench compile: {engine} / {shape}: {exc}") from exc

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -13,6 +14,7 @@ import pytest
 
 from kernels.catalog import get_gpu, get_model
 from kernels.compiler.evaluators import Metrics
+from kernels.compiler.gates import SGLANG_PYTHON_ENV
 from kernels.compiler.measurement import Measurement, ProbeFingerprint, ProbeLadder, ProbeStep
 from kernels.compiler.probe import as_vllm_runs, vllm_candidates
 from kernels.compiler.shape import get_shape
@@ -20,6 +22,7 @@ from kernels.compiler.store import TrialStore
 from kernels.config import EngineConfig
 
 POLYMORPH = [sys.executable, "-m", "gateway.cli"]
+SGLANG_STANDIN = Path(__file__).resolve().parents[2] / "support" / "sglang_standin.py"
 MEASURED_KEYS = {"goodput_rps", "ttft_p50_s", "ttft_p99_s", "tpot_p50_s", "tpot_p99_s", "throughput_tokens_s", "steps"}
 
 
@@ -68,8 +71,16 @@ def test_probe_compile_measures_the_default_and_the_best_candidate_on_llama_serv
 
 
 def test_probe_compile_reports_what_it_cannot_do() -> None:
-    done = _polymorph("compile", "--model", "tiny-llama", "--evaluator", "probe", "--shape", "short-chat", "--no-store")
-    assert done.returncode != 0 and "--engine llamacpp" in done.stderr and "Traceback" not in done.stderr
+    base = ("compile", "--model", "tiny-llama", "--evaluator", "probe", "--shape", "short-chat", "--no-store")
+    env = {k: v for k, v in os.environ.items() if k != SGLANG_PYTHON_ENV}
+    done = subprocess.run([*POLYMORPH, *base], capture_output=True, text=True, timeout=60, check=False, env=env)  # --engine sglang, the default
+    assert done.returncode != 0 and "--engine-command PYTHON" in done.stderr and "Traceback" not in done.stderr
+    done = _polymorph(*base, "--engine", "sglang", "--engine-command", sys.executable)
+    assert done.returncode != 0 and "needs --model-path" in done.stderr
+    done = _polymorph(*base, "--engine", "sglang", "--engine-command", sys.executable, "--model-path", "/models/m")
+    assert done.returncode != 0 and "sglang serves on GPUs" in done.stderr
+    done = _polymorph(*base, "--engine", "llamacpp", "--devices", "0")
+    assert done.returncode != 0 and "--devices names GPUs" in done.stderr
     done = _polymorph("compile", "--model", "tiny-llama", "--engine", "llamacpp", "--evaluator", "probe", "--shape",
                       "short-chat", "--probe-requests", "0", "--no-store")
     assert done.returncode != 0 and "--probe-requests must be >= 1" in done.stderr
@@ -185,3 +196,33 @@ def test_probe_compile_measures_one_candidate_on_vllm(tmp_path: Path, vllm_pytho
     weights = sorted(tiny_hf.glob("*.safetensors"))
     digest = hashlib.sha256("".join(hashlib.sha256(w.read_bytes()).hexdigest() for w in weights).encode()).hexdigest()
     assert out["fingerprint"]["weights_sha256"] == digest
+
+
+@pytest.mark.slow
+def test_probe_compile_on_sglang_runs_its_interpreter_with_the_weights_on_the_given_gpus(tmp_path: Path) -> None:
+    """sglang cannot run here: its interpreter is a stand-in serving the emulator (the GPU timing stand-in)
+    with the configuration sglang's flags name, and recording what it was given."""
+    weights = tmp_path / "weights"
+    weights.mkdir()
+    (weights / "model.safetensors").write_bytes(b"not really weights")
+    record = tmp_path / "standin.jsonl"
+    env = {**os.environ, "STANDIN_MODEL": "llama-3.1-8b", "STANDIN_GPU": "H100-SXM", "STANDIN_RECORD": str(record)}
+    done = subprocess.run(
+        [*POLYMORPH, "compile", "--model", "llama-3.1-8b", "--gpu", "H100", "--engine", "sglang", "--evaluate", "probe", "--shape",
+         "short-chat", "--budget", "2", "--probe-requests", "3", "--engine-command", f"{sys.executable} {SGLANG_STANDIN}",
+         "--model-path", str(weights), "--devices", "3", "--store", str(tmp_path / "trials.sqlite3"), "--json"],
+        capture_output=True, text=True, timeout=600, check=False, env=env)
+    assert done.returncode == 0, done.stderr
+    out = json.loads(done.stdout)
+    assert out["engine"] == "sglang" and len(out["trials"]) == 2 and out["trials"][0]["default"]
+    assert out["measured"]["goodput_rps"] >= out["baseline"]["measured"]["goodput_rps"] > 0
+    fingerprint = out["fingerprint"]
+    assert fingerprint["engine"] == "sglang" and fingerprint["hardware"] == "H100-SXM x 1 (devices 3)"
+    assert fingerprint["weights_sha256"] == hashlib.sha256(hashlib.sha256(b"not really weights").hexdigest().encode()).hexdigest()
+    # each candidate started sglang's server on device 3 with the weights and its own flags
+    starts = [json.loads(line) for line in record.read_text().splitlines()]
+    assert len(starts) == 2 and all(s["cuda_visible_devices"] == "3" for s in starts)
+    for start, trial in zip(starts, out["trials"]):
+        argv = start["argv"]
+        assert argv[argv.index("--model-path") + 1] == str(weights) and "--enable-metrics" in argv
+        assert " ".join(trial["sglang_args"]) in " ".join(argv)
