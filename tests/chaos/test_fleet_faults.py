@@ -14,6 +14,6 @@ from loadtest.chaos.fleet_faults import FLEET_SCENARIOS, FleetFaultSettings
 
 @pytest.mark.parametrize("name", sorted(FLEET_SCENARIOS))
 def test_fleet_fault_loses_nothing(tmp_path: Path, name: str) -> None:
-    result = asyncio.run(FLEET_SCENARIOS[name](tmp_path, FleetFaultSettings(rate_rps=20.0, max_s=40.0)))
+    result = asyncio.run(FLEET_SCENARIOS[name](tmp_path, FleetFaultSettings(rate_rps=20.0, max_s=90.0)))
     assert result.passed, result.failures()
     assert result.sent > 0 and result.lost == 0 and result.failed_clear == 0

@@ -103,7 +103,7 @@ def test_dashboard_shows_a_live_drift_and_refuses_a_wrong_token(selenium_python:
         )
         done = subprocess.run(
             [str(selenium_python), str(DRIVER_SCRIPT), gateway.url, TOKEN, str(screenshot)],
-            check=False, capture_output=True, text=True, timeout=300, stdin=subprocess.DEVNULL, env={**os.environ, "SE_OFFLINE": "true"},
+            check=False, capture_output=True, text=True, timeout=480, stdin=subprocess.DEVNULL, env={**os.environ, "SE_OFFLINE": "true"},
         )
         browser_s = time.monotonic() - started
         demo_stdout, demo_stderr = demo.communicate(timeout=120)

@@ -116,7 +116,8 @@ def test_gateway_runs_and_moves_its_replicas_as_ray_actors_and_stops_clean(tmp_p
     }
     path = tmp_path / "config.yaml"
     path.write_text(json.dumps(config))
-    gateway = start_gateway(tmp_path, ["--config", str(path), "--replica-logs", str(tmp_path / "replicas")])
+    # Ray's own start (its GCS, raylet and workers) took over 30 s beside a fresh machine's installs
+    gateway = start_gateway(tmp_path, ["--config", str(path), "--replica-logs", str(tmp_path / "replicas")], timeout_s=120.0)
     try:
         with openai.OpenAI(base_url=gateway.url + "/v1", api_key=KEY, max_retries=0) as client:
             reply = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Say hello."}], max_tokens=5,
