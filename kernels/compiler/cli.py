@@ -119,7 +119,8 @@ def _main_probe(args: argparse.Namespace, prober: Callable[[ProbeTarget], Prober
     print(f"{'measured':<22}{'chosen':>12}{'default':>12}")
     for key in ("goodput_rps", "ttft_p50_s", "ttft_p99_s", "tpot_p50_s", "tpot_p99_s", "throughput_tokens_s"):
         print(f"{key:<22}{getattr(chosen, key):>12.4g}{getattr(base, key):>12.4g}")
-    print(("llama-server " if args.engine == "llamacpp" else "vllm serve MODEL ") + " ".join(result.chosen.engine_args))
+    launcher = {"llamacpp": "llama-server -m MODEL ", "vllm": "vllm serve MODEL ", "sglang": "python -m sglang.launch_server --model-path MODEL "}
+    print(launcher[args.engine] + " ".join(result.chosen.engine_args))
     print(f"warm start: {result.num_reused} of {len(result.trials)} candidates taken from the store")
     return 0
 

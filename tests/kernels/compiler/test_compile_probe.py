@@ -206,9 +206,10 @@ def test_probe_compile_on_sglang_runs_its_interpreter_with_the_weights_on_the_gi
     weights.mkdir()
     (weights / "model.safetensors").write_bytes(b"not really weights")
     record = tmp_path / "standin.jsonl"
-    env = {**os.environ, "STANDIN_MODEL": "llama-3.1-8b", "STANDIN_GPU": "H100-SXM", "STANDIN_RECORD": str(record)}
+    # the tiny model on an emulated H100 answers in milliseconds: the ladder's steps take a second each
+    env = {**os.environ, "STANDIN_MODEL": "tiny-llama", "STANDIN_GPU": "H100-SXM", "STANDIN_RECORD": str(record)}
     done = subprocess.run(
-        [*POLYMORPH, "compile", "--model", "llama-3.1-8b", "--gpu", "H100", "--engine", "sglang", "--evaluate", "probe", "--shape",
+        [*POLYMORPH, "compile", "--model", "tiny-llama", "--gpu", "H100", "--engine", "sglang", "--evaluate", "probe", "--shape",
          "short-chat", "--budget", "2", "--probe-requests", "3", "--engine-command", f"{sys.executable} {SGLANG_STANDIN}",
          "--model-path", str(weights), "--devices", "3", "--store", str(tmp_path / "trials.sqlite3"), "--json"],
         capture_output=True, text=True, timeout=600, check=False, env=env)
