@@ -80,6 +80,18 @@ class Outcome:
     engine_share_s: float = 0.0  # its share of its replicas' engine time over all attempts (fleet.engine_share)
 
 
+async def _next_chunk(upstream: UpstreamResponse, outcome: Outcome) -> bytes:
+    """The stream's next piece; b"" at its end, or when it broke off (then ``outcome.stream_error`` says how)."""
+    try:
+        return await upstream.read_chunk()  # TimeoutError after between_chunks_timeout_s
+    except TimeoutError:
+        upstream.close()
+        outcome.stream_error = "upstream_stalled"
+    except UpstreamError:
+        outcome.stream_error = "upstream_disconnected"
+    return b""
+
+
 def _count_stream(outcome: Outcome, tail: bytes, num_events: int, first_at: float, last_event_at: float) -> None:
     """A chat or completions stream's usage (from its last bytes, when the engine sent it) and TPOT."""
     outcome.prompt_tokens = _usage_int(tail, _PROMPT_KEY)
@@ -420,15 +432,7 @@ class Proxy:
                 passed = chunk if usage_filter is None else usage_filter.feed(chunk)
                 if passed:
                     await response.write(passed)
-                try:
-                    chunk = await upstream.read_chunk()  # TimeoutError after between_chunks_timeout_s
-                except TimeoutError:
-                    upstream.close()
-                    outcome.stream_error = "upstream_stalled"
-                    break
-                except UpstreamError:
-                    outcome.stream_error = "upstream_disconnected"
-                    break
+                chunk = await _next_chunk(upstream, outcome)
         except asyncio.CancelledError:
             # The handler is cancelled when its client leaves. A client that read [DONE] often closes
             # before the replica's end of stream arrives: that stream was whole, and what it carried counts.
@@ -479,15 +483,7 @@ class Proxy:
             elif len(final) < _MAX_FINAL_EVENT_BYTES:
                 final += chunk
             await response.write(chunk)
-            try:
-                chunk = await upstream.read_chunk()
-            except TimeoutError:
-                upstream.close()
-                outcome.stream_error = "upstream_stalled"
-                break
-            except UpstreamError:
-                outcome.stream_error = "upstream_disconnected"
-                break
+            chunk = await _next_chunk(upstream, outcome)
         if outcome.stream_error is None and final is None:
             outcome.stream_error = "upstream_truncated"
         if outcome.stream_error is not None:
