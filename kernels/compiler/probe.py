@@ -157,6 +157,18 @@ def fit_to_context(shape: TrafficShape, max_context: int) -> TrafficShape:
                    output_tokens=tuple(max(2, int(t * scale)) for t in shape.output_tokens))
 
 
+def _distinct(configs: list[EngineConfig], flags_of: Callable[[EngineConfig], tuple[str, ...]]) -> list[EngineConfig]:
+    """One configuration per distinct command line, in order (the engine sees nothing else)."""
+    distinct: dict[tuple[str, ...], EngineConfig] = {}
+    for config in configs:
+        distinct.setdefault(flags_of(config), config)
+    return list(distinct.values())
+
+
+def _vllm_flags(config: EngineConfig) -> tuple[str, ...]:
+    return tuple(config.vllm_flags())
+
+
 def llamacpp_candidates(model: ModelSpec) -> list[EngineConfig]:
     """llama-server's defaults first, then the grid of its knobs, one per distinct command line."""
     configs = [EngineConfig()]
@@ -164,10 +176,7 @@ def llamacpp_candidates(model: ModelSpec) -> list[EngineConfig]:
         context = None if multiple is None else model.max_context * multiple
         configs.append(EngineConfig(max_running_requests=parallel, max_total_tokens=context, chunked_prefill_size=batch,
                                     enable_prefix_caching=reuse))
-    distinct: dict[tuple[str, ...], EngineConfig] = {}
-    for config in configs:
-        distinct.setdefault(llamacpp_flags(config), config)
-    return list(distinct.values())
+    return _distinct(configs, llamacpp_flags)
 
 
 def llamacpp_flags(config: EngineConfig) -> tuple[str, ...]:
@@ -187,10 +196,7 @@ def vllm_candidates() -> list[EngineConfig]:
     configs = [EngineConfig()]
     for seqs, batched, caching in itertools.product(_VLLM_SEQS, _VLLM_BATCHED_TOKENS, (True, False)):
         configs.append(EngineConfig(max_running_requests=seqs, chunked_prefill_size=batched, enable_prefix_caching=caching))
-    distinct: dict[tuple[str, ...], EngineConfig] = {}
-    for config in configs:
-        distinct.setdefault(tuple(config.vllm_flags()), config)
-    return list(distinct.values())
+    return _distinct(configs, _vllm_flags)
 
 
 def as_vllm_runs(config: EngineConfig) -> EngineConfig:
@@ -204,10 +210,7 @@ def sglang_candidates() -> list[EngineConfig]:
     configs = [EngineConfig()]
     for running, chunk, caching in itertools.product(_SGLANG_RUNNING, _SGLANG_CHUNK, (True, False)):
         configs.append(EngineConfig(max_running_requests=running, chunked_prefill_size=chunk, enable_prefix_caching=caching))
-    distinct: dict[tuple[str, ...], EngineConfig] = {}
-    for config in configs:
-        distinct.setdefault(sglang_flags(config), config)
-    return list(distinct.values())
+    return _distinct(configs, sglang_flags)
 
 
 def sglang_flags(config: EngineConfig) -> tuple[str, ...]:
@@ -221,7 +224,7 @@ def _engine_knobs(engine: str, model: ModelSpec) -> tuple[list[EngineConfig], Ca
     if engine == "llamacpp":
         return llamacpp_candidates(model), llamacpp_flags, lambda config: as_llamacpp_runs(model, config)
     if engine == "vllm":
-        return vllm_candidates(), lambda config: tuple(config.vllm_flags()), as_vllm_runs
+        return vllm_candidates(), _vllm_flags, as_vllm_runs
     if engine == "sglang":
         return sglang_candidates(), sglang_flags, lambda config: config  # the model predicts sglang as it resolves its defaults
     raise ValueError(f"a probe measures on {' or '.join(ENGINES)}, not {engine!r}")
