@@ -219,7 +219,7 @@ class ControllerService:
     def adopt(self, state: ControllerState) -> None:
         """Take over the slots of ``state``: live processes as they are, dead ones relaunched."""
         self.epoch, self.version = state.epoch, state.plan_version
-        self._plan_key = self._plan_pools(state.slots)  # the plan the gateways route on: same version while unchanged
+        self._plan_key = self._plan_routes(state.slots)  # the plan the gateways route on: same version while unchanged
         for record in state.slots:
             if self.ray is not None:  # known to the actuator, to be started or stopped later
                 self.ray.add_slot(record.slot, record.gpu, record.pool, record.config_json)
@@ -279,26 +279,30 @@ class ControllerService:
 
     # -- plan and persistence --------------------------------------------------------------------
 
-    def _plan_pools(self, slots: Iterable[SlotRecord]) -> bytes:
-        """What the gateways route on: each pool's routable replicas, with their drain flags."""
+    def _plan_routes(self, slots: Iterable[SlotRecord]) -> bytes:
+        """What the gateways route on: each pool's routable replicas, with their drain flags, and the slots
+        starting in a pool (while no replica serves the model, a gateway holds its requests for them)."""
         pools: dict[str, dict[str, Any]] = {}
+        starting = []
         for record in sorted(slots, key=lambda r: r.slot):
+            if record.phase == "starting":
+                starting.append({"name": record.slot, "pool": record.pool, "model": self.model})
             if record.phase not in ("active", "draining"):
                 continue
             pool = pools.setdefault(record.pool, {"name": record.pool, "model": self.model, "gpu": record.gpu,
                                                   "config_json": record.config_json, "replicas": []})
             pool["replicas"].append({"name": record.slot, "url": record.url, "draining": record.phase == "draining"})
-        return orjson.dumps(sorted(pools.values(), key=lambda p: p["name"]))
+        return orjson.dumps({"pools": sorted(pools.values(), key=lambda p: p["name"]), "starting": starting})
 
     def _publish(self) -> None:
         """A new plan version when what the gateways route on changed (the HTTP side reads the bytes)."""
-        key = self._plan_pools(self.slots.values())
+        key = self._plan_routes(self.slots.values())
         if key == self._plan_key and self.plan_body:
             return
         if key != self._plan_key:
             self.version += 1
         self._plan_key = key
-        self.plan_body = orjson.dumps({"epoch": self.epoch, "version": self.version, "pools": orjson.loads(key)})
+        self.plan_body = orjson.dumps({"epoch": self.epoch, "version": self.version, **orjson.loads(key)})
         self.etag = f'"{self.epoch}-{self.version}"'
 
     def _persist(self) -> None:

@@ -6,7 +6,8 @@ breakers across plans, a replica the plan marks draining gets no new request, on
 leaves its pool. Then it posts ``POST /report``: the telemetry it aggregated since the last report
 (``fleet.telemetry_batch``), its requests in flight per replica URL, and the plan version it now
 routes on, which is what lets the controller stop a drained replica only once every gateway has
-stopped sending it work. When the controller cannot be reached the gateway keeps routing on the last
+stopped sending it work. The plan's draining and starting replicas are the restarts a model's requests
+are held for while none of its replicas is routable (gateway.restart_waits), as in embedded mode. When the controller cannot be reached the gateway keeps routing on the last
 plan it applied and says so once, not at every poll.
 """
 
@@ -22,6 +23,7 @@ from typing import Any
 import aiohttp
 import orjson
 
+from fleet.restart_hold import Restart
 from fleet.telemetry_batch import TelemetryBatch
 from gateway.background import BackgroundTask
 from gateway.config import ControllerSettingsFile
@@ -58,6 +60,13 @@ def apply_plan(state: GatewayState, doc: dict[str, Any]) -> None:
     swap_pools(state, tuple(pools))
 
 
+def plan_restarts(doc: dict[str, Any]) -> list[Restart]:
+    """The plan's replicas out of service for a move that brings them back (fleet.restart_hold): the
+    draining ones, in the pool they leave, and the starting ones, in the pool they start in."""
+    draining = [Restart(r["name"], p["name"], p["model"]) for p in doc["pools"] for r in p["replicas"] if r["draining"]]
+    return draining + [Restart(s["name"], s["pool"], s["model"]) for s in doc.get("starting", ())]
+
+
 class PlanClient:
     """What ``GatewayState.live`` is in external mode: telemetry out, plans in."""
 
@@ -73,6 +82,7 @@ class PlanClient:
         self.version = 0
         self._etag: str | None = None
         self._unreachable = False
+        self._restarts: list[Restart] = []
         self.task = BackgroundTask(self._run)
 
     def now(self) -> float:
@@ -83,6 +93,8 @@ class PlanClient:
         return None  # the external controller runs the processes (its state file lists them)
 
     def start_loop(self) -> None:
+        if self.state.proxy is not None:
+            self.state.proxy.holds.connect(lambda: self._restarts, lambda: self.state.runtime.pools)
         self.task.start()
 
     async def stop_loop(self) -> None:
@@ -111,7 +123,10 @@ class PlanClient:
             if resp.status == 200:
                 doc = orjson.loads(await resp.read())
                 apply_plan(self.state, doc)
+                self._restarts = plan_restarts(doc)
                 self.epoch, self.version, self._etag = str(doc["epoch"]), int(doc["version"]), resp.headers.get("ETag")
+                if self.state.proxy is not None:  # a replica routed again takes the requests held for it
+                    self.state.proxy.holds.wake(asyncio.get_running_loop().time())
             elif resp.status != 304:
                 raise ValueError(f"GET /plan answered {resp.status}")
         in_flight = {r.url: r.num_in_flight for p in self.state.runtime.pools for r in p.replicas if r.num_in_flight}

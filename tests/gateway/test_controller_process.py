@@ -16,8 +16,10 @@ import pytest
 from fleet.controller_state import ControllerState, MoveRecord, RolloutRecord, SlotRecord, resumed_phase
 from fleet.decisions import Move
 from fleet.planner import Plan
+from fleet.restart_hold import Restart
 from fleet.telemetry import PoolSlo, ShapeLoad, Telemetry, TrafficMix
 from fleet.telemetry_batch import TelemetryBatch, parse, replay
+from gateway.plan_client import plan_restarts
 from loadtest.chaos.controller_faults import CONTROLLER_SCENARIOS
 from loadtest.chaos.fleet_faults import FleetFaultSettings
 
@@ -61,3 +63,13 @@ def test_controller_state_round_trips_and_resumes_a_started_move_without_restart
     assert resumed_phase(rollout.progress[0], slots[0]) == "starting"
     assert resumed_phase(rollout.progress[0], dataclasses.replace(slots[0], phase="active")) == "done"
     assert resumed_phase(rollout.progress[0], slots[1]) == "draining"
+
+
+def test_the_plan_names_its_draining_and_starting_replicas_as_the_restarts_a_gateway_holds_for() -> None:
+    """External mode: the controller's plan document lists the replicas out of service for a move that brings
+    them back, so a gateway holds a model's requests while none of its replicas is routable (as embedded)."""
+    doc = {"epoch": "e", "version": 7, "starting": [{"name": "H100-SXM/1", "pool": "long", "model": "m"}],
+           "pools": [{"name": "chat", "model": "m", "gpu": "H100-SXM", "config_json": "{}",
+                      "replicas": [{"name": "H100-SXM/0", "url": "http://127.0.0.1:1", "draining": True}]}]}
+    assert plan_restarts(doc) == [Restart("H100-SXM/0", "chat", "m"), Restart("H100-SXM/1", "long", "m")]
+    assert plan_restarts({**doc, "starting": [], "pools": [{**doc["pools"][0], "replicas": [{**doc["pools"][0]["replicas"][0], "draining": False}]}]}) == []  # type: ignore[index,dict-item]
