@@ -268,10 +268,12 @@ class ControllerService:
         record = self.slots[slot]
         self._terminate(slot, record.pid)
         self.healthy.discard(slot)
-        self._set(dataclasses.replace(record, phase="stopped", url=None, pid=None, drained_at_version=0))
+        # not published: a stop is always followed by its start (fleet.rollout), and a plan without the
+        # slot in between would tell the gateways that nothing comes back, ending their restart holds
+        self.slots[slot] = dataclasses.replace(record, phase="stopped", url=None, pid=None, drained_at_version=0)
 
     def start(self, slot: str, pool: str, config_json: str, now: float) -> None:
-        self.slots[slot] = self._launch(self.slots[slot], pool, config_json)
+        self._set(self._launch(self.slots[slot], pool, config_json))  # published: the gateways hold for a starting slot
         self._persist()  # the new process must be known even if this controller dies before the tick ends
 
     def activate(self, slot: str, now: float) -> None:

@@ -1,6 +1,8 @@
 """The controller out of process (``fleet.controller.mode: external``) fails beside two gateways under load.
 
-``controller-dies``: the leader is SIGKILLed right after the first step of a rollout; a standby (blocked
+``controller-moves-the-only-replica``: the fleet is one replica and the plan moves it: while it drains,
+stops and starts no replica serves the model, and the gateways hold its requests for it (the plan lists
+it draining, then starting) and route them once it is back. ``controller-dies``: the leader is SIGKILLed right after the first step of a rollout; a standby (blocked
 on the lease) takes over and finishes the rollout from the persisted state, then it is SIGKILLed too and
 a restarted controller adopts the fleet with the same plan. ``controller-partitioned``: the leader is
 SIGSTOPped right after the first step (its socket accepts, nothing answers: the gateways' plan polls
@@ -36,11 +38,12 @@ PARTITION_S = 3.0  # 60 fleet seconds at SPEED: many missed polls and reports
 
 class ExternalControllerDeployment:
     """``polymorph controller`` processes (leader, standbys, restarts) and ``NUM_GATEWAYS`` gateways over one
-    pool ``mixed`` of 2 emulated replicas, declared for short chats; the load is long prompts, so the first
-    plan moves replicas to ``DRIFT_POOL``. Every process it started is ended on exit, replicas included."""
+    pool ``mixed`` of ``num_replicas`` emulated replicas, declared for short chats; the load is long prompts, so
+    the first plan moves replicas to ``DRIFT_POOL``. Every process it started is ended on exit, replicas included."""
 
-    def __init__(self, run_dir: Path) -> None:
+    def __init__(self, run_dir: Path, num_replicas: int = 2) -> None:
         self.run_dir = run_dir
+        self.num_replicas = num_replicas
         self.registry = ProcessRegistry(run_dir)
         self.url = f"http://127.0.0.1:{free_port()}"
         self.gateway_urls: list[str] = []
@@ -49,7 +52,7 @@ class ExternalControllerDeployment:
         self.state_file = run_dir / "decisions.state.json"
 
     def __enter__(self) -> Self:
-        write_fleet_config(self.run_dir, (("mixed", 2, ("short-chat",)),),
+        write_fleet_config(self.run_dir, (("mixed", self.num_replicas, ("short-chat",)),),
                            {"enabled": True, "mode": "external", "url": self.url, "tick_s": 5.0, "decision_log": self.decision_log.name})
         return self
 
@@ -240,7 +243,32 @@ async def controller_partitioned(run_dir: Path, settings: FleetFaultSettings) ->
         return _result("controller-partitioned", deployment, answers, retried, checks, {"partition_s": PARTITION_S})
 
 
+async def controller_moves_the_only_replica(run_dir: Path, settings: FleetFaultSettings) -> ScenarioResult:
+    with ExternalControllerDeployment(run_dir, num_replicas=1) as deployment:
+        leader = deployment.start_controller("controller-a")
+        deployment.wait_leading(leader)
+        deployment.start_gateways()
+
+        def faults() -> dict[str, Any]:
+            wait_until("the rollout to finish", deployment.rollout_done, timeout_s=settings.max_s)
+            return {}
+
+        answers, retried, _, error = await _under_load(deployment, settings, faults)
+        kinds = [d.kind for d in deployment.decisions()]
+        failed = [a for a in answers if a.verdict != OK]
+        released = sum(metric_sum(url, "polymorph_restart_holds_total", 'outcome="released"') for url in deployment.gateway_urls)
+        checks = [
+            Check("the scenario ran to the end", error is None, str(error)),
+            Check("the only replica moved and was verified, no rollback", "step" in kinds and "verify" in kinds and "rollback" not in kinds,
+                  f"decisions {kinds}"),
+            Check("requests were held while it restarted, then served", released > 0, f"{released:g} released from a hold"),
+            Check("every request succeeded", not failed, f"{len(failed)} failed: {sorted({a.detail for a in failed})[:3]}"),
+        ]
+        return _result("controller-moves-the-only-replica", deployment, answers, retried, checks, {"held_then_served": released})
+
+
 CONTROLLER_SCENARIOS: dict[str, Callable[[Path, FleetFaultSettings], Any]] = {
+    "controller-moves-the-only-replica": controller_moves_the_only_replica,
     "controller-dies": controller_dies,
     "controller-partitioned": controller_partitioned,
 }

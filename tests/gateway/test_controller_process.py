@@ -27,8 +27,9 @@ from loadtest.chaos.fleet_faults import FleetFaultSettings
 @pytest.mark.parametrize("name", sorted(CONTROLLER_SCENARIOS))
 def test_controller_killed_or_partitioned_mid_rollout_repeats_no_move_and_fails_no_request(tmp_path: Path, name: str) -> None:
     """controller-dies: kill -9 mid-rollout, a standby finishes it, a restarted controller serves the same plan;
-    controller-partitioned: SIGSTOP mid-rollout, then SIGCONT. The checks are the scenario's (loadtest/chaos)."""
-    result = asyncio.run(CONTROLLER_SCENARIOS[name](tmp_path, FleetFaultSettings(rate_rps=20.0)))
+    controller-partitioned: SIGSTOP mid-rollout, then SIGCONT; controller-moves-the-only-replica: the gateways
+    hold the model's requests while its only replica restarts. The checks are the scenario's (loadtest/chaos)."""
+    result = asyncio.run(CONTROLLER_SCENARIOS[name](tmp_path, FleetFaultSettings(rate_rps=20.0, max_s=90.0)))
     assert result.passed, result.failures()
     assert result.sent > 0 and result.succeeded == result.sent and result.figures["moves_repeated"] == 0
 
