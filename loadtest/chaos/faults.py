@@ -38,7 +38,9 @@ UPSTREAM = {
 }
 # The longest a correct answer can take: every attempt timing out before its first byte, then a stall.
 DEADLINE_S = UPSTREAM["max_attempts"] * (UPSTREAM["connect_timeout_s"] + UPSTREAM["first_byte_timeout_s"]) + 3.0
-READMIT_TIMEOUT_S = 15.0
+# A restarted replica is readmitted within a second here; a process start beside the test suite's first,
+# busiest minute once took over 15 s (the figure reports the actual time either way)
+READMIT_TIMEOUT_S = 45.0
 
 
 def fault_plan() -> StackPlan:
