@@ -7,8 +7,9 @@ leaves its pool. Then it posts ``POST /report``: the telemetry it aggregated sin
 (``fleet.telemetry_batch``), its requests in flight per replica URL, and the plan version it now
 routes on, which is what lets the controller stop a drained replica only once every gateway has
 stopped sending it work. The plan's draining and starting replicas are the restarts a model's requests
-are held for while none of its replicas is routable (gateway.restart_waits), as in embedded mode. When the controller cannot be reached the gateway keeps routing on the last
-plan it applied and says so once, not at every poll.
+are held for while none of its replicas is routable (gateway.restart_waits), as in embedded mode. When
+the controller cannot be reached the gateway keeps routing on the last plan it applied and says so
+once, not at every poll.
 """
 
 from __future__ import annotations

@@ -149,7 +149,7 @@ def prober_for(target: ProbeTarget) -> LlamacppProbe | VllmProbe | SglangProbe:
     model = target.model_path
     if target.engine == "sglang":
         assert model is not None and target.command
-        return SglangProbe(target.command, model, target.device_kind, target.device_ids or ("0",))
+        return SglangProbe(target.command, model, target.device_kind, target.device_ids)  # probe_target gave a GPU "0" by default
     if target.engine == "vllm":
         return VllmProbe(python=Path(target.command[0]) if target.command else None, model_dir=Path(model) if model else None)
     return LlamacppProbe(binary=Path(target.command[0]) if target.command else None, model_path=Path(model) if model else None)
