@@ -169,7 +169,8 @@ def choose_config(
     replaces an earlier one only when this model rates it > 2% faster: a restart is not spent on a
     tie, and a compile judged on a cruder evaluator (the simulator's analytic screen) cannot cost
     capacity. Without either, sglang's defaults win unless another config really helps. A candidate
-    must beat the incumbent by ``incumbent_margin`` (at least 2%): what restarting its replicas costs.
+    must beat the incumbent by ``incumbent_margin`` (at least 2%): what restarting its replicas costs
+    (``math.inf``: the incumbent stays unless it cannot serve the load at all).
     """
     config, (found,) = choose_mix_config(capacity, gpu, ((load, slo, 1.0),), compiled, incumbent, incumbent_margin)
     return config, found
@@ -191,6 +192,7 @@ def choose_mix_config(
     best_config, (best, best_rate) = candidates[0], judged(candidates[0])
     for config in candidates[1:]:
         found, rate = judged(config)
-        if rate > best_rate * (1 + max(0.02, incumbent_margin if best_config == incumbent else 0.0)):
+        margin = max(0.02, incumbent_margin if best_config == incumbent else 0.0)
+        if rate > 0 and (best_rate == 0 or rate > best_rate * (1 + margin)):  # margin may be inf: keep unless it serves nothing
             best_config, best, best_rate = config, found, rate
     return best_config, best

@@ -35,7 +35,7 @@ from fleet.foreign_load import ForeignLoad, discounted, foreign_shares
 from fleet.incumbents import restart_margin, running_configs
 from fleet.options import DeclaredPool, MoveCost, Options, pool_options, problem_for
 from fleet.planner import Plan, evaluate, fill_budget, plan
-from fleet.rollout import Mover, SlotState, batch_moves, diff_moves
+from fleet.rollout import Mover, SlotState, batch_moves, diff_moves, rolling_batches
 from fleet.telemetry import Telemetry, TrafficMix
 from kernels.config import EngineConfig
 from kernels.tiers import DEFAULT_TIERS, TierSlo
@@ -133,6 +133,11 @@ class Controller:
         self._slots: dict[str, SlotState] = {}  # this tick's snapshot, by slot name
         self.foreign = ForeignLoad(telemetry.window_s)  # the engines' load beyond the gateway's, over the telemetry window
         self._planned_shares: dict[str, float] = {}  # the foreign shares the current plan was made with
+        # A drift plan is made from the traffic since the change began: fast, but a short sample. Once the
+        # telemetry window holds only the new mix the fleet is planned again (the planner weighs any further
+        # move against its cost). Stretched drift-step at 36 req/s: the 30 s sample's plan held 70% of the
+        # SLO after the change, a 120 s sample's 78% (fleet/README.md "Capacity at SLO").
+        self._refine_at: float | None = None
         s = settings
         self.start_timeout_s = s.start_timeout_s or max(s.min_start_timeout_s, s.start_timeout_margin * max(
             (s.move_cost.restart_s(s.model, gpu, EngineConfig()) for gpu in s.gpu_to_budget), default=60.0))
@@ -182,6 +187,9 @@ class Controller:
             if adopted:
                 return out + adopted
         live = self.telemetry.window(now)
+        if self._refine_at is not None and now >= self._refine_at:
+            self._refine_at = None
+            return out + self._replan(now, live, slots, trigger="refine")
         current, verdict = self.detector.observe(now, live, self.reference_mix, self.telemetry.covered_s(now))
         if verdict is None:
             # same traffic, fewer (or more) GPUs: plan again for what is left (once there is traffic to plan for)
@@ -196,7 +204,10 @@ class Controller:
                         mix_before=self.reference_mix.to_json(), mix_after=live.to_json()))]
         # plan for the traffic since the change began, not the whole window (mostly the old mix)
         recent = self.telemetry.window(now, max(self.telemetry.bucket_s, now - verdict.above_since))
-        return out + self._replan(now, recent if recent.shapes else live, slots)
+        refine_at = verdict.above_since + self.telemetry.window_s
+        out += self._replan(now, recent if recent.shapes else live, slots, tune=refine_at <= now)
+        self._refine_at = refine_at if refine_at > now else None
+        return out
 
     def _adopt_compiled(self, now: float, slots: list[SlotState]) -> list[Decision]:
         """Log the compiles finished since the last tick for the pools they serve; when the current
@@ -232,7 +243,11 @@ class Controller:
         return any(abs(shares.get(pool, 0.0) - planned.get(pool, 0.0)) >= self.settings.foreign_replan_change
                    for pool in shares.keys() | planned.keys())
 
-    def _replan(self, now: float, live: TrafficMix, slots: list[SlotState], trigger: str | None = None) -> list[Decision]:
+    def _replan(self, now: float, live: TrafficMix, slots: list[SlotState], trigger: str | None = None,
+                tune: bool = True) -> list[Decision]:
+        """Plan for ``live`` and start the rollout. ``tune=False`` (a plan from a short sample) moves
+        replicas between pools but restarts none in place for a faster configuration: that waits for the
+        refined plan, whose sample shows the new lengths."""
         s = self.settings
         self._capacity_changed = False
         slots = [slot for slot in slots if slot.alive]  # a dead slot can neither serve nor move
@@ -240,7 +255,7 @@ class Controller:
         gpus = tuple(sorted(budget))
         move_s = s.move_cost.drain_s + s.move_cost.restart_s(s.model, gpus[0], EngineConfig())
         options = pool_options(live.shapes, gpus, self.capacity, s.tiers, self.configs, now, self.options, s.declared, s.pool_prefix,
-                               running_configs(slots), restart_margin(move_s, s.plan_horizon_s))
+                               running_configs(slots), restart_margin(move_s, s.plan_horizon_s) if tune else math.inf)
         self.options = options
         asked = [compile_submitted(now, a.pool, a.gpu, a.envelope, a.previous) for a in options.submitted if a.new]
         counts: dict[str, int] = {}
@@ -283,12 +298,13 @@ class Controller:
         # A fleet already missing its demand cannot judge a step (its verification is skipped, see
         # _advance), and the replicas that move leave pools whose demand has left: small steps buy no
         # safety there, only a longer overload. Moves between pools then go in steps of
-        # failing_step_fraction; in-place recompiles (tuning a pool that keeps its demand) keep the bound.
+        # failing_step_fraction; in-place recompiles (tuning a pool that keeps its demand) keep the bound and
+        # restart one replica of a pool at a time.
         recent = self.telemetry.window(now, s.verify_after_s)
         failing = recent.goodput_rps() < (1 - s.verify_margin) * recent.total_rate_rps
         moving = [m for m in moves if m.from_pool != m.to_pool]
         steps = (batch_moves(moving, len(slots), s.failing_step_fraction if failing else s.max_step_fraction)
-                 + batch_moves(recompiled, len(slots), s.max_step_fraction))
+                 + rolling_batches(recompiled, len(slots), s.max_step_fraction))
         self._rollout = _Rollout(new_plan, planned, steps, slot_to_old_config=old)  # verify predicts with the discount
         return out + self._start_step(now)
 
@@ -323,8 +339,7 @@ class Controller:
                 return []
         self._commands += out.commands
         if self._canary.num_rolled_back > rolled_back:
-            self._num_failures += 1
-            self._backoff_until = now + self.settings.backoff_s * 2 ** (self._num_failures - 1)
+            self._back_off(now)
             self._canary_queue.clear()  # the plan these came from is not what runs now
         return out.decisions
 
@@ -417,12 +432,18 @@ class Controller:
                 backlogged.append(move.slot)
         return tuple(waiting), tuple(backlogged)
 
+    def _back_off(self, now: float) -> float:
+        """A step or canary failed: no plan for a doubling back-off, and no refine of the plan it came from."""
+        self._num_failures += 1
+        backoff: float = self.settings.backoff_s * 2 ** (self._num_failures - 1)
+        self._backoff_until = now + backoff
+        self._refine_at = None
+        return backoff
+
     def _roll_back(self, now: float, rollout: _Rollout, reason: str, never_healthy: tuple[str, ...] | None = None,
                    start_timeout_s: float | None = None) -> list[Decision]:
         """Every move of the current step goes back to its old pool and configuration; later steps are dropped."""
-        self._num_failures += 1
-        backoff = self.settings.backoff_s * 2 ** (self._num_failures - 1)
-        self._backoff_until = now + backoff
+        backoff = self._back_off(now)
         undo = tuple(m.reversed(rollout.slot_to_old_config[m.slot]) for m in rollout.current)
         rollout.steps = []
         rollout.rolling_back = True

@@ -9,7 +9,8 @@ Three signals, each divided by its threshold so that 1.0 means "changed enough":
 * profile change: the largest ``|log|`` ratio of a shape's mean prompt or output length (a shape
   whose requests got longer needs more capacity even at the same rate), for shapes with a real share.
 
-Drift fires only when the score (the largest of the three) has stayed at or above 1 for ``dwell_s``,
+Drift fires only when the score (the largest of the three) has stayed at or above 1 for ``dwell_s``
+(``strong_dwell_s`` once it reaches ``strong_score``),
 at least ``min_interval_s`` after the last plan and once the window is warm. It re-arms only after the
 score has dropped below ``rearm_below`` (hysteresis), so a mix that hovers at the threshold cannot
 flap. Pure: the caller passes ``now`` and both mixes.
@@ -30,6 +31,11 @@ class DriftSettings:
     profile_change_threshold: float = math.log(1.5)
     min_profile_share: float = 0.05  # shapes below this share of work do not count for profile change
     dwell_s: float = 30.0
+    # A score this strong is no noise: it fires after strong_dwell_s. The plan made from so short a sample
+    # moves replicas between pools only and is made again once the window holds only the new mix
+    # (fleet.controller's refine); before that refine existed a 10 s dwell planned too little (fleet/README.md).
+    strong_score: float = 4.0
+    strong_dwell_s: float = 10.0
     min_interval_s: float = 120.0
     warmup_s: float = 60.0
     rearm_below: float = 0.7
@@ -38,6 +44,8 @@ class DriftSettings:
         for name in ("divergence_threshold", "rate_change_threshold", "profile_change_threshold"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"drift {name} must be > 0")
+        if not (0 <= self.strong_dwell_s <= self.dwell_s and self.strong_score >= 1):
+            raise ValueError("drift strong_dwell_s must be in [0, dwell_s] and strong_score >= 1")
         if not 0 < self.rearm_below <= 1:
             raise ValueError("drift rearm_below must be in (0, 1]")
 
@@ -130,7 +138,7 @@ class DriftDetector:
         ready = (
             self.armed
             and covered_s >= s.warmup_s
-            and now - self.above_since >= s.dwell_s
+            and now - self.above_since >= (s.strong_dwell_s if current.score >= s.strong_score else s.dwell_s)
             and now - self.last_plan_at >= s.min_interval_s
         )
         if not ready:

@@ -136,10 +136,12 @@ def test_a_shape_no_declared_pool_serves_gets_a_pool_of_its_own_and_replicas_mov
     slots = _slots(chat_only, 3)
     _feed(tel, 0.0, 300.0, {"short-chat": 6.0})
     before, slots = _run(controller, actuator, slots, 5, 300)
-    assert [d.kind for d in before] == ["drift", "plan"] and before[1].evidence == PlanEvidence(
+    # the drift plan, then its refine once the window holds only the new mix: both keep the declared pool
+    assert [d.kind for d in before] == ["drift", "plan", "plan"] and before[1].evidence == PlanEvidence(
         outcome="keep", diff={}, budget={H100: 3}, predicted_goodput_before_rps=6.0, predicted_goodput_after_rps=6.0,
         objective_before=before[1].evidence.objective_before, objective_after=before[1].evidence.objective_after,  # type: ignore[union-attr]
         configs={"chat-h100": CHAT_JSON}, num_moves=0)
+    assert before[2].evidence.trigger == "refine" and before[2].evidence.outcome == "keep"  # type: ignore[union-attr]
     _feed(tel, 300.0, 700.0, {"short-chat": 6.0, "long-context": 1.0})  # long prompts arrive: no declared pool serves them
     after, slots = _run(controller, actuator, slots, 300, 700)
     kinds = [d.kind for d in after]

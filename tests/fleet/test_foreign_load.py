@@ -89,10 +89,11 @@ def test_foreign_load_that_grows_under_a_steady_mix_calls_for_a_plan_that_gives_
         slots = [SlotState(f"G/{k}", pool, GPU, config, engine=_engine(foreign if pool == A else 0)) for k, (pool, config) in enumerate(where)]
         made += [(float(now), d) for d in tick(controller, actuator, float(now), slots)]
     plans = [(at, d.evidence) for at, d in made if isinstance(d.evidence, PlanEvidence)]
-    assert [(e.trigger, e.diff) for _, e in plans] == [(None, {A: (4, 3), B: (0, 1)}), ("foreign load", {}), ("foreign load", {A: (3, 4), B: (1, 0)})]
-    first, kept, moved = (e for _, e in plans)
+    assert [(e.trigger, e.diff) for _, e in plans] == [
+        (None, {A: (4, 3), B: (0, 1)}), ("refine", {}), ("foreign load", {}), ("foreign load", {A: (3, 4), B: (1, 0)})]
+    first, _, kept, moved = (e for _, e in plans)
     assert first.foreign_share is None  # engine figures, but none of their requests foreign yet
-    assert kept.foreign_share is not None and 0.2 <= kept.foreign_share[A] < 0.5 and plans[1][0] > 500.0  # the window mean, not the tick's
+    assert kept.foreign_share is not None and 0.2 <= kept.foreign_share[A] < 0.5 and plans[2][0] > 500.0  # the window mean, not the tick's
     assert moved.foreign_share is not None and kept.foreign_share[A] + 0.2 <= moved.foreign_share[A] <= 0.5 and moved.outcome == "apply"
     assert "drift" not in [d.kind for at, d in made if at > plans[0][0]]
     assert [actuator.slot_to_pool.get(f"G/{k}", (A, "{}"))[0] for k in range(4)] == [A] * 4  # the rollout ran

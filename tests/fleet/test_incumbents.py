@@ -2,13 +2,20 @@
 
 from __future__ import annotations
 
+import math
+
 from fleet.capacity import Capacity
+from fleet.controller import Controller, ControllerSettings
+from fleet.drift import DriftSettings
+from fleet.evidence import DriftEvidence, PlanEvidence
 from fleet.incumbents import restart_margin, running_configs
 from fleet.options import config_json, pool_options
 from fleet.rollout import SlotState
-from fleet.telemetry import ShapeLoad
+from fleet.telemetry import ShapeLoad, Telemetry
 from kernels.config import EngineConfig
 from kernels.tiers import DEFAULT_TIERS
+from tests.fleet.test_declared_pools import _feed, _run
+from tests.fleet.test_planner_rollout import FakeActuator
 
 GPU = "H100-SXM"
 SMALL_CHUNKS = EngineConfig(chunked_prefill_size=2048)
@@ -52,3 +59,50 @@ def test_running_configs_reads_each_pools_single_live_configuration() -> None:
         SlotState("H100-SXM/4", "gone@H100-SXM", GPU, "{}", alive=False),
     ]
     assert running_configs(slots) == {"chat@H100-SXM": SMALL_CHUNKS}
+
+
+def test_an_infinite_margin_keeps_the_incumbent_unless_it_serves_nothing() -> None:
+    running = {"chat@H100-SXM": SMALL_CHUNKS}
+    assert _config(1.0, running, math.inf) == SMALL_CHUNKS  # twice as fast, still kept
+    options = pool_options((CHAT,), (GPU,), ServesOnlyDefaults(), DEFAULT_TIERS, running=running, restart_margin=math.inf)
+    assert dict(options.pool_to_config)["chat@H100-SXM"] == EngineConfig()  # the incumbent serves nothing: replaced
+
+
+class ServesOnlyDefaults:
+    def estimate(self, gpu: str, config: EngineConfig, load: ShapeLoad, slo: object) -> Capacity:
+        rate = 10.0 if config == EngineConfig() else 0.0
+        return Capacity(rate, rate * 2)
+
+
+class ShapesDefaultsFaster:
+    """Per-shape rates; sglang's defaults 50% faster than any other configuration."""
+
+    def estimate(self, gpu: str, config: EngineConfig, load: ShapeLoad, slo: object) -> Capacity:
+        rate = {"short-chat": 5.0, "long-context": 1.0}[load.name] * (1.5 if config == EngineConfig() else 1.0)
+        return Capacity(rate, rate * 2)
+
+
+def test_a_drift_plan_from_a_short_sample_moves_replicas_and_its_refine_recompiles() -> None:
+    """Long prompts join the chat at t=200: the drift plan (10 s of the new mix) gives them a replica but
+    restarts none in place; once the window holds only the new mix the refine plan recompiles the chat
+    pool to the faster configuration (50% faster: past the restart margin)."""
+    tel = Telemetry()
+    _feed(tel, 0.0, 200.0, {"short-chat": 2.0})
+    settings = ControllerSettings("llama-3.1-8b", {GPU: 3}, verify_after_s=30.0)
+    controller = Controller(settings, tel, ShapesDefaultsFaster(), tel.window(200.0))
+    chat = "short-chat@H100-SXM"
+    slots = [SlotState(f"{GPU}/{k}", chat, GPU, config_json(SMALL_CHUNKS)) for k in range(3)]
+    _feed(tel, 200.0, 500.0, {"short-chat": 2.0, "long-context": 1.0})
+    made, slots = _run(controller, FakeActuator({}, restart_s=10.0), slots, 205, 500)
+    drift = next(d for d in made if isinstance(d.evidence, DriftEvidence))
+    plans = [d for d in made if isinstance(d.evidence, PlanEvidence)]
+    assert drift.at - drift.evidence.dwell_since == DriftSettings().strong_dwell_s  # type: ignore[union-attr]
+    first, refine = plans[0], plans[1]
+    assert first.at == drift.at and first.evidence.trigger is None and first.evidence.outcome == "apply"  # type: ignore[union-attr]
+    assert first.evidence.configs is not None and first.evidence.configs[chat] == config_json(SMALL_CHUNKS)  # type: ignore[union-attr]
+    assert not [d for d in made if d.kind == "recompile" and d.at < refine.at]
+    assert refine.evidence.trigger == "refine" and refine.at >= drift.evidence.dwell_since + tel.window_s  # type: ignore[union-attr]
+    recompiled = next(d for d in made if d.kind == "recompile")
+    assert recompiled.at == refine.at and {m.to_pool for m in recompiled.moves} == {chat}
+    assert {s.config_json for s in slots if s.pool == chat} == {config_json(EngineConfig())}
+    assert [s.pool for s in slots].count(f"long-context@{GPU}") >= 1

@@ -12,7 +12,7 @@ from fleet.controller import Controller
 from fleet.decisions import Decision, DecisionLog, Move
 from fleet.evidence import DriftEvidence, RecompileEvidence, StepEvidence
 from fleet.planner import PlanProblem, PoolOption, brute_force, plan
-from fleet.rollout import Mover, SlotState, batch_moves, diff_moves
+from fleet.rollout import Mover, SlotState, batch_moves, diff_moves, rolling_batches
 
 
 def _problem(rng: random.Random) -> PlanProblem:
@@ -53,6 +53,14 @@ def test_diff_moves_within_gpu_kind_and_recompiles_in_place() -> None:
     moves = diff_moves(slots, {"a@G": 1, "b@G": 2}, {"a@G": "G", "b@G": "G"}, {"a@G": "{}", "b@G": '{"x": 1}'})
     assert moves == [Move("G/1", "a@G", "b@G", '{"x": 1}'), Move("G/2", "b@G", "b@G", '{"x": 1}')]
     assert batch_moves(moves * 3, fleet_size=8, max_fraction=0.25) == [tuple(moves), tuple(moves), tuple(moves)]
+
+
+def test_recompiles_restart_one_replica_of_a_pool_per_step() -> None:
+    a = [Move(f"G/{k}", "a@G", "a@G", "{}") for k in range(3)]
+    b = [Move(f"G/{k}", "b@G", "b@G", "{}") for k in range(3, 5)]
+    assert rolling_batches(a + b, fleet_size=8, max_fraction=0.25) == [(a[0], b[0]), (a[1], b[1]), (a[2],)]
+    assert rolling_batches(a + b, fleet_size=8, max_fraction=0.1) == [(m,) for m in a + b]  # the fleet's bound still holds
+    assert rolling_batches([], fleet_size=8, max_fraction=0.25) == []
 
 
 class FakeActuator:

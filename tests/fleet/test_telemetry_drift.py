@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import pytest
+
 from classifiers.shape import default_shape_rules
 from fleet.drift import DriftDetector, DriftSettings, js_divergence, score
 from fleet.simulator.world import classify
@@ -62,7 +64,29 @@ def test_stationary_traffic_never_drifts_after_warm_up() -> None:
 
 def test_drift_step_is_detected_once_after_the_dwell() -> None:
     fired = _run_detector("drift-step", 20.0, 600.0)
-    assert len(fired) >= 1 and 300 + DriftSettings().dwell_s <= fired[0] <= 400
+    assert len(fired) >= 1 and 300 + DriftSettings().strong_dwell_s <= fired[0] <= 400  # a strong score: the short dwell
+
+
+def test_a_weak_score_waits_the_dwell_and_a_strong_one_the_strong_dwell() -> None:
+    """The total rate 1.5x the plan's (score ~1.5) fires after dwell_s; 10x (score ~8.8) after strong_dwell_s."""
+    settings = DriftSettings(min_interval_s=0.0, warmup_s=0.0)
+    planned = Telemetry()
+    for k in range(600):
+        planned.record_arrival(k * 0.1, "a", "interactive", 100)
+    for factor, dwell_s in ((1.5, settings.dwell_s), (10.0, settings.strong_dwell_s)):
+        live, det = Telemetry(), DriftDetector(settings)
+        for k in range(int(600 * factor)):
+            live.record_arrival(k * 0.1 / factor, "a", "interactive", 100)
+        first = None
+        for now in range(0, 60, 5):
+            current, verdict = det.observe(float(now), live.window(60.0), planned.window(60.0), 60.0)
+            if verdict is not None:
+                first = now
+                break
+        assert (current.score >= settings.strong_score) == (factor == 10.0)
+        assert first == dwell_s, (factor, first)
+    with pytest.raises(ValueError, match="strong_dwell_s"):
+        DriftSettings(strong_dwell_s=60.0)
 
 
 def test_score_names_the_signal_that_moved() -> None:
