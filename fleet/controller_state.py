@@ -76,6 +76,7 @@ class ControllerState:
     num_repartitions: int
     num_recompiles: int
     rollout: RolloutRecord | None = None
+    refine_at: float | None = None  # when the last drift plan is made again (None: no refine pending)
 
     def to_json(self) -> dict[str, Any]:
         return {"format": FORMAT, **_encode(asdict(self))}
@@ -98,6 +99,7 @@ class ControllerState:
                 num_repartitions=int(doc["num_repartitions"]),
                 num_recompiles=int(doc["num_recompiles"]),
                 rollout=_rollout(rollout) if rollout is not None else None,
+                refine_at=None if doc.get("refine_at") is None else float(doc["refine_at"]),  # absent before refines existed
             )
         except (KeyError, TypeError) as exc:
             raise ValueError(f"malformed controller state: {exc!r}") from None
@@ -189,6 +191,7 @@ def capture(controller: Controller, epoch: str, plan_version: int, slots: tuple[
         num_repartitions=controller.num_repartitions,
         num_recompiles=controller.num_recompiles,
         rollout=record,
+        refine_at=controller._refine_at,
     )
 
 
@@ -213,6 +216,7 @@ def restore(controller: Controller, state: ControllerState, now: float) -> None:
     controller._num_failures = state.num_failures
     controller.num_repartitions = state.num_repartitions
     controller.num_recompiles = state.num_recompiles
+    controller._refine_at = state.refine_at
     record = state.rollout
     if record is None:
         controller._rollout = None

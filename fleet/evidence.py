@@ -84,7 +84,9 @@ class PlanEvidence(_Record):
     # pool -> share of its replicas' capacity held by requests the gateway did not send (engine figures);
     # each replica's rate was scaled by (1 - share) for the plan. Absent: no pool had foreign load.
     foreign_share: dict[str, float] | None = None
-    trigger: str | None = None  # "foreign load": the foreign shares moved with the mix steady; absent: drift, capacity, a compile
+    # "foreign load": the foreign shares moved with the mix steady; "refine": the drift plan again, from a window
+    # of only the new mix; absent: drift, capacity, a compile
+    trigger: str | None = None
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

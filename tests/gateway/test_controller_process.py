@@ -58,8 +58,10 @@ def test_controller_state_round_trips_and_resumes_a_started_move_without_restart
                      (PoolSlo("mixed", 10, 9),))
     rollout = RolloutRecord(Plan((("short-chat@H100-SXM", 2),), 1.4, -3.0), ((Move("H100-SXM/1", "mixed", move.to_pool, "{}"),),),
                             (move,), (MoveRecord(move, "draining", 5.0),), None, 1.2, True, (("H100-SXM/0", "{}"),), False)
-    state = ControllerState("e1", 4, slots, mix, 5.0, -math.inf, 0, 1, 0, rollout)
+    state = ControllerState("e1", 4, slots, mix, 5.0, -math.inf, 0, 1, 0, rollout, refine_at=125.0)
     assert ControllerState.from_json(json.loads(json.dumps(state.to_json()))) == state
+    older = {k: v for k, v in state.to_json().items() if k != "refine_at"}  # written before refines existed
+    assert ControllerState.from_json(older) == dataclasses.replace(state, refine_at=None)
     # the controller died after starting the new replica but before recording the move's phase
     assert resumed_phase(rollout.progress[0], slots[0]) == "starting"
     assert resumed_phase(rollout.progress[0], dataclasses.replace(slots[0], phase="active")) == "done"
