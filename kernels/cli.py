@@ -100,7 +100,7 @@ def _register_compile(commands: argparse._SubParsersAction) -> None:  # type: ig
                           "(with --evaluator probe) on the GPUs --devices of kind --gpu, with --model-path and the interpreter "
                           "--engine-command or $POLYMORPH_SGLANG_PYTHON")
     compile_.add_argument("--engine-command", help="--evaluator probe: the engine's interpreter (vllm, sglang) or binary (llamacpp) "
-                          "instead of the installed one")
+                          "instead of the installed one; one path for vllm and llamacpp, a command line for sglang")
     compile_.add_argument("--model-path", help="--evaluator probe: the weights the engine loads (default: the tiny model; "
                           "sglang needs one)")
     compile_.add_argument("--devices", help="--evaluator probe on a GPU: the device ids the engine gets (CUDA_VISIBLE_DEVICES), "

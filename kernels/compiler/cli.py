@@ -78,6 +78,8 @@ def probe_target(engine: str, gpu: str, engine_command: str | None, model_path: 
             raise ValueError("--engine sglang needs --model-path (the weights sglang loads)")
         if gpu == "cpu":
             raise ValueError("sglang serves on GPUs: give --gpu KIND (and --devices)")
+    elif len(command) > 1:  # the CPU probes start the binary or interpreter itself, with their own arguments
+        raise ValueError(f"--engine-command for {engine} is one path (llama-server, or vLLM's python), got {engine_command!r}")
     ids = tuple(d.strip() for d in (devices or ("0" if gpu != "cpu" else "")).split(",") if d.strip())
     if gpu == "cpu" and ids:
         raise ValueError("--devices names GPUs; a CPU probe runs its engine on one core")

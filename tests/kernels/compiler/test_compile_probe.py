@@ -81,6 +81,8 @@ def test_probe_compile_reports_what_it_cannot_do() -> None:
     assert done.returncode != 0 and "sglang serves on GPUs" in done.stderr
     done = _polymorph(*base, "--engine", "llamacpp", "--devices", "0")
     assert done.returncode != 0 and "--devices names GPUs" in done.stderr
+    done = _polymorph(*base, "--engine", "vllm", "--engine-command", "taskset -c 1 python")
+    assert done.returncode != 0 and "is one path" in done.stderr and "Traceback" not in done.stderr
     done = _polymorph("compile", "--model", "tiny-llama", "--engine", "llamacpp", "--evaluator", "probe", "--shape",
                       "short-chat", "--probe-requests", "0", "--no-store")
     assert done.returncode != 0 and "--probe-requests must be >= 1" in done.stderr
