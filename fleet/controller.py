@@ -7,7 +7,9 @@ it takes the next snapshot. Each tick reads the telemetry window. With no rollou
 the live mix has left the mix the current plan was made for; on drift it re-plans (pool options from
 the capacity model for the live mix: the operator's declared pools under their own names, and a
 ``<shape>@<gpu>`` pool only for a shape no declared pool on that GPU kind serves; the planner with the
-move cost) and turns the diff into steps, so a mix the declared pools fit keeps them.
+move cost) and turns the diff into steps, so a mix the declared pools fit keeps them. That plan comes from
+the short sample since the change began, so it only moves replicas between pools; once the window holds only
+the new mix it plans again (``refine``), and only then restarts replicas in place for faster configurations.
 A step is planned by a ``Mover``, whose commands the edge applies; ``verify_after_s`` after its last move
 is routable, the observed goodput is compared with the plan's prediction and with the goodput before
 the step, and a step that is worse than both beyond ``verify_margin`` is rolled back (moves reversed)
