@@ -207,8 +207,9 @@ class Controller:
         # plan for the traffic since the change began, not the whole window (mostly the old mix)
         recent = self.telemetry.window(now, max(self.telemetry.bucket_s, now - verdict.above_since))
         refine_at = verdict.above_since + self.telemetry.window_s
-        out += self._replan(now, recent if recent.shapes else live, slots, tune=refine_at <= now)
-        self._refine_at = refine_at if refine_at > now else None
+        short_sample = refine_at > now  # the window still holds some of the old mix
+        out += self._replan(now, recent if recent.shapes else live, slots, tune=not short_sample)
+        self._refine_at = refine_at if short_sample else None
         return out
 
     def _adopt_compiled(self, now: float, slots: list[SlotState]) -> list[Decision]:

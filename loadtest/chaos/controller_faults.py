@@ -2,9 +2,10 @@
 
 ``controller-moves-the-only-replica``: the fleet is one replica and the plan moves it: while it drains,
 stops and starts no replica serves the model, and the gateways hold its requests for it (the plan lists
-it draining, then starting) and route them once it is back. ``controller-dies``: the leader is SIGKILLed right after the first step of a rollout; a standby (blocked
-on the lease) takes over and finishes the rollout from the persisted state, then it is SIGKILLed too and
-a restarted controller adopts the fleet with the same plan. ``controller-partitioned``: the leader is
+it draining, then starting) and route them once it is back. ``controller-dies``: the leader is
+SIGKILLed right after the first step of a rollout; a standby (blocked on the lease) takes over and
+finishes the rollout from the persisted state, then it is SIGKILLed too and a restarted controller
+adopts the fleet with the same plan. ``controller-partitioned``: the leader is
 SIGSTOPped right after the first step (its socket accepts, nothing answers: the gateways' plan polls
 time out, as behind a partition), then SIGCONTed; it finishes the rollout. In both the gateways keep
 routing on the last plan they applied, no request fails, and no applied move is made twice (a slot
