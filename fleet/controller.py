@@ -10,6 +10,8 @@ the capacity model for the live mix: the operator's declared pools under their o
 move cost) and turns the diff into steps, so a mix the declared pools fit keeps them. That plan comes from
 the short sample since the change began, so it only moves replicas between pools; once the window holds only
 the new mix it plans again (``refine``), and only then restarts replicas in place for faster configurations.
+Those recompiles tune for the mix they were planned for: a drift found while only they are left ends the
+rollout after its current step and is planned for at once.
 A step is planned by a ``Mover``, whose commands the edge applies; ``verify_after_s`` after its last move
 is routable, the observed goodput is compared with the plan's prediction and with the goodput before
 the step, and a step that is worse than both beyond ``verify_margin`` is rolled back (moves reversed)
@@ -31,7 +33,7 @@ from fleet.capacity import CapacityModel
 from fleet.commands import Command
 from fleet.compiled import ConfigSource, compile_ready, compile_submitted
 from fleet.decisions import Decision, Move
-from fleet.drift import DriftDetector, DriftSettings
+from fleet.drift import DriftDetector, DriftSettings, DriftVerdict
 from fleet.evidence import CapacityEvidence, DriftEvidence, PlanEvidence, RecompileEvidence, RollbackEvidence, StepEvidence, VerifyEvidence
 from fleet.foreign_load import ForeignLoad, discounted, foreign_shares
 from fleet.incumbents import restart_margin, running_configs
@@ -105,6 +107,7 @@ class _Rollout:
     healthy_before: bool = True  # the fleet met (1 - margin) of its demand before the step
     slot_to_old_config: dict[str, str] = field(default_factory=dict)
     rolling_back: bool = False
+    drift: DriftVerdict | None = None  # found while only in-place recompiles were left (_observe_while_tuning)
 
 
 class Controller:
@@ -200,10 +203,16 @@ class Controller:
             if self._foreign_changed(now) and (live.shapes or self.reference_mix.shapes):
                 return out + self._replan(now, live if live.shapes else self.reference_mix, slots, trigger="foreign load")
             return out
-        out += [Decision(now, DriftEvidence(reason=current.reason, score=round(current.score, 3),
+        return out + self._on_drift(now, live, verdict, slots)
+
+    def _on_drift(self, now: float, live: TrafficMix, verdict: DriftVerdict, slots: list[SlotState],
+                  tuning_dropped: int | None = None) -> list[Decision]:
+        """Log the drift and plan for it; ``tuning_dropped``: the in-place recompiles it cancelled."""
+        current = verdict.score
+        out = [Decision(now, DriftEvidence(reason=current.reason, score=round(current.score, 3),
                         divergence=round(current.divergence, 4), rate_change=round(current.rate_change, 4),
                         profile_change=round(current.profile_change, 4), dwell_since=verdict.above_since,
-                        mix_before=self.reference_mix.to_json(), mix_after=live.to_json()))]
+                        mix_before=self.reference_mix.to_json(), mix_after=live.to_json(), tuning_dropped=tuning_dropped))]
         # plan for the traffic since the change began, not the whole window (mostly the old mix)
         recent = self.telemetry.window(now, max(self.telemetry.bucket_s, now - verdict.above_since))
         refine_at = verdict.above_since + self.telemetry.window_s
@@ -211,6 +220,19 @@ class Controller:
         out += self._replan(now, recent if recent.shapes else live, slots, tune=not short_sample)
         self._refine_at = refine_at if short_sample else None
         return out
+
+    def _observe_while_tuning(self, now: float, rollout: _Rollout) -> None:
+        """While the rollout has only in-place recompiles left (tuning, not capacity), the drift detector
+        keeps watching; a drift it finds ends the rollout after the current step (``_advance``). Stretched
+        drift-ramp at 1.09x: the refine's four rolling recompiles ran 755-1085 s while the ramp went on,
+        and the drift they held back moved two of the just-recompiled replicas at 1120 s; cancelled at
+        980 s, the worst gate went from 91.5% to 94.5% (fleet/README.md "Capacity at SLO")."""
+        if rollout.rolling_back or rollout.drift is not None or not rollout.steps:
+            return
+        if any(m.from_pool != m.to_pool for step in (rollout.current, *rollout.steps) for m in step):
+            return
+        live = self.telemetry.window(now)
+        rollout.drift = self.detector.observe(now, live, self.reference_mix, self.telemetry.covered_s(now))[1]
 
     def _adopt_compiled(self, now: float, slots: list[SlotState]) -> list[Decision]:
         """Log the compiles finished since the last tick for the pools they serve; when the current
@@ -367,6 +389,7 @@ class Controller:
         assert rollout is not None and rollout.mover is not None
         mover = rollout.mover
         self._commands += mover.advance(now, self._slots)
+        self._observe_while_tuning(now, rollout)
         if not mover.done:
             return []
         if mover.failed and not rollout.rolling_back:
@@ -406,6 +429,10 @@ class Controller:
                         engine_backlogged=backlogged or None))]
         if ok:
             self._num_failures = 0
+            if rollout.drift is not None:  # the mix moved on: the remaining recompiles tune for the old one
+                self._rollout = None
+                return out + self._on_drift(now, self.telemetry.window(now), rollout.drift, slots,
+                                            tuning_dropped=sum(map(len, rollout.steps)))
             if rollout.steps:
                 return out + self._start_step(now)
             self._rollout = None

@@ -54,6 +54,7 @@ class DriftEvidence(_Record):
     dwell_since: float  # the controller's clock: when the score first went over the threshold
     mix_before: dict[str, Any]  # TrafficMix.to_json() the fleet was planned for
     mix_after: dict[str, Any]  # TrafficMix.to_json() of the live window
+    tuning_dropped: int | None = None  # in-place recompiles of the running rollout this drift cancelled
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

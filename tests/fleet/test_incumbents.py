@@ -6,6 +6,7 @@ import math
 
 from fleet.capacity import Capacity
 from fleet.controller import Controller, ControllerSettings
+from fleet.decisions import Decision
 from fleet.drift import DriftSettings
 from fleet.evidence import DriftEvidence, PlanEvidence
 from fleet.incumbents import restart_margin, running_configs
@@ -15,7 +16,7 @@ from fleet.telemetry import ShapeLoad, Telemetry
 from kernels.config import EngineConfig
 from kernels.tiers import DEFAULT_TIERS
 from tests.fleet.test_declared_pools import _feed, _run
-from tests.fleet.test_planner_rollout import FakeActuator
+from tests.fleet.test_planner_rollout import FakeActuator, tick
 
 GPU = "H100-SXM"
 SMALL_CHUNKS = EngineConfig(chunked_prefill_size=2048)
@@ -106,3 +107,51 @@ def test_a_drift_plan_from_a_short_sample_moves_replicas_and_its_refine_recompil
     assert recompiled.at == refine.at and {m.to_pool for m in recompiled.moves} == {chat}
     assert {s.config_json for s in slots if s.pool == chat} == {config_json(EngineConfig())}
     assert [s.pool for s in slots].count(f"long-context@{GPU}") >= 1
+
+
+def _drive(controller: Controller, slots: list[SlotState], tel: Telemetry, phases: list[tuple[float, dict[str, float]]],
+           start: int, end: int) -> tuple[list[Decision], list[SlotState]]:
+    """Ticks every 5 s, each after its 5 s of traffic (the rate of the latest phase started), as a live edge sees them."""
+    actuator, decisions = FakeActuator({}, restart_s=10.0), []
+    for now in range(start, end, 5):
+        _feed(tel, now - 5.0, float(now), next(rates for at, rates in reversed(phases) if at <= now - 5))
+        decisions += tick(controller, actuator, float(now), slots)
+        slots = [SlotState(s.slot, pool, s.gpu, config) for s in slots for pool, config in [actuator.slot_to_pool.get(s.slot, (s.pool, s.config_json))]]
+    return decisions, slots
+
+
+def test_a_drift_during_the_refines_rolling_recompiles_cancels_the_rest_and_is_planned_for() -> None:
+    """The refine recompiles the chat pool one replica at a time; long prompts triple meanwhile. The drift
+    detector keeps watching while only recompiles are left, and its drift ends the rollout after the current
+    step: the new plan moves chat replicas to long-context instead of recompiling them first. Without the
+    second change every chat replica recompiles and no drift cancels anything."""
+    chat, long = "short-chat@H100-SXM", "long-context@H100-SXM"
+
+    def run(phases: list[tuple[float, dict[str, float]]]) -> tuple[list[Decision], list[SlotState]]:
+        tel = Telemetry()
+        _feed(tel, 0.0, 200.0, {"short-chat": 4.0})
+        settings = ControllerSettings("llama-3.1-8b", {GPU: 6}, verify_after_s=60.0)
+        controller = Controller(settings, tel, ShapesDefaultsFaster(), tel.window(200.0))
+        slots = [SlotState(f"{GPU}/{k}", chat, GPU, config_json(SMALL_CHUNKS)) for k in range(6)]
+        return _drive(controller, slots, tel, phases, 205, 900)
+
+    settled, settled_slots = run([(200.0, {"short-chat": 4.0, "long-context": 1.0})])
+    refine = next(d for d in settled if isinstance(d.evidence, PlanEvidence) and d.evidence.trigger == "refine")
+    recompiled = next(d for d in settled if d.kind == "recompile")
+    assert recompiled.at == refine.at and len(recompiled.moves) >= 3
+    steps = [d for d in settled if d.kind == "step" and d.at >= refine.at]
+    assert len(steps) == len(recompiled.moves)  # one replica of the pool per step, every one of them
+    assert not [d for d in settled if isinstance(d.evidence, DriftEvidence) and d.evidence.tuning_dropped]
+
+    moved, slots = run([(200.0, {"short-chat": 4.0, "long-context": 1.0}), (400.0, {"short-chat": 4.0, "long-context": 3.0})])
+    refine = next(d for d in moved if isinstance(d.evidence, PlanEvidence) and d.evidence.trigger == "refine")
+    assert len(next(d for d in moved if d.kind == "recompile").moves) == len(recompiled.moves)  # the same refine
+    cancelled = next(d for d in moved if isinstance(d.evidence, DriftEvidence) and d.at > refine.at)
+    assert cancelled.evidence.tuning_dropped  # type: ignore[union-attr]
+    last_step = max(d.at for d in moved if d.kind == "step" and refine.at <= d.at < cancelled.at)
+    assert next(d for d in moved if d.kind == "verify" and d.at > last_step).at == cancelled.at  # after its step, not during it
+    plan_after = next(d for d in moved if isinstance(d.evidence, PlanEvidence) and d.at == cancelled.at)
+    assert plan_after.evidence.diff is not None and plan_after.evidence.diff[long][1] > plan_after.evidence.diff[long][0]  # type: ignore[union-attr]
+    steps_before = [d for d in moved if d.kind == "step" and refine.at <= d.at < cancelled.at]
+    assert len(steps_before) < len(recompiled.moves)
+    assert [s.pool for s in slots].count(long) > [s.pool for s in settled_slots].count(long)
