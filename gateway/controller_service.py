@@ -18,6 +18,11 @@ The policy objects are the embedded loop's (fleet.controller's ``Controller``, i
   on that version or a newer one and none of them has a request in flight on it.
 - Telemetry: ``POST /report`` from each gateway (``fleet.telemetry_batch``), replayed into the
   controller's ``Telemetry`` by the tick thread (the one thread that touches the policy objects).
+- Engine figures: every tick interval the event loop reads each routable replica's own ``/metrics``
+  (``gateway.engine_scrape.read_engine_load``), and each tick hands the latest to the controller with its
+  snapshot, as the embedded loop's gateway does: a step whose moved engines queue what the plan said
+  they run fails verification, and the plan counts what other clients hold on the replicas (foreign
+  load). A replica unread for three ticks has no figures (goodput alone judges it).
 - Persistence: after every tick (and right after a replica process is started) the state
   (``fleet.controller_state``) is written to a temporary file and renamed over the old one, so a crash
   leaves the previous state or the new one, never half of one; decisions are appended to the log first.
@@ -26,6 +31,7 @@ The policy objects are the embedded loop's (fleet.controller's ``Controller``, i
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import fcntl
 import os
@@ -42,6 +48,7 @@ from pathlib import Path
 from typing import IO, Any
 from urllib.parse import urlsplit
 
+import aiohttp
 import orjson
 from aiohttp import web
 
@@ -51,11 +58,13 @@ from fleet.commands import apply
 from fleet.controller import Controller
 from fleet.controller_state import ControllerState, SlotRecord, capture, restore
 from fleet.decisions import DecisionLog
+from fleet.engines.load import EngineLoad
 from fleet.rollout import SlotState
 from fleet.telemetry import Telemetry
 from fleet.telemetry_batch import Report, parse, replay
 from gateway.config import GatewayConfig
 from gateway.dashboard import is_admin_request
+from gateway.engine_scrape import EngineUnreadable, read_engine_load
 from gateway.errors import ApiError, error_response
 from gateway.live_fleet import controller_settings
 from gateway.replicas import ReplicaControl, close, replica_control
@@ -134,6 +143,9 @@ class ControllerService:
         self.state_file = state_file
         self.command = command
         self.model = emulated[0].model
+        # how each pool's /metrics reads: a declared pool's engine; the pools the controller makes launch like the model's
+        self.pool_to_engine_kind = {p.name: p.engine_kind for p in config.pools}
+        self.engine_kind = emulated[0].engine_kind
         self.speed = config.emulator_speed
         self.local = LocalActuator(log_dir, detach=True)
         # fleet.actuator: ray: Ray actors instead of self.local's processes (no routing bound: the plan routes)
@@ -154,6 +166,9 @@ class ControllerService:
         self._saved = b""
         self._lock = threading.Lock()  # guards what the event loop hands the tick thread
         self._inbox: list[Report] = []
+        self._routable: tuple[tuple[str, str, str], ...] = ()  # (slot, URL, engine kind) whose /metrics read_engines reads
+        self._engines: dict[tuple[str, str], EngineLoad] = {}  # (slot, URL) -> that engine's latest figures (read_engines)
+        self._engine_stale_s = 3 * settings.tick_s  # fleet seconds: figures older than three ticks are dropped
         self._gateways: dict[str, _GatewayReport] = {}
         self.stale_s = max(2.0, 4 * settings.report_s / self.speed)  # a gateway silent this long no longer holds drains
         self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="polymorph-controller")
@@ -331,9 +346,44 @@ class ControllerService:
                 self.recovering.discard(record.slot)
                 self.activate(record.slot, self.now())
 
+    async def read_engines(self) -> None:
+        """Every routable replica's engine figures, read concurrently each tick interval on the event loop
+        (as the gateway's scraper does, gateway.engine_scrape): the tick takes the latest of each that is
+        no older than ``_engine_stale_s``. A busy engine answers /metrics slowly; reading between ticks
+        instead would leave its figures out of exactly the ticks it is loaded in."""
+        loop = asyncio.get_running_loop()
+        interval_s = self.settings.tick_s / self.speed
+        timeout = aiohttp.ClientTimeout(total=min(1.0, max(interval_s, 0.25)))
+        async with aiohttp.ClientSession() as session:
+
+            async def one(slot: str, url: str, kind: str) -> tuple[tuple[str, str], EngineLoad | None]:
+                try:
+                    return (slot, url), await read_engine_load(session, url, kind, timeout, self.now())
+                except EngineUnreadable:
+                    return (slot, url), None
+
+            while True:
+                started = loop.time()
+                with self._lock:
+                    routable = self._routable
+                read = await asyncio.gather(*(one(*r) for r in routable))
+                with self._lock:
+                    self._engines.update((key, load) for key, load in read if load is not None)
+                await asyncio.sleep(max(0.0, interval_s - (loop.time() - started)))
+
+    def _fresh_engines(self, now: float) -> dict[str, EngineLoad]:
+        """Per slot, the figures read from the process it runs now (by URL: a restarted slot's old figures
+        are not its new engine's), if fresh; and the slots read_engines reads next."""
+        with self._lock:
+            self._engines = {key: load for key, load in self._engines.items() if now - load.scraped_at <= self._engine_stale_s}
+            self._routable = tuple((r.slot, r.url, self.pool_to_engine_kind.get(r.pool, self.engine_kind)) for r in self.slots.values()
+                                   if r.phase in ("active", "draining") and r.url)
+            return {slot: load for (slot, url), load in self._engines.items() if (r := self.slots.get(slot)) is not None and r.url == url}
+
     def tick(self) -> None:
         assert self.controller is not None
         now = self.now()
+        engines = self._fresh_engines(now)
         with self._lock:
             inbox, self._inbox = self._inbox, []
         for report in inbox:
@@ -341,8 +391,8 @@ class ControllerService:
         for process in [p for p in self.stopping if p.poll() is not None]:
             self.stopping.remove(process)
         self._probe_starting()
-        slots = [SlotState(r.slot, r.pool, r.gpu, r.config_json, num_in_flight=self.num_in_flight(r.slot), healthy=r.slot in self.healthy)
-                 for r in self.slots.values()]
+        slots = [SlotState(r.slot, r.pool, r.gpu, r.config_json, num_in_flight=self.num_in_flight(r.slot), healthy=r.slot in self.healthy,
+                           engine=engines.get(r.slot)) for r in self.slots.values()]
         out = self.controller.tick(now, slots)
         apply(out.commands, self, now)
         self.decisions.extend([dataclasses.replace(d, at=d.at / self.speed) for d in out.decisions])
@@ -423,17 +473,17 @@ async def serve(service: ControllerService) -> None:
     await site.start()
     print(f"polymorph: controller leading at {service.settings.url} (plan version {service.version}, "
           f"{len(service.slots)} replica slots)", file=sys.stderr, flush=True)
-    ticks = asyncio.get_running_loop().create_task(service.run_ticks())
-    stop = asyncio.Event()
     loop = asyncio.get_running_loop()
+    tasks = [loop.create_task(service.run_ticks()), loop.create_task(service.read_engines())]
+    stop = asyncio.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
     await stop.wait()
-    ticks.cancel()
-    try:
-        await ticks
-    except asyncio.CancelledError:
-        pass
+    for task in tasks:
+        task.cancel()
+    for task in tasks:
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
     await runner.cleanup()
     service.executor.shutdown(wait=True)
     if service.ray is not None:  # its actors would die with this process anyway: let their replicas exit cleanly

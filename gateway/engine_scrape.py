@@ -82,19 +82,9 @@ class EngineScraper:
         assert session is not None
         loop = asyncio.get_running_loop()
         try:
-            async with session.get(replica.url + "/metrics", timeout=self.timeout, headers=_HEADERS) as resp:
-                body = await resp.read()
-                if resp.status != 200:
-                    raise _Unreadable(f"GET /metrics answered HTTP {resp.status}")
-            load = parse_load(kind, body.decode("utf-8", "replace"), loop.time())
-        except _Unreadable as exc:
+            load = await read_engine_load(session, replica.url, kind, self.timeout, loop.time())
+        except EngineUnreadable as exc:
             self._failed(replica, str(exc), loop.time())
-        except TimeoutError:
-            self._failed(replica, f"GET /metrics timed out after {self.timeout.total:g} s", loop.time())
-        except aiohttp.ClientError as exc:
-            self._failed(replica, f"GET /metrics failed: {exc}", loop.time())
-        except ValueError as exc:
-            self._failed(replica, f"/metrics unreadable as {kind}: {exc}", loop.time())
         else:
             self._read(replica, load)
 
@@ -159,5 +149,24 @@ class EngineScraper:
         await self.task.stop()
 
 
-class _Unreadable(Exception):
-    pass
+class EngineUnreadable(Exception):
+    """An engine's ``/metrics`` could not be read or parsed; the message says why."""
+
+
+async def read_engine_load(session: aiohttp.ClientSession, url: str, kind: str, timeout: aiohttp.ClientTimeout, now: float) -> EngineLoad:
+    """One read of the ``/metrics`` of the engine of ``kind`` at ``url``, stamped ``now`` (the gateway's
+    scraper and the external controller's, gateway.controller_service)."""
+    try:
+        async with session.get(url + "/metrics", timeout=timeout, headers=_HEADERS) as resp:
+            body = await resp.read()
+            status = resp.status
+    except TimeoutError:
+        raise EngineUnreadable(f"GET /metrics timed out after {timeout.total:g} s") from None
+    except aiohttp.ClientError as exc:
+        raise EngineUnreadable(f"GET /metrics failed: {exc}") from None
+    if status != 200:
+        raise EngineUnreadable(f"GET /metrics answered HTTP {status}")
+    try:
+        return parse_load(kind, body.decode("utf-8", "replace"), now)
+    except ValueError as exc:
+        raise EngineUnreadable(f"/metrics unreadable as {kind}: {exc}") from None

@@ -32,12 +32,12 @@ def _serving(url: str, pool: str) -> bool:
     return any(p["name"] == pool and p["replicas"] for p in _admin(url, "/admin/state")["pools"])  # type: ignore[index,union-attr]
 
 
-async def _traffic(url: str, duration_s: float, rate_rps: float, content: str = "Say hello to the team, briefly.") -> list[int]:
+async def _traffic(url: str, duration_s: float, rate_rps: float, content: str = "Say hello to the team, briefly.", key: str = KEY) -> list[int]:
     statuses: list[int] = []
     body = {"model": "llama-3.1-8b", "messages": [{"role": "user", "content": content}], "max_tokens": 64, "ignore_eos": True}
 
     async def one(session: aiohttp.ClientSession) -> None:
-        async with session.post(url + "/v1/chat/completions", json=body, headers={"Authorization": f"Bearer {KEY}"}) as resp:
+        async with session.post(url + "/v1/chat/completions", json=body, headers={"Authorization": f"Bearer {key}"}) as resp:
             await resp.read()
             statuses.append(resp.status)
 
