@@ -226,7 +226,8 @@ class Controller:
         keeps watching; a drift it finds ends the rollout after the current step (``_advance``). Stretched
         drift-ramp at 1.09x: the refine's four rolling recompiles ran 755-1085 s while the ramp went on,
         and the drift they held back moved two of the just-recompiled replicas at 1120 s; cancelled at
-        980 s, the worst gate went from 91.5% to 94.5% (fleet/README.md "Capacity at SLO")."""
+        980 s, that draw's worst gate went from 91.5% to 94.5%; the capacity searches' draws met no such
+        overlap and did not change (fleet/README.md "Capacity at SLO")."""
         if rollout.rolling_back or rollout.drift is not None or not rollout.steps:
             return
         if any(m.from_pool != m.to_pool for step in (rollout.current, *rollout.steps) for m in step):
