@@ -373,17 +373,23 @@ class ControllerService:
 
     def _fresh_engines(self, now: float) -> dict[str, EngineLoad]:
         """Per slot, the figures read from the process it runs now (by URL: a restarted slot's old figures
-        are not its new engine's), if fresh; and the slots read_engines reads next."""
+        are not its new engine's), if fresh."""
         with self._lock:
             self._engines = {key: load for key, load in self._engines.items() if now - load.scraped_at <= self._engine_stale_s}
-            self._routable = tuple((r.slot, r.url, self.pool_to_engine_kind.get(r.pool, self.engine_kind)) for r in self.slots.values()
-                                   if r.phase in ("active", "draining") and r.url)
             return {slot: load for (slot, url), load in self._engines.items() if (r := self.slots.get(slot)) is not None and r.url == url}
+
+    def _publish_routable(self) -> None:
+        """The replicas read_engines reads next: this tick's routable slots (the tick thread owns ``slots``)."""
+        routable = tuple((r.slot, r.url, self.pool_to_engine_kind.get(r.pool, self.engine_kind)) for r in self.slots.values()
+                         if r.phase in ("active", "draining") and r.url)
+        with self._lock:
+            self._routable = routable
 
     def tick(self) -> None:
         assert self.controller is not None
         now = self.now()
         engines = self._fresh_engines(now)
+        self._publish_routable()
         with self._lock:
             inbox, self._inbox = self._inbox, []
         for report in inbox:
