@@ -19,20 +19,25 @@ from kernels.config import EngineConfig
 
 def running_configs(slots: Iterable[SlotState]) -> dict[str, EngineConfig]:
     """Each pool's configuration, for the pools whose live replicas all run the same one (a pool
-    mid-rollout with two has no single incumbent, and one whose JSON does not parse has none)."""
-    pool_to_json: dict[str, set[str]] = {}
+    mid-rollout with two has no single incumbent, and one whose JSON does not parse has none; one
+    configuration spelled two ways is one)."""
+    pool_to_configs: dict[str, set[EngineConfig | None]] = {}
     for slot in slots:
         if slot.alive:
-            pool_to_json.setdefault(slot.pool, set()).add(slot.config_json)
+            pool_to_configs.setdefault(slot.pool, set()).add(_parsed(slot.config_json))
     out: dict[str, EngineConfig] = {}
-    for pool, texts in pool_to_json.items():
-        if len(texts) != 1:
-            continue
-        try:
-            out[pool] = EngineConfig.from_dict(json.loads(next(iter(texts))))
-        except (ValueError, TypeError):
-            continue
+    for pool, found in pool_to_configs.items():
+        config = next(iter(found))
+        if len(found) == 1 and config is not None:
+            out[pool] = config
     return out
+
+
+def _parsed(text: str) -> EngineConfig | None:
+    try:
+        return EngineConfig.from_dict(json.loads(text))
+    except (ValueError, TypeError):
+        return None
 
 
 def restart_margin(move_s: float, horizon_s: float) -> float:

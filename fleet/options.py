@@ -148,7 +148,7 @@ def pool_options(
 
     Each ``declared`` pool on a GPU kind of ``gpus`` is an option under its own name, serving those of
     its shapes that have load (none: it may still keep its replicas), with the configuration it runs
-    as the incumbent (the declared one until a plan changes it). A (shape, GPU kind) pair no declared
+    as the incumbent (its replicas' in ``running``, else the previous plan's, else the declared one). A (shape, GPU kind) pair no declared
     pool covers gets a pool of its own, ``<shape>@<gpu>``. Such a pool with replicas in ``running``
     keeps the configuration they run unless a candidate is ``restart_margin`` faster
     (fleet.incumbents)."""
@@ -161,7 +161,9 @@ def pool_options(
     declared = tuple(d for d in declared if d.gpu in gpus)
     covered = {(shape, d.gpu) for d in declared for shape in d.shapes}
     ran = {} if previous is None else dict(previous.pool_to_config)
-    incumbents = {d.name: ran.get(d.name, d.config) for d in declared}
+    # what a declared pool's replicas run is its incumbent: after an operator's canary adopted another
+    # configuration, a plan that went back to the previous plan's (or the declared) one would undo it
+    incumbents = {d.name: (running or {}).get(d.name) or ran.get(d.name, d.config) for d in declared}
     if isinstance(capacity, PerfCapacity):  # the fixed candidates of every pool at once (most of a re-plan's work)
         capacity.prefetch([(gpu, config, load, strictest(load.tier_shares(), tiers))
                            for load in loads for gpu in gpus if (load.name, gpu) not in covered for config in config_candidates()]

@@ -17,6 +17,7 @@ controller rolls the step back.
 
 from __future__ import annotations
 
+import json
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -24,6 +25,7 @@ from dataclasses import dataclass
 from fleet.commands import Activate, Command, Drain, Start, Stop
 from fleet.decisions import Move
 from fleet.engines.load import EngineLoad
+from kernels.config import EngineConfig
 
 
 @dataclass(frozen=True, slots=True)
@@ -67,9 +69,21 @@ def diff_moves(
                 deficit -= 1
         for slot in staying:
             wanted = pool_to_config_json.get(slot.pool, slot.config_json)
-            if wanted != slot.config_json:
+            if not same_config(wanted, slot.config_json):
                 moves.append(Move(slot.slot, slot.pool, slot.pool, wanted))
     return moves
+
+
+def same_config(a: str, b: str) -> bool:
+    """Two configurations' JSON are one configuration: a canary's adopted one is spelled as the operator's
+    declared JSON is, a plan's as ``fleet.options.config_json``; restarting a replica into its own
+    configuration would only lose its cache."""
+    if a == b:
+        return True
+    try:
+        return EngineConfig.from_dict(json.loads(a)) == EngineConfig.from_dict(json.loads(b))
+    except (ValueError, TypeError):
+        return False
 
 
 def batch_moves(moves: list[Move], fleet_size: int, max_fraction: float) -> list[tuple[Move, ...]]:

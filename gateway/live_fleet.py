@@ -238,14 +238,22 @@ class LiveFleet:
                 "moving": self.operator.busy and self.operator.moving == name}
 
     def _pool_config_json(self, pool: str) -> str | None:
-        for spec in self.state.runtime.config.pools:
-            if spec.name == pool:
-                return spec.config_json
+        """The configuration a replica moved into ``pool`` starts with: the one its live replicas all run (a
+        canary's adopted configuration, or a controller's recompile: what the pool runs, not what was
+        declared), else the controller's plan for it, else the declared one (None: no such pool)."""
+        running = self.running_config_json(pool)
+        if running is not None:
+            return running
         for controller in self.controller.model_to_controller.values() if self.controller is not None else ():
             found = controller.options.configs_json().get(pool) if controller.options is not None else None
             if found is not None:
                 return found
-        return None
+        return next((spec.config_json for spec in self.state.runtime.config.pools if spec.name == pool), None)
+
+    def running_config_json(self, pool: str) -> str | None:
+        """The configuration every live launched replica of ``pool`` runs (None: none runs, or they differ mid-rollout)."""
+        texts = {s.config_json for s in self.control.slot_states() if s.pool == pool and s.alive}
+        return next(iter(texts)) if len(texts) == 1 else None
 
     def _pool_model(self, pool: str) -> str | None:
         """The model a config pool serves, or the model whose controller made the pool (None: unknown)."""

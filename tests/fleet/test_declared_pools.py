@@ -127,6 +127,24 @@ def test_a_stationary_mix_the_declared_pools_fit_keeps_every_replica_where_it_wa
     assert controller.options is not None and [s.shape for s in controller.options.pools[0].serves] == ["batch", "short-chat"]
 
 
+def test_a_declared_pool_keeps_the_configuration_its_replicas_run_when_it_is_not_the_declared_one() -> None:
+    # an operator's canary adopted prompt caching off for the chat pool: its replicas run that, spelled as the
+    # operator's JSON is; a plan that went back to the declared configuration would restart them to undo it
+    adopted = '{"chunked_prefill_size":2048,"enable_prefix_caching":false,"max_running_requests":256,"tp":1}'
+    tel = Telemetry()
+    settings = ControllerSettings("llama-3.1-8b", {H100: 2, H200: 2}, declared=(CHAT, LONG))
+    controller = Controller(settings, tel, CAPACITY, tel.window(0.0))
+    slots = [SlotState(s.slot, s.pool, s.gpu, adopted) for s in _slots(CHAT, 2)] + _slots(LONG, 2)
+    _feed(tel, 0.0, 600.0, {"short-chat": 4.0, "long-context": 0.8, "batch": 0.5})
+    decisions, after = _run(controller, FakeActuator({}, restart_s=30.0), slots, 5, 600)
+    plans = [d.evidence for d in decisions if isinstance(d.evidence, PlanEvidence)]
+    assert plans and all(p.outcome == "keep" and p.num_moves == 0 for p in plans), decisions
+    assert {"step", "recompile"}.isdisjoint(d.kind for d in decisions) and after == slots
+    configs = plans[0].configs
+    assert configs is not None and json.loads(configs["chat-h100"]) == {"chunked_prefill_size": 2048, "enable_prefix_caching": False,
+                                                                       "max_running_requests": 256}
+
+
 def test_a_shape_no_declared_pool_serves_gets_a_pool_of_its_own_and_replicas_move_there() -> None:
     tel = Telemetry()
     chat_only = DeclaredPool("chat-h100", H100, ("short-chat",), CHAT_CONFIG, CHAT_JSON)

@@ -16,7 +16,7 @@ import pytest
 
 from fleet.decisions import read_decision
 from fleet.evidence import CanaryEvidence
-from tests.gateway.test_admin_move import ADMIN, KEY, _admin, _Load, _replica, _until
+from tests.gateway.test_admin_move import ADMIN, KEY, _admin, _Load, _move_and_watch, _replica, _until
 from tests.gateway.test_config import _error_for, _line_of
 from tests.support.procs import Proc, start_gateway, write_tenant
 
@@ -72,11 +72,11 @@ def test_the_canary_api_answers_bad_requests_with_openai_errors(tmp_path: Path) 
     assert "one trial at a time" in answers["second"][1]["error"]["message"]
 
 
-def _trial(gateway: Proc, load: _Load, config: dict[str, Any], timeout_s: float) -> list[dict[str, Any]]:
-    """Begin a canary of chat-cpu under ``load`` and wait until it ended (verify after an adoption, or the
+def _trial(gateway: Proc, load: _Load, config: dict[str, Any], timeout_s: float, pool: str = "chat-cpu") -> list[dict[str, Any]]:
+    """Begin a canary of ``pool`` under ``load`` and wait until it ended (verify after an adoption, or the
     canary restored); the decision log's entries since."""
     earlier = len(_admin(gateway.url, "/admin/decisions")[1]["decisions"])
-    status, answer = _admin(gateway.url, "/admin/canary", {"pool": "chat-cpu", "config": config})
+    status, answer = _admin(gateway.url, "/admin/canary", {"pool": pool, "config": config})
     assert status == 202, answer
 
     def ended() -> bool:
@@ -89,6 +89,35 @@ def _trial(gateway: Proc, load: _Load, config: dict[str, Any], timeout_s: float)
     _until(lambda: load.ok >= seen + 4, 60, "load flowing after the canary")
     entries: list[dict[str, Any]] = _admin(gateway.url, "/admin/decisions")[1]["decisions"][earlier:]
     return entries
+
+
+def test_an_adopted_configuration_is_what_the_pool_runs_and_what_a_replica_moved_into_it_starts_with(tmp_path: Path) -> None:
+    # fp8 weights: a decode step reads half the bytes, so the canary answers ~1.8x faster per token (emulated at 20x)
+    pools = [
+        {"name": "chat", "model": "llama-3.1-8b", "gpu": "H100-SXM", "shapes": ["short-chat"],
+         "engine": {"max_running_requests": 64}, "replicas": {"emulated": 2}},
+        {"name": "long", "model": "llama-3.1-8b", "gpu": "H100-SXM", "shapes": ["long-context"],
+         "engine": {"max_running_requests": 8, "chunked_prefill_size": 8192}, "replicas": {"emulated": 1}},
+    ]
+    config = _config(tmp_path, pools, {"window_s": 60, "min_requests": 10, "min_margin": 0.1}, emulator_speed=20.0)
+    gateway = start_gateway(tmp_path, ["--config", str(config)], timeout_s=120)
+    try:
+        with _Load(gateway.url, "llama-3.1-8b", 64, num_threads=6) as load:
+            _until(lambda: load.ok >= 6, 60, "load flowing")
+            trial = _trial(gateway, load, {"quantization": "fp8"}, 120, pool="chat")
+        state = _admin(gateway.url, "/admin/state")[1]
+        load, moved = _move_and_watch(gateway, "long-0", "chat", "llama-3.1-8b", 16, 60)
+        after = _admin(gateway.url, "/admin/state")[1]
+    finally:
+        gateway.stop()
+    assert [(d["kind"], d["evidence"].get("outcome")) for d in trial] == [("step", None), ("canary", "adopt"), ("step", None), ("verify", None)], trial
+    chat = next(p for p in state["pools"] if p["name"] == "chat")
+    adopted = {"max_running_requests": 64, "quantization": "fp8"}
+    assert chat["engine"] == {"max_running_requests": 64} and chat["running_engine"] == adopted
+    # the move into the pool starts the configuration its replicas run, not the declared one
+    assert [d["kind"] for d in moved[-2:]] == ["step", "verify"] and load.failed == []
+    assert _replica(after, "long-0")[0] == "chat" and '"quantization":"fp8"' in " ".join(_replica(after, "long-0")[1]["argv"])
+    assert next(p for p in after["pools"] if p["name"] == "chat")["running_engine"] == adopted
 
 
 def _caching(state: dict[str, Any], name: str) -> bool:
