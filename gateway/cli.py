@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING
 from classifiers import cli as classifiers_cli
 from fleet import cli as fleet_cli
 from fleet.engines import cli as engines_cli
-from gateway import deploy_cli, serve_cli
+from gateway import compile_pool, deploy_cli, serve_cli
 from kernels import cli as kernels_cli
 from loadtest import cli as loadtest_cli
 
@@ -45,8 +45,12 @@ def build_parser() -> argparse.ArgumentParser:
     for package in _PACKAGES:
         package.register(commands)
         package.register_bench(benches)
-    # kernels may not import the load tester that measures `compile --evaluator probe`; this is where they meet.
-    commands.choices["compile"].set_defaults(prober=_engine_prober)
+    # kernels may not import the load tester that measures `compile --evaluator probe`, nor read a gateway
+    # config for `compile --fleet-config`; this is where they meet.
+    compile_ = commands.choices["compile"]
+    compile_pool.add_arguments(compile_)
+    run_compile = compile_.get_default("handler")
+    compile_.set_defaults(prober=_engine_prober, handler=lambda args: run_compile(compile_pool.resolve(args)))
     benches.choices["compile"].set_defaults(prober=_engine_prober)
     return parser
 

@@ -170,6 +170,21 @@ def close(control: ReplicaControl) -> None:
         ray.shutdown()
 
 
+def assign_devices(config: GatewayConfig) -> tuple[list[tuple[str, PoolSpec, tuple[str, ...]]], dict[str, tuple[str, ...]]]:
+    """Each launched replica's slot (``<pool>-<i>``, after the pool's static URLs), its pool and the ids of
+    ``fleet.devices`` it holds, in the config's order (none declared: emulated, or every device visible);
+    and the ids per kind that no replica holds (what a probe may use beside the fleet)."""
+    free = {kind: list(ids) for kind, ids in config.devices.items()}
+    held: list[tuple[str, PoolSpec, tuple[str, ...]]] = []
+    for pool in config.pools:
+        for i in range(pool.num_launched):
+            assert pool.gpu is not None
+            ids = free.get(pool.gpu, [])[:replica_devices(pool)]
+            del free.get(pool.gpu, [])[:len(ids)]
+            held.append((f"{pool.name}-{len(pool.urls) + i}", pool, tuple(ids)))
+    return held, {kind: tuple(ids) for kind, ids in free.items()}
+
+
 def start_fleet(control: ReplicaControl, config: GatewayConfig) -> dict[str, list[str]]:
     """Start the config's launched replicas, each on its share of ``fleet.devices``, and wait until
     they answer; returns pool -> URLs.
@@ -177,17 +192,12 @@ def start_fleet(control: ReplicaControl, config: GatewayConfig) -> dict[str, lis
     Each slot is named as the gateway names its replica (``<pool>-<i>``, after the pool's static URLs),
     so the commands find it. Raises SystemExit, with the replicas stopped, if any never answers."""
     slots: list[tuple[str, str]] = []  # (slot, pool)
-    free = {kind: list(ids) for kind, ids in config.devices.items()}
-    for pool in config.pools:
-        for i in range(pool.num_launched):
-            assert pool.gpu is not None
-            slot = f"{pool.name}-{len(pool.urls) + i}"
-            config_json = pool.config_json
-            held = free.get(pool.gpu, [])[:replica_devices(pool)]  # none declared: emulated, or every device visible
-            del free.get(pool.gpu, [])[:len(held)]
-            control.add_slot(slot, pool.gpu, pool.name, config_json, tuple(held))
-            control.start(slot, pool.name, config_json, 0.0)
-            slots.append((slot, pool.name))
+    held, _ = assign_devices(config)
+    for slot, pool, devices in held:
+        assert pool.gpu is not None
+        control.add_slot(slot, pool.gpu, pool.name, pool.config_json, devices)
+        control.start(slot, pool.name, pool.config_json, 0.0)
+        slots.append((slot, pool.name))
     if not slots:
         return {}
     timeout_s = _start_timeout_s(config)
