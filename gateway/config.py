@@ -21,6 +21,7 @@ import orjson
 from classifiers.config import ClassifierConfigError, rules_from_mapping
 from classifiers.shape import ShapeRules, default_shape_rules
 from fleet.canary import CanarySettings
+from fleet.drift import DriftSettings
 from fleet.engines.launch import EngineLaunch
 from fleet.engines.load import ENGINE_KINDS
 from fleet.kubernetes_manifests import KubernetesSettings
@@ -161,6 +162,12 @@ class ControllerSettingsFile:
     rebalance_cooldown_s: float = 300.0  # fleet seconds between two such moves
     rebalance_min_gain: float = 0.05  # the receiver's predicted goodput must rise by more than this share of its demand
     canary: CanarySettings = CanarySettings()  # trial a configuration on one replica of a pool first (fleet.canary)
+    # how fast the loop reacts, in fleet seconds: the window it senses and plans from, the drift detector's
+    # warm-up, dwell and least interval between plans, a step's verification delay and a failed plan's back-off
+    window_s: float = 120.0
+    drift: DriftSettings = DriftSettings()
+    verify_after_s: float = 45.0
+    backoff_s: float = 300.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -621,7 +628,7 @@ def _controller(doc: YamlDoc, base: Path, raw: object) -> ControllerSettingsFile
     r = _Reader(doc, ("fleet", "controller"), raw,
                 {"enabled", "tick_s", "decision_log", "capacity_cache", "mode", "url", "state_file", "report_s", "compile_store",
                  "leader_election", "lease_name", "lease_duration_s", "renew_every_s", "rebalance", "rebalance_cooldown_s",
-                 "rebalance_min_gain", "canary"})
+                 "rebalance_min_gain", "canary", "window_s", "drift", "verify_after_s", "backoff_s"})
     log, cache, state = r.text("decision_log", None), r.text("capacity_cache", None), r.text("state_file", None)
     mode = r.text("mode", "embedded")
     if mode not in ("embedded", "external"):
@@ -661,7 +668,22 @@ def _controller(doc: YamlDoc, base: Path, raw: object) -> ControllerSettingsFile
         rebalance_cooldown_s=r.number("rebalance_cooldown_s", 300.0, hi=86400),
         rebalance_min_gain=r.number("rebalance_min_gain", 0.05, hi=0.99),
         canary=_canary(doc, r.data.get("canary")),
+        window_s=r.number("window_s", 120.0, lo=5.0, hi=86400),  # at least one telemetry bucket (5 s)
+        drift=_drift(doc, r.data.get("drift")),
+        verify_after_s=r.number("verify_after_s", 45.0, lo=0.0, hi=86400),
+        backoff_s=r.number("backoff_s", 300.0, lo=0.0, hi=86400),
     )
+
+
+def _drift(doc: YamlDoc, raw: object) -> DriftSettings:
+    r = _Reader(doc, ("fleet", "controller", "drift"), raw, {"warmup_s", "dwell_s", "strong_dwell_s", "min_interval_s"})
+    d = DriftSettings()
+    dwell_s = r.number("dwell_s", d.dwell_s, hi=86400)
+    strong_dwell_s = r.number("strong_dwell_s", min(d.strong_dwell_s, dwell_s), hi=86400)
+    if strong_dwell_s > dwell_s:
+        raise r.error("strong_dwell_s", f"must be at most dwell_s ({dwell_s!r}): a strong score fires sooner, not later")
+    return replace(d, warmup_s=r.number("warmup_s", d.warmup_s, hi=86400), dwell_s=dwell_s, strong_dwell_s=strong_dwell_s,
+                   min_interval_s=r.number("min_interval_s", d.min_interval_s, hi=86400))
 
 
 def _canary(doc: YamlDoc, raw: object) -> CanarySettings:

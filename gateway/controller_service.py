@@ -155,7 +155,7 @@ class ControllerService:
         self.stopping: list[subprocess.Popen[bytes]] = []  # terminated children not yet reaped
         self.healthy: set[str] = set()
         self.recovering: set[str] = set()  # relaunched outside a move (their process was gone): routable once healthy
-        self.telemetry = Telemetry()
+        self.telemetry = Telemetry(settings.window_s)
         self.decisions = DecisionLog(settings.decision_log)
         self.controller: Controller | None = None
         self.epoch = uuid.uuid4().hex[:12]

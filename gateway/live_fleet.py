@@ -69,7 +69,9 @@ def controller_settings(config: GatewayConfig, model: str, gpu_to_budget: dict[s
     already serve in them), which it keeps while they fit the mix; ``pool_prefix`` names the pools it makes."""
     declared = tuple(DeclaredPool(p.name, p.gpu, p.shapes, EngineConfig.from_dict(p.engine), p.config_json)
                      for p in config.pools if p.model == model and p.gpu in gpu_to_budget and not p.urls)
+    c = config.controller
     return ControllerSettings(model=model, gpu_to_budget=gpu_to_budget, tiers=dict(config.tiers), declared=declared, pool_prefix=pool_prefix,
+                              drift=c.drift, verify_after_s=c.verify_after_s, backoff_s=c.backoff_s,
                               min_start_timeout_s=PROCESS_START_ALLOWANCE_S * config.emulator_speed)
 
 
@@ -144,7 +146,7 @@ class LiveFleet:
         self.speed = speed
         self.settings = settings
         self.loop: asyncio.AbstractEventLoop | None = None
-        self.telemetry = ModelTelemetry(models)
+        self.telemetry = ModelTelemetry(models, settings.window_s)
         self.split = SlotSplit({}, {})  # which model owns each launched slot (set by ``adopt``)
         self.controller: MultiController | None = None
         self.configs: WorkerConfigSource | None = None  # compiled configurations for the controller (fleet.controller.compile_store)

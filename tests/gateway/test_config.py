@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 
+from fleet.drift import DriftSettings
 from gateway.config import load_config, sha256_hex
 from gateway.yamlsrc import ConfigError
 from loadtest.demo_credentials import DEMO_API_KEY
@@ -154,3 +155,19 @@ def test_rebalance_min_gain_out_of_range_names_its_field(tmp_path: Path) -> None
     assert err.field == "fleet.controller.rebalance_min_gain"
     assert err.line == _line_of(Path(err.file), "rebalance_min_gain: 1.5")
     assert "0.99" in err.reason
+
+
+def test_the_controllers_timings_are_read_and_a_strong_dwell_longer_than_the_dwell_names_its_line(tmp_path: Path) -> None:
+    path = _copy_example(tmp_path / "ok")
+    path.write_text(path.read_text().replace("    tick_s: 5.0\n", "    tick_s: 5.0\n    window_s: 30\n    verify_after_s: 10\n    backoff_s: 60\n"
+                                             "    drift: {warmup_s: 10, dwell_s: 6, strong_dwell_s: 4, min_interval_s: 20}\n", 1))
+    settings = load_config(path).controller
+    assert (settings.window_s, settings.verify_after_s, settings.backoff_s) == (30, 10, 60)
+    drift = settings.drift
+    assert (drift.warmup_s, drift.dwell_s, drift.strong_dwell_s, drift.min_interval_s) == (10, 6, 4, 20)
+    assert drift.divergence_threshold == DriftSettings().divergence_threshold  # what is not given keeps its default
+    err = _error_for(tmp_path, "    tick_s: 5.0\n", "    tick_s: 5.0\n    drift:\n      dwell_s: 5\n      strong_dwell_s: 8\n")
+    assert err.field == "fleet.controller.drift.strong_dwell_s" and "at most dwell_s" in err.reason
+    assert err.line == _line_of(Path(err.file), "strong_dwell_s: 8")
+    err = _error_for(tmp_path / "window", "    tick_s: 5.0\n", "    tick_s: 5.0\n    window_s: 2\n")
+    assert err.field == "fleet.controller.window_s" and "between 5 and" in err.reason

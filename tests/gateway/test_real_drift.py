@@ -1,0 +1,109 @@
+"""The controller on a real llama.cpp fleet: `polymorph loadtest` plays chat, then long prompts; the
+controller detects the drift and moves the chat pool's real replica into the long-context pool, drained,
+restarted with that pool's arguments on its CPU slot and verified, with the decision log explaining it.
+
+The controller's timings are the config's (`fleet.controller.window_s`, `drift`, `verify_after_s`), short
+here so that the drift plays in about two minutes of real time; the defaults take about seven
+(README, Real engines)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.conftest import REPO
+from tests.gateway.test_admin_move import ADMIN, _admin, _replica
+from tests.support.procs import start_gateway, write_tenant
+
+KEY = "sk-polymorph-demo"
+
+
+def _chat(weight: float) -> dict[str, Any]:
+    return {"name": "chat", "weight": weight, "domain": "chat", "tier": "interactive",
+            "input": {"lognormal": {"median": 100, "sigma": 0.3}, "min": 20, "max": 300},
+            "output": {"lognormal": {"median": 12, "sigma": 0.3}, "min": 4, "max": 24}}
+
+
+# long-context from 1,024 prompt tokens (the gateway's count); the tiny model's context is 2,048 of its own tokens
+LONG = {"name": "long", "weight": 1.0, "domain": "summarization", "tier": "standard",
+        "input": {"lognormal": {"median": 1080, "sigma": 0.03}, "min": 1040, "max": 1150},
+        "output": {"lognormal": {"median": 96, "sigma": 0.1}, "min": 80, "max": 112}}
+
+
+def _config(tmp_path: Path) -> Path:
+    (tmp_path / "tenants").mkdir()
+    write_tenant(tmp_path / "tenants", "demo", KEY, max_concurrency=100, rate_limits={"requests_per_min": 1_000_000})
+    engine = {"kind": "llamacpp", "threads": 1}
+    config = {
+        "server": {"admin_token": ADMIN, "access_log": False},
+        "tenants_dir": "tenants",
+        "shapes": [{"name": "long-context", "min_prompt_tokens": 1024}, {"name": "short-chat", "max_prompt_tokens": 1023}],
+        "default_shape": "short-chat",
+        "fleet": {
+            "devices": {"cpu": {"count": 2}},
+            "pools": [{"name": "chat-cpu", "model": "tiny-llama", "gpu": "cpu", "shapes": ["short-chat"],
+                       "engine": {**engine, "max_running_requests": 4}, "replicas": {"launch": 1}},
+                      {"name": "long-cpu", "model": "tiny-llama", "gpu": "cpu", "shapes": ["long-context"],
+                       "engine": {**engine, "max_running_requests": 1}, "replicas": {"launch": 1}}],
+            # the chat mix is planned at ~5 s and refined at ~25 s (its drift's start + window_s), before the long prompts
+            "controller": {"enabled": True, "tick_s": 2.0, "decision_log": "decisions.jsonl", "window_s": 20, "verify_after_s": 8,
+                           "backoff_s": 30, "drift": {"warmup_s": 5, "dwell_s": 4, "strong_dwell_s": 2, "min_interval_s": 15}},
+        },
+    }
+    path = tmp_path / "config.yaml"
+    path.write_text(json.dumps(config))
+    return path
+
+
+def _engine_args(argv: list[str]) -> list[str]:
+    """The command line without the port it listens on (a new one at each start)."""
+    at = argv.index("--port")
+    return argv[:at] + argv[at + 2:]
+
+
+@pytest.mark.slow
+def test_the_controller_detects_a_played_drift_and_moves_a_real_llamacpp_replica(
+        tmp_path: Path, llama_server_bin: Path, tiny_gguf: Path) -> None:
+    scenario = tmp_path / "drift.yaml"
+    scenario.write_text(json.dumps({
+        "name": "cpu-drift-short", "duration_s": 95, "seed": 5,
+        # 35 s of chat, then long prompts at more than one long-context replica serves
+        "streams": [{"name": "chat", "arrival": {"process": "poisson", "rate_rps": 2.0}, "tenants": {"demo": 1.0}, "end_s": 35,
+                     "classes": [_chat(1.0)]},
+                    {"name": "long", "arrival": {"process": "poisson", "rate_rps": 3.5}, "tenants": {"demo": 1.0}, "start_s": 35,
+                     "classes": [LONG]}],
+    }))
+    gateway = start_gateway(tmp_path, ["--config", str(_config(tmp_path)), "--replica-logs", str(tmp_path / "replicas")], timeout_s=180)
+    try:
+        before = _replica(_admin(gateway.url, "/admin/state")[1], "chat-cpu-0")[1]
+        played = subprocess.run(
+            [sys.executable, "-m", "gateway.cli", "loadtest", "--target", gateway.url, "--api-key", KEY, "--model", "tiny-llama",
+             "--scenario", str(scenario), "--out", str(tmp_path / "run"), "--no-progress"],
+            cwd=REPO, capture_output=True, text=True, timeout=300, check=False)
+        decisions = _admin(gateway.url, "/admin/decisions")[1]["decisions"]
+        state = _admin(gateway.url, "/admin/state")[1]
+    finally:
+        gateway.stop()
+    assert played.returncode == 0, played.stderr[-3000:]
+    kinds = [(d["kind"], d["evidence"].get("trigger"), d["evidence"].get("outcome")) for d in decisions]
+    drifts = [i for i, d in enumerate(decisions) if d["kind"] == "drift" and "long-context" in d["evidence"]["mix_after"]["shapes"]]
+    assert drifts, kinds
+    after = decisions[drifts[0]:]
+    plan = next(d["evidence"] for d in after if d["kind"] == "plan")
+    assert plan["outcome"] == "apply" and plan["diff"] == {"chat-cpu": [1, 0], "long-cpu": [1, 2]}, (plan, kinds)
+    step = next(d for d in after if d["kind"] == "step")
+    assert step["evidence"]["moves"] == [["chat-cpu-0", "chat-cpu", "long-cpu"]], step
+    verify = next(d["evidence"] for d in after if d["kind"] == "verify")
+    assert verify["ok"] is True, verify
+    assert not any(d["kind"] == "rollback" for d in after), kinds
+    # the moved replica runs the long pool's arguments (as the plan compiled them) on its CPU slot
+    pool, moved = _replica(state, "chat-cpu-0")
+    assert pool == "long-cpu" and _engine_args(moved["argv"]) == _engine_args(_replica(state, "long-cpu-0")[1]["argv"]), (pool, moved)
+    assert _engine_args(before["argv"]) != _engine_args(moved["argv"]) and before["devices"] == moved["devices"], (before, moved)
+    results = json.loads((tmp_path / "run" / "results.json").read_text())
+    assert results["completed"] > 100, results
