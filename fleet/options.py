@@ -149,7 +149,7 @@ def pool_options(
     Each ``declared`` pool on a GPU kind of ``gpus`` is an option under its own name, serving those of
     its shapes that have load (none: it may still keep its replicas), with the configuration it runs
     as the incumbent (its replicas' in ``running``, else the previous plan's, else the declared one). A (shape, GPU kind) pair no declared
-    pool covers gets a pool of its own, ``<shape>@<gpu>``. Such a pool with replicas in ``running``
+    pool covers gets a pool of its own, ``<shape>@<gpu>``. A pool of either kind with replicas in ``running``
     keeps the configuration they run unless a candidate is ``restart_margin`` faster
     (fleet.incumbents)."""
     pools: list[PoolOption] = []
@@ -196,8 +196,10 @@ def pool_options(
         compiled = compiled_config(pool.name, pool.gpu, mine[0], slos[0]) if len(mine) == 1 else None
         total_rps = sum(load.rate_rps for load in mine)
         mix = [(load, slo, load.rate_rps / total_rps) for load, slo in zip(mine, slos, strict=True)]
+        # its replicas would restart in place for a new configuration: the same margin as a pool the controller made
+        margin = restart_margin if running is not None and pool.name in running else 0.02
         config, caps = (choose_mix_config(capacity, pool.gpu, mix, None if compiled is None else compiled.config,
-                                          incumbents[pool.name]) if mine else (incumbents[pool.name], ()))
+                                          incumbents[pool.name], margin) if mine else (incumbents[pool.name], ()))
         served = [(load, cap) for load, cap in zip(mine, caps, strict=True) if cap.rate_rps > 0]
         served_rps = sum(load.rate_rps for load, _ in served)
         pools.append(PoolOption(pool.name, pool.gpu, config.num_gpus,

@@ -10,7 +10,7 @@ from fleet.decisions import Decision
 from fleet.drift import DriftSettings
 from fleet.evidence import DriftEvidence, PlanEvidence
 from fleet.incumbents import restart_margin, running_configs
-from fleet.options import config_json, pool_options
+from fleet.options import DeclaredPool, config_json, pool_options
 from fleet.rollout import SlotState
 from fleet.telemetry import ShapeLoad, Telemetry
 from kernels.config import EngineConfig
@@ -49,6 +49,20 @@ def test_a_running_pool_restarts_only_for_a_gain_that_pays_for_the_restart() -> 
     # no replicas run it (a new pool): nothing restarts, the fastest wins as before
     assert _config(0.04, None, margin) == EngineConfig()
     assert _config(0.04, {"other@H100-SXM": SMALL_CHUNKS}, margin) == EngineConfig()
+
+
+def test_a_declared_pool_restarts_in_place_only_for_what_a_made_pool_would() -> None:
+    declared = (DeclaredPool("chat-h100", GPU, ("chat",), SMALL_CHUNKS, config_json(SMALL_CHUNKS)),)
+
+    def chosen(gain: float, running: dict[str, EngineConfig] | None, margin: float) -> EngineConfig:
+        options = pool_options((CHAT,), (GPU,), DefaultsFaster(gain), DEFAULT_TIERS, declared=declared, running=running, restart_margin=margin)
+        return dict(options.pool_to_config)["chat-h100"]
+
+    margin = restart_margin(48.0, 900.0)
+    running = {"chat-h100": SMALL_CHUNKS}
+    assert chosen(0.04, running, margin) == SMALL_CHUNKS and chosen(0.08, running, margin) == EngineConfig()
+    assert chosen(1.0, running, math.inf) == SMALL_CHUNKS  # a plan from a short sample restarts none in place
+    assert chosen(0.04, None, margin) == EngineConfig()  # no replica runs it: the 2% rule, as before
 
 
 def test_running_configs_reads_each_pools_single_live_configuration() -> None:
