@@ -53,8 +53,12 @@ class ExternalControllerDeployment:
         self.state_file = run_dir / "decisions.state.json"
 
     def __enter__(self) -> Self:
+        # verify_after_s: a step is verified 6 wall seconds after its replica came back (the default's 2.25 s is
+        # the window controller-dies kills the leader in; a fresh machine's test run, compiling llama.cpp beside
+        # it, once polled the plan too late and killed it after the rollout had ended)
         write_fleet_config(self.run_dir, (("mixed", self.num_replicas, ("short-chat",)),),
-                           {"enabled": True, "mode": "external", "url": self.url, "tick_s": 5.0, "decision_log": self.decision_log.name})
+                           {"enabled": True, "mode": "external", "url": self.url, "tick_s": 5.0, "decision_log": self.decision_log.name,
+                            "verify_after_s": 120.0})
         return self
 
     def __exit__(self, *exc: object) -> None:
