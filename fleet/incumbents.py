@@ -10,10 +10,9 @@ edge, in steps of their own, each verified for 45 s, while the ramp went on (fle
 
 from __future__ import annotations
 
-import json
 from collections.abc import Iterable
 
-from fleet.rollout import SlotState
+from fleet.rollout import SlotState, parsed_config
 from kernels.config import EngineConfig
 
 
@@ -24,20 +23,13 @@ def running_configs(slots: Iterable[SlotState]) -> dict[str, EngineConfig]:
     pool_to_configs: dict[str, set[EngineConfig | None]] = {}
     for slot in slots:
         if slot.alive:
-            pool_to_configs.setdefault(slot.pool, set()).add(_parsed(slot.config_json))
+            pool_to_configs.setdefault(slot.pool, set()).add(parsed_config(slot.config_json))
     out: dict[str, EngineConfig] = {}
     for pool, found in pool_to_configs.items():
         config = next(iter(found))
         if len(found) == 1 and config is not None:
             out[pool] = config
     return out
-
-
-def _parsed(text: str) -> EngineConfig | None:
-    try:
-        return EngineConfig.from_dict(json.loads(text))
-    except (ValueError, TypeError):
-        return None
 
 
 def restart_margin(move_s: float, horizon_s: float) -> float:

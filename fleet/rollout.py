@@ -80,10 +80,16 @@ def same_config(a: str, b: str) -> bool:
     configuration would only lose its cache."""
     if a == b:
         return True
+    parsed = parsed_config(a)
+    return parsed is not None and parsed == parsed_config(b)
+
+
+def parsed_config(text: str) -> EngineConfig | None:
+    """A slot's configuration JSON as an ``EngineConfig`` (None: it does not parse)."""
     try:
-        return EngineConfig.from_dict(json.loads(a)) == EngineConfig.from_dict(json.loads(b))
+        return EngineConfig.from_dict(json.loads(text))
     except (ValueError, TypeError):
-        return False
+        return None
 
 
 def batch_moves(moves: list[Move], fleet_size: int, max_fraction: float) -> list[tuple[Move, ...]]:

@@ -92,13 +92,9 @@ class AdminHandlers:
             await runtime.spend.refresh(tenant.name)
         now = asyncio.get_running_loop().time()
         engine_by_pool = {spec.name: dict(spec.engine) for spec in runtime.config.pools}
-        running = getattr(self.state.live, "running_config_json", None)  # the embedded loop's launched replicas
-
-        def running_engine(pool: str) -> object:
-            """What the pool's launched replicas all run now (an adopted canary's or a recompile's configuration)."""
-            found = running(pool) if running is not None else None
-            return orjson.loads(found) if found is not None else None
-
+        # what each pool's launched replicas all run now (an adopted canary's or a recompile's configuration)
+        running = getattr(self.state.live, "running_configs_json", None)  # the embedded loop's launched replicas
+        running_by_pool = {pool: orjson.loads(text) for pool, text in running().items()} if running is not None else {}
         attainment = self.state.series.slo_attainment(time.time(), 300.0)
         pools = [
             {
@@ -106,7 +102,7 @@ class AdminHandlers:
                 "models": sorted(pool.models) if pool.models is not None else None,
                 "gpu": pool.gpu,
                 "engine": engine_by_pool.get(pool.name, {}),
-                "running_engine": running_engine(pool.name),
+                "running_engine": running_by_pool.get(pool.name),
                 "shapes": sorted(pool.shapes),
                 "in_flight": pool.num_in_flight,
                 "load_fraction": round(min(pool.load_fraction(now), 1e9), 4),

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import shlex
+from collections import Counter
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -76,7 +77,7 @@ def free_devices(config: GatewayConfig, pool: PoolSpec) -> tuple[str, ...]:
     need = replica_devices(pool)
     spare = free.get(pool.gpu, ())
     if len(spare) < need:
-        holders = sorted({f"{p.name} x{sum(1 for _, q, _ in held if q.name == p.name)}" for _, p, _ in held if p.gpu == pool.gpu})
+        holders = [f"{name} x{n}" for name, n in sorted(Counter(p.name for _, p, _ in held if p.gpu == pool.gpu).items())]
         raise SystemExit(f"polymorph compile: the launched replicas hold {len(declared) - len(spare)} of fleet.devices' {len(declared)} "
                          f"{pool.gpu} devices ({', '.join(holders)}); a probe needs {need} free: declare a spare one, or trial the "
                          "configuration on a live replica (POST /admin/canary)")

@@ -243,7 +243,7 @@ class LiveFleet:
         """The configuration a replica moved into ``pool`` starts with: the one its live replicas all run (a
         canary's adopted configuration, or a controller's recompile: what the pool runs, not what was
         declared), else the controller's plan for it, else the declared one (None: no such pool)."""
-        running = self.running_config_json(pool)
+        running = self.running_configs_json().get(pool)
         if running is not None:
             return running
         for controller in self.controller.model_to_controller.values() if self.controller is not None else ():
@@ -252,10 +252,13 @@ class LiveFleet:
                 return found
         return next((spec.config_json for spec in self.state.runtime.config.pools if spec.name == pool), None)
 
-    def running_config_json(self, pool: str) -> str | None:
-        """The configuration every live launched replica of ``pool`` runs (None: none runs, or they differ mid-rollout)."""
-        texts = {s.config_json for s in self.control.slot_states() if s.pool == pool and s.alive}
-        return next(iter(texts)) if len(texts) == 1 else None
+    def running_configs_json(self) -> dict[str, str]:
+        """Per pool, the configuration every live launched replica of it runs (left out: none runs, or they differ mid-rollout)."""
+        pool_to_texts: dict[str, set[str]] = {}
+        for slot in self.control.slot_states():
+            if slot.alive:
+                pool_to_texts.setdefault(slot.pool, set()).add(slot.config_json)
+        return {pool: next(iter(texts)) for pool, texts in pool_to_texts.items() if len(texts) == 1}
 
     def _pool_model(self, pool: str) -> str | None:
         """The model a config pool serves, or the model whose controller made the pool (None: unknown)."""
