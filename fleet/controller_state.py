@@ -1,10 +1,14 @@
 """The controller's persisted state: what a restarted (or standby) controller resumes from.
 
 Plain dataclasses and their JSON form, no I/O (the service writes the file atomically). The state
-holds the replica slots (pool, engine configuration, URL and PID of the process serving them, and
-where each is in its life: active, draining, starting, stopped), the plan version the gateways
-route on, the mix the current plan was made for, back-off and counters, and the rollout in
-progress: the steps still to come and each move of the current step with its phase.
+holds the replica slots (the model and pool each serves, engine configuration, URL and PID of the
+process serving them, and where each is in its life: active, draining, starting, stopped), the plan
+version the gateways route on, and per model (one controller each, fleet.multi) a ``LoopState``: the
+mix its current plan was made for, back-off and counters, and the rollout in progress: the steps still
+to come and each move of the current step with its phase.
+
+A state of format 1 (written when the controller planned one model) reads as one ``LoopState`` under
+the model ``""`` and slots of model ``""``: the service gives them its one model.
 
 ``capture`` and ``restore`` are the controller's persistence and read its private rollout state
 (this module is its friend: keep them in step with fleet/controller.py and fleet/rollout.py).
@@ -25,7 +29,7 @@ from fleet.planner import Plan
 from fleet.rollout import SlotState, _Progress
 from fleet.telemetry import PoolSlo, ShapeLoad, TrafficMix
 
-FORMAT = 1
+FORMAT = 2
 SLOT_PHASES = ("active", "draining", "starting", "stopped")
 
 
@@ -39,6 +43,7 @@ class SlotRecord:
     url: str | None = None
     pid: int | None = None
     drained_at_version: int = 0  # the plan version that first told the gateways to drain it
+    model: str = ""  # the model of the pool it serves in ("": a format-1 state's one model)
 
     def state(self) -> SlotState:
         return SlotState(self.slot, self.pool, self.gpu, self.config_json)
@@ -65,10 +70,9 @@ class RolloutRecord:
 
 
 @dataclass(frozen=True, slots=True)
-class ControllerState:
-    epoch: str  # names this fleet's plan history; versions count within it
-    plan_version: int
-    slots: tuple[SlotRecord, ...]
+class LoopState:
+    """One model's controller."""
+
     reference_mix: TrafficMix
     last_plan_at: float
     backoff_until: float
@@ -78,30 +82,33 @@ class ControllerState:
     rollout: RolloutRecord | None = None
     refine_at: float | None = None  # when the last drift plan is made again (None: no refine pending)
 
+
+@dataclass(frozen=True, slots=True)
+class ControllerState:
+    epoch: str  # names this fleet's plan history; versions count within it
+    plan_version: int
+    slots: tuple[SlotRecord, ...]
+    model_to_loop: tuple[tuple[str, LoopState], ...]  # in model order
+
     def to_json(self) -> dict[str, Any]:
-        return {"format": FORMAT, **_encode(asdict(self))}
+        doc = _encode(asdict(self))
+        doc["model_to_loop"] = {model: _encode(asdict(loop)) for model, loop in self.model_to_loop}
+        return {"format": FORMAT, **doc}
 
     @classmethod
     def from_json(cls, doc: dict[str, Any]) -> ControllerState:
         """Raises ValueError (or KeyError/TypeError, wrapped) on a document this version did not write."""
-        if doc.get("format") != FORMAT:
+        if doc.get("format") not in (1, FORMAT):
             raise ValueError(f"unknown controller state format {doc.get('format')!r}")
         try:
-            rollout = doc["rollout"]
+            loops = {"": doc} if doc["format"] == 1 else doc["model_to_loop"]
             return cls(
                 epoch=str(doc["epoch"]),
                 plan_version=int(doc["plan_version"]),
                 slots=tuple(_slot(s) for s in doc["slots"]),
-                reference_mix=_mix(doc["reference_mix"]),
-                last_plan_at=_time(doc["last_plan_at"]),
-                backoff_until=_time(doc["backoff_until"]),
-                num_failures=int(doc["num_failures"]),
-                num_repartitions=int(doc["num_repartitions"]),
-                num_recompiles=int(doc["num_recompiles"]),
-                rollout=_rollout(rollout) if rollout is not None else None,
-                refine_at=None if doc.get("refine_at") is None else float(doc["refine_at"]),  # absent before refines existed
+                model_to_loop=tuple((str(model), _loop(loop)) for model, loop in sorted(loops.items())),
             )
-        except (KeyError, TypeError) as exc:
+        except (KeyError, TypeError, AttributeError) as exc:
             raise ValueError(f"malformed controller state: {exc!r}") from None
 
 
@@ -120,6 +127,20 @@ def _encode(value: Any) -> Any:
 
 def _time(value: Any) -> float:
     return -math.inf if value is None else float(value)
+
+
+def _loop(doc: dict[str, Any]) -> LoopState:
+    rollout = doc["rollout"]
+    return LoopState(
+        reference_mix=_mix(doc["reference_mix"]),
+        last_plan_at=_time(doc["last_plan_at"]),
+        backoff_until=_time(doc["backoff_until"]),
+        num_failures=int(doc["num_failures"]),
+        num_repartitions=int(doc["num_repartitions"]),
+        num_recompiles=int(doc["num_recompiles"]),
+        rollout=_rollout(rollout) if rollout is not None else None,
+        refine_at=None if doc.get("refine_at") is None else float(doc["refine_at"]),  # absent before refines existed
+    )
 
 
 def _slot(doc: dict[str, Any]) -> SlotRecord:
@@ -164,7 +185,7 @@ def _rollout(doc: dict[str, Any]) -> RolloutRecord:
 # -- the controller's side ---------------------------------------------------------------------
 
 
-def capture(controller: Controller, epoch: str, plan_version: int, slots: tuple[SlotRecord, ...]) -> ControllerState:
+def capture(controller: Controller) -> LoopState:
     rollout = controller._rollout
     record = None
     if rollout is not None:
@@ -180,10 +201,7 @@ def capture(controller: Controller, epoch: str, plan_version: int, slots: tuple[
             slot_to_old_config=tuple(sorted(rollout.slot_to_old_config.items())),
             rolling_back=rollout.rolling_back,
         )
-    return ControllerState(
-        epoch=epoch,
-        plan_version=plan_version,
-        slots=slots,
+    return LoopState(
         reference_mix=controller.reference_mix,
         last_plan_at=controller.detector.last_plan_at,
         backoff_until=controller._backoff_until,
@@ -208,8 +226,8 @@ def resumed_phase(move: MoveRecord, slot: SlotRecord | None) -> str:
     return move.phase
 
 
-def restore(controller: Controller, state: ControllerState, now: float) -> None:
-    """Put ``controller`` where ``state`` left it; the actuator must already hold ``state.slots``."""
+def restore(controller: Controller, state: LoopState, slots: tuple[SlotRecord, ...], now: float) -> None:
+    """Put ``controller`` where ``state`` left it; the actuator must already hold ``slots``."""
     controller.reference_mix = state.reference_mix
     controller.detector.on_plan(state.last_plan_at)
     controller._backoff_until = state.backoff_until
@@ -225,7 +243,7 @@ def restore(controller: Controller, state: ControllerState, now: float) -> None:
     options = pool_options(state.reference_mix.shapes, tuple(sorted(s.gpu_to_budget)), controller.capacity, s.tiers, declared=s.declared,
                            model_prefix=s.pool_prefix)
     controller.options = options
-    by_slot = {slot.slot: slot for slot in state.slots}
+    by_slot = {slot.slot: slot for slot in slots}
     progress = tuple(replace(m, phase=resumed_phase(m, by_slot.get(m.move.slot))) for m in record.progress)
     mover = controller._mover((), now)  # no moves: nothing is drained again
     mover._progress = [_Progress(m.move, m.phase, m.since) for m in progress]

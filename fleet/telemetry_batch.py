@@ -1,11 +1,11 @@
 """Telemetry across processes: a gateway aggregates what it saw, an out-of-process controller replays it.
 
 A gateway that is not the controller's process records arrivals and outcomes into a ``TelemetryBatch``
-(the same two calls as ``Telemetry``, so the request path does not care which it has). The batch
-keeps counts and token sums per (telemetry bucket, shape, tier or pool, length bin): a report is a few
-hundred numbers whatever the request rate. ``replay`` feeds a report into the controller's
-``Telemetry`` at each bucket's time, each length bin's tokens spread over its requests, so the
-controller's windows, rates and length histograms are those of the requests themselves.
+(the same two calls as ``ModelTelemetry``, so the request path does not care which it has). The batch
+keeps counts and token sums per (telemetry bucket, model, shape, tier or pool, length bin): a report is a
+few hundred numbers whatever the request rate. ``replay`` feeds a report into the controller's
+``ModelTelemetry`` at each bucket's time, each length bin's tokens spread over its requests, so each
+model's controller sees windows, rates and length histograms of its own requests.
 """
 
 from __future__ import annotations
@@ -14,28 +14,27 @@ from dataclasses import dataclass
 from typing import Any
 
 from fleet.lengths import length_bin
-from fleet.telemetry import Telemetry
+from fleet.multi import ModelTelemetry
 
 _MAX_PER_ENTRY = 1_000_000  # a report claiming more requests per bucket and bin than this is not a gateway's
 
 
 class TelemetryBatch:
-    """``model`` is taken and not reported: the external controller plans one model (it refuses a config
-    launching several), so every report is that model's and the report format stays as it was."""
+    """A gateway's arrivals and outcomes since its last report, per model (the served one)."""
 
     def __init__(self, bucket_s: float = 5.0) -> None:
         self.bucket_s = bucket_s
-        self._arrivals: dict[tuple[int, str, str, int], list[int]] = {}  # -> [num, prompt tokens]
-        self._outcomes: dict[tuple[int, str, str, bool, int], list[int]] = {}  # -> [num, completion tokens]
+        self._arrivals: dict[tuple[int, str, str, str, int], list[int]] = {}  # -> [num, prompt tokens]
+        self._outcomes: dict[tuple[int, str, str, str, bool, int], list[int]] = {}  # -> [num, completion tokens]
 
-    def record_arrival(self, now: float, shape: str, tier: str, prompt_tokens: int, model: str = "") -> None:
-        key = (int(now // self.bucket_s), shape, tier, length_bin(prompt_tokens))
+    def record_arrival(self, now: float, shape: str, tier: str, prompt_tokens: int, model: str) -> None:
+        key = (int(now // self.bucket_s), model, shape, tier, length_bin(prompt_tokens))
         entry = self._arrivals.setdefault(key, [0, 0])
         entry[0] += 1
         entry[1] += prompt_tokens
 
-    def record_outcome(self, now: float, shape: str, pool: str, met_slo: bool, completion_tokens: int, model: str = "") -> None:
-        key = (int(now // self.bucket_s), shape, pool, met_slo, length_bin(completion_tokens))
+    def record_outcome(self, now: float, shape: str, pool: str, met_slo: bool, completion_tokens: int, model: str) -> None:
+        key = (int(now // self.bucket_s), model, shape, pool, met_slo, length_bin(completion_tokens))
         entry = self._outcomes.setdefault(key, [0, 0])
         entry[0] += 1
         entry[1] += completion_tokens
@@ -44,8 +43,8 @@ class TelemetryBatch:
         """The report so far (JSON-able), and a fresh batch."""
         doc = {
             "bucket_s": self.bucket_s,
-            "arrivals": [[b, shape, tier, n, tokens] for (b, shape, tier, _), (n, tokens) in self._arrivals.items()],
-            "outcomes": [[b, shape, pool, met, n, tokens] for (b, shape, pool, met, _), (n, tokens) in self._outcomes.items()],
+            "arrivals": [[b, model, shape, tier, n, tokens] for (b, model, shape, tier, _), (n, tokens) in self._arrivals.items()],
+            "outcomes": [[b, model, shape, pool, met, n, tokens] for (b, model, shape, pool, met, _), (n, tokens) in self._outcomes.items()],
         }
         self._arrivals, self._outcomes = {}, {}
         return doc
@@ -67,8 +66,8 @@ def _entries(doc: dict[str, Any], key: str, width: int) -> list[list[Any]]:
             raise ValueError(f"{key}: bucket, count and tokens must be integers")
         if not (1 <= num <= _MAX_PER_ENTRY and tokens >= 0):
             raise ValueError(f"{key}: count must be 1..{_MAX_PER_ENTRY} and tokens >= 0")
-        if not all(isinstance(v, str) for v in row[1:3]):
-            raise ValueError(f"{key}: shape and tier/pool must be strings")
+        if not all(isinstance(v, str) for v in row[1:4]):
+            raise ValueError(f"{key}: model, shape and tier/pool must be strings")
     return rows
 
 
@@ -77,8 +76,8 @@ class Report:
     """A validated report: rows of ``take()``'s lists."""
 
     bucket_s: float
-    arrivals: tuple[tuple[int, str, str, int, int], ...]
-    outcomes: tuple[tuple[int, str, str, bool, int, int], ...]
+    arrivals: tuple[tuple[int, str, str, str, int, int], ...]  # bucket, model, shape, tier, count, prompt tokens
+    outcomes: tuple[tuple[int, str, str, str, bool, int, int], ...]  # bucket, model, shape, pool, met SLO, count, completion tokens
 
 
 def parse(doc: object) -> Report:
@@ -88,14 +87,15 @@ def parse(doc: object) -> Report:
     bucket_s = doc.get("bucket_s")
     if isinstance(bucket_s, bool) or not isinstance(bucket_s, (int, float)) or bucket_s <= 0:
         raise ValueError("bucket_s must be a positive number")
-    outcomes = _entries(doc, "outcomes", 6)
-    if not all(isinstance(row[3], bool) for row in outcomes):
+    outcomes = _entries(doc, "outcomes", 7)
+    if not all(isinstance(row[4], bool) for row in outcomes):
         raise ValueError("outcomes: met_slo must be true or false")
-    return Report(float(bucket_s), tuple(tuple(r) for r in _entries(doc, "arrivals", 5)), tuple(tuple(r) for r in outcomes))
+    return Report(float(bucket_s), tuple(tuple(r) for r in _entries(doc, "arrivals", 6)), tuple(tuple(r) for r in outcomes))
 
 
-def replay(report: Report, telemetry: Telemetry, now: float) -> None:
-    """Record a gateway's report into ``telemetry``, each bucket at its middle (never ahead of ``now``)."""
+def replay(report: Report, telemetry: ModelTelemetry, now: float) -> None:
+    """Record a gateway's report into ``telemetry`` (a model no controller plans is dropped there), each
+    bucket at its middle (never ahead of ``now``)."""
 
     def at(bucket: int) -> float:
         return min((bucket + 0.5) * report.bucket_s, now)
@@ -103,11 +103,11 @@ def replay(report: Report, telemetry: Telemetry, now: float) -> None:
     # oldest first: Telemetry counts a record older than its newest bucket into the newest one
     rows = sorted([(row[0], 0, row) for row in report.arrivals] + [(row[0], 1, row) for row in report.outcomes], key=lambda r: (r[0], r[1]))
     for bucket, _, row in rows:
-        if len(row) == 5:  # an arrival (sorted before the bucket's outcomes)
-            _, shape, tier, num, tokens = row
+        if len(row) == 6:  # an arrival (sorted before the bucket's outcomes)
+            _, model, shape, tier, num, tokens = row
             for prompt_tokens in _spread(num, tokens):
-                telemetry.record_arrival(at(bucket), shape, tier, prompt_tokens)
+                telemetry.record_arrival(at(bucket), shape, tier, prompt_tokens, model)
         else:
-            _, shape, pool, met, num, tokens = row
+            _, model, shape, pool, met, num, tokens = row
             for completion_tokens in _spread(num, tokens):
-                telemetry.record_outcome(at(bucket), shape, pool, met, completion_tokens)
+                telemetry.record_outcome(at(bucket), shape, pool, met, completion_tokens, model)

@@ -16,8 +16,11 @@ The policy objects are the embedded loop's (fleet.controller's ``Controller``, i
 - Plan: ``GET /plan`` is every pool's replica URLs and drain flags with a version (and an ETag); a
   drain is published at once, and a drained replica is stopped only when every live gateway routes
   on that version or a newer one and none of them has a request in flight on it.
-- Telemetry: ``POST /report`` from each gateway (``fleet.telemetry_batch``), replayed into the
-  controller's ``Telemetry`` by the tick thread (the one thread that touches the policy objects).
+- Models: one ``Controller`` per model over the slots that model's pools hold (``fleet.multi``, as the
+  embedded loop does), with the arbiter moving a slot between models when ``rebalance`` is on; each slot
+  record names its model, so a new leader splits the slots as the old one left them.
+- Telemetry: ``POST /report`` from each gateway (``fleet.telemetry_batch``, per model), replayed into
+  each model's ``Telemetry`` by the tick thread (the one thread that touches the policy objects).
 - Engine figures: every tick interval the event loop reads each routable replica's own ``/metrics``
   (``gateway.engine_scrape.read_engine_load``), and each tick hands the latest to the controller with its
   snapshot, as the embedded loop's gateway does: a step whose moved engines queue what the plan said
@@ -52,22 +55,23 @@ import aiohttp
 import orjson
 from aiohttp import web
 
-from fleet.actuators.local import LaunchSpec, LocalActuator, answers_health, emulated_replica_argv
+from fleet.actuators.local import LocalActuator, answers_health
 from fleet.capacity import PerfCapacity
 from fleet.commands import apply
 from fleet.controller import Controller
 from fleet.controller_state import ControllerState, SlotRecord, capture, restore
 from fleet.decisions import DecisionLog
 from fleet.engines.load import EngineLoad
+from fleet.multi import ModelTelemetry, MultiController
+from fleet.rebalance import RebalanceSettings
 from fleet.rollout import SlotState
-from fleet.telemetry import Telemetry
 from fleet.telemetry_batch import Report, parse, replay
 from gateway.config import GatewayConfig
 from gateway.dashboard import is_admin_request
 from gateway.engine_scrape import EngineUnreadable, read_engine_load
 from gateway.errors import ApiError, error_response
 from gateway.live_fleet import controller_settings
-from gateway.replicas import ReplicaControl, close, replica_control
+from gateway.replicas import ReplicaControl, close, launcher, replica_control
 
 _JSON = "application/json"
 
@@ -131,21 +135,17 @@ class ControllerService:
     def __init__(self, config: GatewayConfig, state_file: Path, command: tuple[str, ...], log_dir: Path) -> None:
         settings = config.controller
         assert settings.url is not None
-        emulated = [p for p in config.pools if p.num_launched]
-        if not emulated:
+        launched = [p for p in config.pools if p.num_launched]
+        if not launched:
             raise ValueError("the config declares no emulated replicas (fleet.pools[].replicas.emulated) for the controller to run")
-        models = sorted({p.model for p in emulated})
-        if len(models) > 1:  # its telemetry reports carry no model, and it plans one model (the embedded controller plans several)
-            raise ValueError(f"the external controller plans one model, and the config launches replicas of {', '.join(map(repr, models))}; "
-                             "launch one model's pools per controller, or run the controller in the gateway (fleet.controller.mode: embedded)")
         self.config = config
         self.settings = settings
         self.state_file = state_file
-        self.command = command
-        self.model = emulated[0].model
-        # how each pool's /metrics reads: a declared pool's engine; the pools the controller makes launch like the model's
+        self.models = tuple(sorted({p.model for p in launched}))
+        self.launch_for = launcher(config, command)
+        # how each pool's /metrics reads: a declared pool's engine; the pools the controller makes launch like their model's
         self.pool_to_engine_kind = {p.name: p.engine_kind for p in config.pools}
-        self.engine_kind = emulated[0].engine_kind
+        self.model_to_engine_kind = {p.model: p.engine_kind for p in reversed(launched)}  # the first launched pool's
         self.speed = config.emulator_speed
         self.local = LocalActuator(log_dir, detach=True)
         # fleet.actuator: ray: Ray actors instead of self.local's processes (no routing bound: the plan routes)
@@ -155,9 +155,9 @@ class ControllerService:
         self.stopping: list[subprocess.Popen[bytes]] = []  # terminated children not yet reaped
         self.healthy: set[str] = set()
         self.recovering: set[str] = set()  # relaunched outside a move (their process was gone): routable once healthy
-        self.telemetry = Telemetry(settings.window_s)
+        self.telemetry = ModelTelemetry(self.models, settings.window_s)
         self.decisions = DecisionLog(settings.decision_log)
-        self.controller: Controller | None = None
+        self.controller: MultiController | None = None
         self.epoch = uuid.uuid4().hex[:12]
         self.version = 0
         self._plan_key: bytes = b""
@@ -189,10 +189,8 @@ class ControllerService:
             self.ray.add_slot(record.slot, record.gpu, pool, config_json)
             self.ray.start(record.slot, pool, config_json, self.now())
             return dataclasses.replace(record, pool=pool, config_json=config_json, phase="starting", url=None, pid=None)  # URL once healthy
-        adapters = next((p.launch.adapters for p in self.config.pools if p.name == pool), ())  # a declared pool's LoRA adapters
-        argv = emulated_replica_argv(self.command, self.model, record.gpu, config_json, self.speed, adapters)
-        name = f"{record.slot.replace('/', '-')}-{time.time_ns()}"
-        replica = self.local.start(LaunchSpec(name, argv))
+        spec = self.launch_for(record.gpu, pool, config_json, ())  # the pool's model, engine and LoRA adapters
+        replica = self.local.start(dataclasses.replace(spec, name=f"{record.slot.replace('/', '-')}-{time.time_ns()}"))
         self.local.replicas.remove(replica)  # this service tracks its processes by slot
         self.processes[record.slot] = replica.process
         return dataclasses.replace(record, pool=pool, config_json=config_json, phase="starting", url=replica.url, pid=replica.process.pid)
@@ -218,7 +216,7 @@ class ControllerService:
                 k = gpu_to_next.get(pool.gpu, 0)
                 gpu_to_next[pool.gpu] = k + 1
                 config_json = pool.config_json
-                record = SlotRecord(f"{pool.gpu}/{k}", pool.name, pool.gpu, config_json, "starting")
+                record = SlotRecord(f"{pool.gpu}/{k}", pool.name, pool.gpu, config_json, "starting", model=pool.model)
                 self.slots[record.slot] = self._launch(record, pool.name, config_json)
         deadline = time.monotonic() + 60.0
         while time.monotonic() < deadline and len(self.healthy) < len(self.slots):
@@ -236,6 +234,10 @@ class ControllerService:
         self.epoch, self.version = state.epoch, state.plan_version
         self._plan_key = self._plan_routes(state.slots)  # the plan the gateways route on: same version while unchanged
         for record in state.slots:
+            if not record.model and len(self.models) > 1:
+                raise SystemExit(f"polymorph: {self.state_file} was written by a controller of one model, and the config launches "
+                                 f"replicas of {', '.join(self.models)}: move it aside to start the fleet afresh")
+            record = dataclasses.replace(record, model=record.model or self.models[0])  # format 1: the one model's
             if self.ray is not None:  # known to the actuator, to be started or stopped later
                 self.ray.add_slot(record.slot, record.gpu, record.pool, record.config_json)
             alive = record.url is not None and _pid_alive(record.pid) and (record.phase == "starting" or answers_health(record.url, 2.0))
@@ -251,15 +253,23 @@ class ControllerService:
             self.slots[record.slot] = relaunched
 
     def build_controller(self, state: ControllerState | None) -> None:
-        gpu_to_budget: dict[str, int] = {}
+        """One controller per model over the slots that model holds; each resumes its part of ``state``."""
+        model_to_budget: dict[str, dict[str, int]] = {}
         for record in self.slots.values():
-            gpu_to_budget[record.gpu] = gpu_to_budget.get(record.gpu, 0) + 1
-        settings = controller_settings(self.config, self.model, gpu_to_budget)
-        capacity = PerfCapacity(self.model, self.settings.capacity_cache)
+            budget = model_to_budget.setdefault(record.model, {})
+            budget[record.gpu] = budget.get(record.gpu, 0) + 1
         now = self.now()
-        self.controller = Controller(settings, self.telemetry, capacity, self.telemetry.window(now))
-        if state is not None:
-            restore(self.controller, state, now)
+        loops = dict(state.model_to_loop) if state is not None else {}
+        controllers = {}
+        for model, budget in sorted(model_to_budget.items()):
+            settings = controller_settings(self.config, model, budget, f"{model}:" if len(model_to_budget) > 1 else "")
+            telemetry = self.telemetry.of(model)
+            controllers[model] = Controller(settings, telemetry, PerfCapacity(model, self.settings.capacity_cache), telemetry.window(now))
+            loop = loops.get(model, loops.get("") if len(model_to_budget) == 1 else None)  # "": a format-1 state's one model
+            if loop is not None and state is not None:
+                restore(controllers[model], loop, state.slots, now)
+        rebalance = RebalanceSettings(self.settings.rebalance_cooldown_s, self.settings.rebalance_min_gain) if self.settings.rebalance else None
+        self.controller = MultiController(controllers, {r.slot: r.model for r in self.slots.values()}, rebalance)
         self._publish()
         self._persist()
 
@@ -303,10 +313,10 @@ class ControllerService:
         starting = []
         for record in sorted(slots, key=lambda r: r.slot):
             if record.phase == "starting":
-                starting.append({"name": record.slot, "pool": record.pool, "model": self.model})
+                starting.append({"name": record.slot, "pool": record.pool, "model": record.model})
             if record.phase not in ("active", "draining"):
                 continue
-            pool = pools.setdefault(record.pool, {"name": record.pool, "model": self.model, "gpu": record.gpu,
+            pool = pools.setdefault(record.pool, {"name": record.pool, "model": record.model, "gpu": record.gpu,
                                                   "config_json": record.config_json, "replicas": []})
             pool["replicas"].append({"name": record.slot, "url": record.url, "draining": record.phase == "draining"})
         return orjson.dumps({"pools": sorted(pools.values(), key=lambda p: p["name"]), "starting": starting})
@@ -324,7 +334,8 @@ class ControllerService:
 
     def _persist(self) -> None:
         assert self.controller is not None
-        state = capture(self.controller, self.epoch, self.version, tuple(sorted(self.slots.values(), key=lambda r: r.slot)))
+        slots = tuple(sorted(self.slots.values(), key=lambda r: r.slot))
+        state = ControllerState(self.epoch, self.version, slots, tuple((m, capture(c)) for m, c in self.controller.model_to_controller.items()))
         doc = state.to_json()
         body = orjson.dumps(doc)
         if body != self._saved:
@@ -380,7 +391,7 @@ class ControllerService:
 
     def _publish_routable(self) -> None:
         """The replicas read_engines reads next: this tick's routable slots (the tick thread owns ``slots``)."""
-        routable = tuple((r.slot, r.url, self.pool_to_engine_kind.get(r.pool, self.engine_kind)) for r in self.slots.values()
+        routable = tuple((r.slot, r.url, self.pool_to_engine_kind.get(r.pool, self.model_to_engine_kind[r.model])) for r in self.slots.values()
                          if r.phase in ("active", "draining") and r.url)
         with self._lock:
             self._routable = routable
@@ -400,6 +411,9 @@ class ControllerService:
         slots = [SlotState(r.slot, r.pool, r.gpu, r.config_json, num_in_flight=self.num_in_flight(r.slot), healthy=r.slot in self.healthy,
                            engine=engines.get(r.slot)) for r in self.slots.values()]
         out = self.controller.tick(now, slots)
+        for slot, model in self.controller.slot_to_model.items():  # a slot the arbiter gave another model starts as that model's
+            if self.slots[slot].model != model:
+                self.slots[slot] = dataclasses.replace(self.slots[slot], model=model)
         apply(out.commands, self, now)
         self.decisions.extend([dataclasses.replace(d, at=d.at / self.speed) for d in out.decisions])
         self._persist()

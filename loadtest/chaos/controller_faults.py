@@ -114,7 +114,8 @@ class ExternalControllerDeployment:
         kept: the scenario's checks are about that rollout, and a refine may rightly move more afterwards (all the
         load is long prompts; a loaded machine serves them slower and the refine gives the long pool a second replica)."""
         decisions = self.decisions()
-        done = bool(decisions) and 0 < self.planned() == len(self.new_pool_urls()) and decisions[-1].kind == "verify"
+        kinds = [d.kind for d in decisions]  # a refine may follow the last verification in the same tick
+        done = 0 < kinds.count("step") <= kinds.count("verify") and 0 < self.planned() == len(self.new_pool_urls())
         if done and not self.at_rollout_end:
             self.at_rollout_end = decisions
         return done
@@ -174,8 +175,8 @@ def _common_checks(deployment: ExternalControllerDeployment, answers: list[Answe
     rollout = deployment.at_rollout_end or decisions
     kinds = [d.kind for d in rollout]
     plans = [d.evidence for d in rollout if isinstance(d.evidence, PlanEvidence)]
-    # up to the rollout's end: the drift plan, then at most its refine, which must keep it (the mix does not move again)
-    one_plan = bool(plans) and plans[0].outcome == "apply" and all(p.trigger == "refine" and p.outcome == "keep" for p in plans[1:])
+    # up to the rollout's end: the drift plan, then plans that keep it (its refine; the mix does not move again)
+    one_plan = bool(plans) and plans[0].outcome == "apply" and all(p.outcome == "keep" for p in plans[1:])
     steps = [d for d in rollout if d.kind == "step"]
     all_kinds = [d.kind for d in decisions]
     failed = [a for a in answers if a.verdict != OK]

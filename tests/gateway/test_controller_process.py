@@ -13,11 +13,12 @@ from pathlib import Path
 
 import pytest
 
-from fleet.controller_state import ControllerState, MoveRecord, RolloutRecord, SlotRecord, resumed_phase
+from fleet.controller_state import ControllerState, LoopState, MoveRecord, RolloutRecord, SlotRecord, resumed_phase
 from fleet.decisions import Move
+from fleet.multi import ModelTelemetry
 from fleet.planner import Plan
 from fleet.restart_hold import Restart
-from fleet.telemetry import PoolSlo, ShapeLoad, Telemetry, TrafficMix
+from fleet.telemetry import PoolSlo, ShapeLoad, TrafficMix
 from fleet.telemetry_batch import TelemetryBatch, parse, replay
 from gateway.plan_client import plan_restarts
 from loadtest.chaos.controller_faults import CONTROLLER_SCENARIOS
@@ -34,18 +35,24 @@ def test_controller_killed_or_partitioned_mid_rollout_repeats_no_move_and_fails_
     assert result.sent > 0 and result.succeeded == result.sent and result.figures["moves_repeated"] == 0
 
 
-def test_a_batched_report_replays_into_the_same_window_as_direct_records() -> None:
-    direct, replayed, batch = Telemetry(), Telemetry(), TelemetryBatch()
+def test_a_batched_report_replays_into_each_models_window_as_direct_records() -> None:
+    models = ("llama", "qwen")
+    direct, replayed, batch = ModelTelemetry(models), ModelTelemetry(models), TelemetryBatch()
     for i in range(300):
         now = 1000.0 + i * 0.4
         prompt, output = 200 + (i * 37) % 900, 20 + (i * 13) % 300
+        model = models[i % 7 == 0]  # qwen's traffic is a seventh of llama's, and differs
         for sink in (direct, batch):
-            sink.record_arrival(now, "short-chat" if i % 3 else "long-context", "interactive" if i % 4 else "batch", prompt)
-            sink.record_outcome(now, "short-chat", "mixed", i % 5 != 0, output)
+            sink.record_arrival(now, "short-chat" if i % 3 else "long-context", "interactive" if i % 4 else "batch", prompt, model)
+            sink.record_outcome(now, "short-chat", "mixed", i % 5 != 0, output, model)
+        batch.record_arrival(now, "short-chat", "batch", prompt, "a-model-no-controller-plans")  # dropped on replay
     replay(parse(json.loads(json.dumps(batch.take()))), replayed, 1200.0)
-    a, b = direct.window(1200.0), replayed.window(1200.0)
-    assert a.to_json() == b.to_json() and a.goodput_rps() == b.goodput_rps()
-    for bad in ({"bucket_s": 0}, {"bucket_s": 5, "arrivals": [[1, "s", "t", 0, 5]]}, {"bucket_s": 5, "outcomes": [[1, "s", "p", 1, 1, 5]]}, []):
+    windows = [(direct.of(m).window(1200.0), replayed.of(m).window(1200.0)) for m in models]
+    for a, b in windows:
+        assert a.to_json() == b.to_json() and a.goodput_rps() == b.goodput_rps()
+    assert windows[0][1].to_json() != windows[1][1].to_json()  # each model's controller sees its own traffic
+    for bad in ({"bucket_s": 0}, {"bucket_s": 5, "arrivals": [[1, "m", "s", "t", 0, 5]]}, {"bucket_s": 5, "outcomes": [[1, "m", "s", "p", 1, 1, 5]]},
+                {"bucket_s": 5, "arrivals": [[1, "s", "t", 1, 5]]}, {"bucket_s": 5, "arrivals": [[1, 7, "s", "t", 1, 5]]}, []):
         with pytest.raises((ValueError, TypeError)):
             parse(bad)
 
@@ -58,10 +65,16 @@ def test_controller_state_round_trips_and_resumes_a_started_move_without_restart
                      (PoolSlo("mixed", 10, 9),))
     rollout = RolloutRecord(Plan((("short-chat@H100-SXM", 2),), 1.4, -3.0), ((Move("H100-SXM/1", "mixed", move.to_pool, "{}"),),),
                             (move,), (MoveRecord(move, "draining", 5.0),), None, 1.2, True, (("H100-SXM/0", "{}"),), False)
-    state = ControllerState("e1", 4, slots, mix, 5.0, -math.inf, 0, 1, 0, rollout, refine_at=125.0)
+    loop = LoopState(mix, 5.0, -math.inf, 0, 1, 0, rollout, refine_at=125.0)
+    state = ControllerState("e1", 4, tuple(dataclasses.replace(s, model="m") for s in slots), (("m", loop), ("q", dataclasses.replace(loop, rollout=None))))
     assert ControllerState.from_json(json.loads(json.dumps(state.to_json()))) == state
-    older = {k: v for k, v in state.to_json().items() if k != "refine_at"}  # written before refines existed
-    assert ControllerState.from_json(older) == dataclasses.replace(state, refine_at=None)
+    # format 1, written when the controller planned one model (and before refines existed): its one loop, model ""
+    doc = state.to_json()
+    older = {**{k: v for k, v in doc["model_to_loop"]["m"].items() if k != "refine_at"}, "format": 1, "epoch": "e1", "plan_version": 4,
+             "slots": [{k: v for k, v in s.items() if k != "model"} for s in doc["slots"]]}
+    assert ControllerState.from_json(older) == ControllerState("e1", 4, slots, (("", dataclasses.replace(loop, refine_at=None)),))
+    with pytest.raises(ValueError, match="format"):
+        ControllerState.from_json({**doc, "format": 3})
     # the controller died after starting the new replica but before recording the move's phase
     assert resumed_phase(rollout.progress[0], slots[0]) == "starting"
     assert resumed_phase(rollout.progress[0], dataclasses.replace(slots[0], phase="active")) == "done"

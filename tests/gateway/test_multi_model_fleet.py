@@ -4,18 +4,21 @@ replicas, a drift in one model's traffic moves that model's replicas, the other'
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
-import subprocess
-import sys
+import os
+import signal
 import time
 import urllib.error
 import urllib.request
 from pathlib import Path
+from typing import Any
 
 import openai
 
+from tests.conftest import free_port
 from tests.gateway.test_live_fleet import ADMIN, KEY, LONG_PROMPT, _admin, _serving
-from tests.support.procs import start_gateway, write_tenant
+from tests.support.procs import start, start_gateway, write_tenant
 
 LLAMA, QWEN = "llama-3.1-8b", "qwen3-8b"
 # no declared pool serves qwen's long prompts on H100: its controller makes this one, named for its model, whose
@@ -127,15 +130,79 @@ def _move(url: str, replica: str, pool: str) -> tuple[int, dict[str, object]]:
         return err.code, json.loads(err.read())
 
 
-def test_the_external_controller_refuses_a_config_launching_two_models(tmp_path: Path) -> None:
+def _plan(url: str) -> dict[str, Any]:
+    with urllib.request.urlopen(url + "/plan", timeout=5) as resp:
+        return json.loads(resp.read())  # type: ignore[no-any-return]
+
+
+def _cmdline(pid: int) -> list[str]:
+    return Path(f"/proc/{pid}/cmdline").read_bytes().decode().split("\0")
+
+
+def test_the_external_controller_plans_each_model_on_its_own_slots_and_a_restarted_one_resumes_them(tmp_path: Path) -> None:
+    """``polymorph controller`` over two models' launched pools, beside a gateway: each gateway report carries
+    its requests' models, qwen's drift moves only qwen's slots into a pool of its own that runs qwen, llama's slot
+    stays, every decision names its model; a controller SIGKILLed and started again adopts the same plan."""
     (tmp_path / "tenants").mkdir()
-    write_tenant(tmp_path / "tenants", "live", KEY)
-    pool = {"gpu": "H100-SXM", "shapes": ["short-chat"], "replicas": {"emulated": 1}}
-    config = {"tenants_dir": "tenants", "fleet": {"pools": [{**pool, "name": "llama-chat", "model": LLAMA}, {**pool, "name": "qwen-chat", "model": QWEN}],
-                        "controller": {"enabled": True, "mode": "external", "url": "http://127.0.0.1:9", "state_file": "state.json"}}}
+    write_tenant(tmp_path / "tenants", "live", KEY, max_concurrency=1000, rate_limits={"requests_per_min": 1_000_000})
+    chat = {"gpu": "H100-SXM", "shapes": ["short-chat"]}
+    port = free_port()
+    config = {
+        "server": {"admin_token": ADMIN, "access_log": False},
+        "tenants_dir": "tenants",
+        "fleet": {
+            "pools": [{**chat, "name": "llama-chat", "model": LLAMA, "replicas": {"emulated": 1}},
+                      {**chat, "name": "qwen-chat", "model": QWEN, "replicas": {"emulated": 2}}],
+            "emulator_speed": SPEED,
+            "controller": {"enabled": True, "mode": "external", "url": f"http://127.0.0.1:{port}", "tick_s": 5.0,
+                           "decision_log": "decisions.jsonl"},
+        },
+    }
     path = tmp_path / "config.yaml"
     path.write_text(json.dumps(config))
-    done = subprocess.run([sys.executable, "-m", "gateway.cli", "controller", "--config", str(path)], capture_output=True, text=True,
-                          timeout=60, cwd=tmp_path)
-    assert done.returncode == 2, done.stderr
-    assert "plans one model" in done.stderr and "'llama-3.1-8b', 'qwen3-8b'" in done.stderr, done.stderr
+    argv = ["controller", "--config", str(path), "--replica-logs", str(tmp_path / "replicas"), "--stop-replicas-on-exit"]
+    state_file = tmp_path / "decisions.state.json"
+    controller = start(argv, port, tmp_path / "controller.log", "/healthz", timeout_s=60.0)
+    gateway = None
+    try:
+        first = json.loads(state_file.read_text())
+        model_to_slots = {m: sorted(s["slot"] for s in first["slots"] if s["model"] == m) for m in (LLAMA, QWEN)}
+        gateway = start_gateway(tmp_path, ["--config", str(path)])
+        mix = {QWEN: LONG_PROMPT, LLAMA: "Say hello to the team, briefly."}
+        outcomes = asyncio.run(_load(gateway.url, duration_s=14.0, rate_rps=10.0, model_to_prompt=mix))
+        deadline = time.monotonic() + 60.0
+        while time.monotonic() < deadline and not any(p["name"] == NEW_POOL and p["replicas"] for p in _plan(controller.url)["pools"]):
+            outcomes += asyncio.run(_load(gateway.url, duration_s=4.0, rate_rps=10.0, model_to_prompt=mix))  # a busy machine plans late
+        plan = _plan(controller.url)
+        state = json.loads(state_file.read_text())
+        made = [(s, _cmdline(s["pid"])) for s in state["slots"] if s["pool"] == NEW_POOL]
+        controller.kill()  # its replicas outlive it (detached), for the next controller to adopt
+        controller = start(argv, port, tmp_path / "controller-2.log", "/healthz", timeout_s=60.0)
+        again = _plan(controller.url)
+        outcomes += asyncio.run(_load(gateway.url, duration_s=2.0, rate_rps=10.0, model_to_prompt=mix))
+    finally:
+        if gateway is not None:
+            gateway.stop()
+        controller.stop()
+        for slot in json.loads(state_file.read_text())["slots"] if state_file.exists() else ():  # a controller that failed leaves them
+            if slot["pid"]:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(slot["pid"], signal.SIGKILL)
+    assert outcomes and set(outcomes) == {"ok"}, [o for o in outcomes if o != "ok"][:3]
+    decisions = [json.loads(line) for line in (tmp_path / "decisions.jsonl").read_text().splitlines()]
+    by_model = {m: [d for d in decisions if d.get("model") == m] for m in (LLAMA, QWEN)}
+    assert len(by_model[LLAMA]) + len(by_model[QWEN]) == len(decisions), decisions  # every decision names its model
+    qwen_plans = [d["evidence"] for d in by_model[QWEN] if d["kind"] == "plan"]
+    assert any(p["outcome"] == "apply" for p in qwen_plans) and all(p["budget"] == {"H100-SXM": 2} for p in qwen_plans), qwen_plans
+    moved = [m[0] for d in by_model[QWEN] for m in d["evidence"].get("moves", [])]
+    assert moved and set(moved) <= set(model_to_slots[QWEN]), (moved, model_to_slots)
+    assert all(p["outcome"] == "keep" and p["budget"] == {"H100-SXM": 1} for p in (d["evidence"] for d in by_model[LLAMA] if d["kind"] == "plan"))
+    assert not [d for d in by_model[LLAMA] if "moves" in d["evidence"]], by_model[LLAMA]
+    pools = {p["name"]: p for p in plan["pools"]}
+    assert pools[NEW_POOL]["model"] == QWEN and pools["llama-chat"]["model"] == LLAMA, pools
+    assert [r["name"] for r in pools["llama-chat"]["replicas"]] == model_to_slots[LLAMA]  # llama's replica stayed where it was
+    # the made pool's replicas run qwen (the state file records each slot's model and process)
+    assert made and all(s["model"] == QWEN and argv[argv.index("--model") + 1] == QWEN for s, argv in made), made
+    assert sorted(state["model_to_loop"]) == [LLAMA, QWEN]
+    assert [again[k] for k in ("epoch", "version", "pools")] == [plan[k] for k in ("epoch", "version", "pools")]
+    assert "resuming from" in (tmp_path / "controller-2.log").read_text()
