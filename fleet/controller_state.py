@@ -10,7 +10,7 @@ to come and each move of the current step with its phase.
 A state of format 1 (written when the controller planned one model) reads as one ``LoopState`` under
 the model ``""`` and slots of model ``""``: the service gives them its one model.
 
-``capture`` and ``restore`` are the controller's persistence and read its private rollout state
+``capture`` and ``restore`` (and ``capture_arbiter``, ``restore_arbiter``) are the controller's persistence and read its private rollout state
 (this module is its friend: keep them in step with fleet/controller.py and fleet/rollout.py).
 ``restore`` never repeats an applied action: a move whose slot already runs the new configuration
 resumes at "starting" (or "done" when it is routable again), so its replica is not stopped twice.
@@ -26,6 +26,7 @@ from fleet.controller import Controller, _Rollout
 from fleet.decisions import Move
 from fleet.options import pool_options
 from fleet.planner import Plan
+from fleet.rebalance import Arbiter, Transfer
 from fleet.rollout import SlotState, _Progress
 from fleet.telemetry import PoolSlo, ShapeLoad, TrafficMix
 
@@ -89,6 +90,8 @@ class ControllerState:
     plan_version: int
     slots: tuple[SlotRecord, ...]
     model_to_loop: tuple[tuple[str, LoopState], ...]  # in model order
+    rebalanced_at: float = -math.inf  # the arbiter's last transfer between models (fleet.rebalance)
+    lent: Transfer | None = None  # that transfer, while its receiver's rollout may still give the slot back
 
     def to_json(self) -> dict[str, Any]:
         doc = _encode(asdict(self))
@@ -107,6 +110,8 @@ class ControllerState:
                 plan_version=int(doc["plan_version"]),
                 slots=tuple(_slot(s) for s in doc["slots"]),
                 model_to_loop=tuple((str(model), _loop(loop)) for model, loop in sorted(loops.items())),
+                rebalanced_at=_time(doc.get("rebalanced_at")),
+                lent=Transfer(**doc["lent"]) if doc.get("lent") is not None else None,
             )
         except (KeyError, TypeError, AttributeError) as exc:
             raise ValueError(f"malformed controller state: {exc!r}") from None
@@ -259,3 +264,15 @@ def restore(controller: Controller, state: LoopState, slots: tuple[SlotRecord, .
         slot_to_old_config=dict(record.slot_to_old_config),
         rolling_back=record.rolling_back,
     )
+
+
+def capture_arbiter(arbiter: Arbiter) -> tuple[float, Transfer | None]:
+    """(its last transfer's time, that transfer while it may be given back): ``ControllerState``'s
+    ``rebalanced_at`` and ``lent``."""
+    return arbiter._last_at, arbiter._given
+
+
+def restore_arbiter(arbiter: Arbiter, state: ControllerState) -> None:
+    """A new leader keeps the arbiter's cool-down and gives back a slot whose receiver's rollout fails."""
+    arbiter._last_at = state.rebalanced_at
+    arbiter._given = state.lent

@@ -37,6 +37,7 @@ import asyncio
 import contextlib
 import dataclasses
 import fcntl
+import math
 import os
 import signal
 import subprocess
@@ -59,7 +60,7 @@ from fleet.actuators.local import LocalActuator, answers_health
 from fleet.capacity import PerfCapacity
 from fleet.commands import apply
 from fleet.controller import Controller
-from fleet.controller_state import ControllerState, SlotRecord, capture, restore
+from fleet.controller_state import ControllerState, SlotRecord, capture, capture_arbiter, restore, restore_arbiter
 from fleet.decisions import DecisionLog
 from fleet.engines.load import EngineLoad
 from fleet.multi import ModelTelemetry, MultiController
@@ -270,6 +271,8 @@ class ControllerService:
                 restore(controllers[model], loop, state.slots, now)
         rebalance = RebalanceSettings(self.settings.rebalance_cooldown_s, self.settings.rebalance_min_gain) if self.settings.rebalance else None
         self.controller = MultiController(controllers, {r.slot: r.model for r in self.slots.values()}, rebalance)
+        if state is not None and self.controller.arbiter is not None:
+            restore_arbiter(self.controller.arbiter, state)
         self._publish()
         self._persist()
 
@@ -335,7 +338,9 @@ class ControllerService:
     def _persist(self) -> None:
         assert self.controller is not None
         slots = tuple(sorted(self.slots.values(), key=lambda r: r.slot))
-        state = ControllerState(self.epoch, self.version, slots, tuple((m, capture(c)) for m, c in self.controller.model_to_controller.items()))
+        rebalanced_at, lent = capture_arbiter(self.controller.arbiter) if self.controller.arbiter is not None else (-math.inf, None)
+        state = ControllerState(self.epoch, self.version, slots, tuple((m, capture(c)) for m, c in self.controller.model_to_controller.items()),
+                                rebalanced_at, lent)
         doc = state.to_json()
         body = orjson.dumps(doc)
         if body != self._saved:

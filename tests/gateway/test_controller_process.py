@@ -17,6 +17,7 @@ from fleet.controller_state import ControllerState, LoopState, MoveRecord, Rollo
 from fleet.decisions import Move
 from fleet.multi import ModelTelemetry
 from fleet.planner import Plan
+from fleet.rebalance import Transfer
 from fleet.restart_hold import Restart
 from fleet.telemetry import PoolSlo, ShapeLoad, TrafficMix
 from fleet.telemetry_batch import TelemetryBatch, parse, replay
@@ -66,8 +67,11 @@ def test_controller_state_round_trips_and_resumes_a_started_move_without_restart
     rollout = RolloutRecord(Plan((("short-chat@H100-SXM", 2),), 1.4, -3.0), ((Move("H100-SXM/1", "mixed", move.to_pool, "{}"),),),
                             (move,), (MoveRecord(move, "draining", 5.0),), None, 1.2, True, (("H100-SXM/0", "{}"),), False)
     loop = LoopState(mix, 5.0, -math.inf, 0, 1, 0, rollout, refine_at=125.0)
-    state = ControllerState("e1", 4, tuple(dataclasses.replace(s, model="m") for s in slots), (("m", loop), ("q", dataclasses.replace(loop, rollout=None))))
+    state = ControllerState("e1", 4, tuple(dataclasses.replace(s, model="m") for s in slots), (("m", loop), ("q", dataclasses.replace(loop, rollout=None))),
+                            rebalanced_at=90.0, lent=Transfer("H100-SXM/0", "H100-SXM", "q", "m", "q-chat"))
     assert ControllerState.from_json(json.loads(json.dumps(state.to_json()))) == state
+    never = dataclasses.replace(state, rebalanced_at=-math.inf, lent=None)  # no transfer yet
+    assert ControllerState.from_json(json.loads(json.dumps(never.to_json()))) == never
     # format 1, written when the controller planned one model (and before refines existed): its one loop, model ""
     doc = state.to_json()
     older = {**{k: v for k, v in doc["model_to_loop"]["m"].items() if k != "refine_at"}, "format": 1, "epoch": "e1", "plan_version": 4,
