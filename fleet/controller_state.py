@@ -1,7 +1,7 @@
 """The controller's persisted state: what a restarted (or standby) controller resumes from.
 
 Plain dataclasses and their JSON form, no I/O (the service writes the file atomically). The state
-holds the replica slots (the model and pool each serves, engine configuration, URL and PID of the
+holds the replica slots (the model and pool each serves, its devices, engine configuration, URL and PID of the
 process serving them, and where each is in its life: active, draining, starting, stopped), the plan
 version the gateways route on, and per model (one controller each, fleet.multi) a ``LoopState``: the
 mix its current plan was made for, back-off and counters, and the rollout in progress: the steps still
@@ -45,6 +45,7 @@ class SlotRecord:
     pid: int | None = None
     drained_at_version: int = 0  # the plan version that first told the gateways to drain it
     model: str = ""  # the model of the pool it serves in ("": a format-1 state's one model)
+    devices: tuple[str, ...] = ()  # its ids of fleet.devices (none declared: emulated, or every device visible)
 
     def state(self) -> SlotState:
         return SlotState(self.slot, self.pool, self.gpu, self.config_json)
@@ -149,7 +150,7 @@ def _loop(doc: dict[str, Any]) -> LoopState:
 
 
 def _slot(doc: dict[str, Any]) -> SlotRecord:
-    record = SlotRecord(**doc)
+    record = SlotRecord(**{**doc, "devices": tuple(doc.get("devices", ()))})
     if record.phase not in SLOT_PHASES:
         raise ValueError(f"slot {record.slot!r}: unknown phase {record.phase!r}")
     return record

@@ -18,7 +18,8 @@ def register(commands: argparse._SubParsersAction) -> None:  # type: ignore[type
         "controller",
         help="run the fleet controller beside several gateway processes",
         description=(
-            "Run the control loop out of the gateway: it starts (or adopts) the config's emulated replicas, "
+            "Run the control loop out of the gateway: it starts (or adopts) the config's launched replicas (emulated or "
+            "real engines, each on its share of fleet.devices), "
             "serves the plan at fleet.controller.url (GET /plan) to gateways started with fleet.controller.mode: "
             "external, takes their telemetry (POST /report), and persists its state to fleet.controller.state_file "
             "(default: beside the decision log). Run it twice for a standby: the second waits for the lease and "

@@ -8,7 +8,9 @@ The policy objects are the embedded loop's (fleet.controller's ``Controller``, i
   killed process), then resumes from the state file. Only the leader listens, so the gateways always
   talk to the one controller that acts.
 - Actuator: replica processes on this host (``LocalActuator``, detached so they outlive a controller
-  crash), recorded with their URL and PID in the state file and adopted again by the next leader.
+  crash), each slot on its share of ``fleet.devices`` and launched as its pool's engine says
+  (``gateway.replicas.launcher``: emulated, llama.cpp, vLLM, sglang), recorded with their URL, PID and
+  devices in the state file and adopted again by the next leader.
   With ``fleet.actuator: ray`` they are Ray actors (``fleet.actuators.ray``, started, stopped and
   probed through it; the plan stays this service's). A Ray actor lives only as long as the driver that
   made it, so a new leader starts every replica the state file lists again, and a leader that exits
@@ -72,7 +74,7 @@ from gateway.dashboard import is_admin_request
 from gateway.engine_scrape import EngineUnreadable, read_engine_load
 from gateway.errors import ApiError, error_response
 from gateway.live_fleet import controller_settings
-from gateway.replicas import ReplicaControl, close, launcher, replica_control
+from gateway.replicas import ReplicaControl, assign_devices, close, launcher, replica_control, start_timeout_s
 
 _JSON = "application/json"
 
@@ -138,7 +140,7 @@ class ControllerService:
         assert settings.url is not None
         launched = [p for p in config.pools if p.num_launched]
         if not launched:
-            raise ValueError("the config declares no emulated replicas (fleet.pools[].replicas.emulated) for the controller to run")
+            raise ValueError("the config launches no replicas (fleet.pools[].replicas.emulated or launch) for the controller to run")
         self.config = config
         self.settings = settings
         self.state_file = state_file
@@ -187,10 +189,10 @@ class ControllerService:
     def _launch(self, record: SlotRecord, pool: str, config_json: str) -> SlotRecord:
         self.healthy.discard(record.slot)
         if self.ray is not None:
-            self.ray.add_slot(record.slot, record.gpu, pool, config_json)
+            self.ray.add_slot(record.slot, record.gpu, pool, config_json, record.devices)
             self.ray.start(record.slot, pool, config_json, self.now())
             return dataclasses.replace(record, pool=pool, config_json=config_json, phase="starting", url=None, pid=None)  # URL once healthy
-        spec = self.launch_for(record.gpu, pool, config_json, ())  # the pool's model, engine and LoRA adapters
+        spec = self.launch_for(record.gpu, pool, config_json, record.devices)  # the pool's model, engine and LoRA adapters
         replica = self.local.start(dataclasses.replace(spec, name=f"{record.slot.replace('/', '-')}-{time.time_ns()}"))
         self.local.replicas.remove(replica)  # this service tracks its processes by slot
         self.processes[record.slot] = replica.process
@@ -209,17 +211,17 @@ class ControllerService:
             os.kill(pid, signal.SIGTERM)  # adopted from an earlier leader: not our child, init reaps it
 
     def fresh_fleet(self) -> None:
-        """The config's emulated replicas, started and waited for: the first leader of a fleet."""
+        """The config's launched replicas, each on its share of ``fleet.devices`` (its slot's for good: a move
+        restarts it there), started and waited for: the first leader of a fleet."""
         gpu_to_next: dict[str, int] = {}
-        for pool in self.config.pools:
-            for _ in range(pool.num_launched):
-                assert pool.gpu is not None
-                k = gpu_to_next.get(pool.gpu, 0)
-                gpu_to_next[pool.gpu] = k + 1
-                config_json = pool.config_json
-                record = SlotRecord(f"{pool.gpu}/{k}", pool.name, pool.gpu, config_json, "starting", model=pool.model)
-                self.slots[record.slot] = self._launch(record, pool.name, config_json)
-        deadline = time.monotonic() + 60.0
+        held, _ = assign_devices(self.config)
+        for _, pool, devices in held:
+            assert pool.gpu is not None
+            k = gpu_to_next.get(pool.gpu, 0)
+            gpu_to_next[pool.gpu] = k + 1
+            record = SlotRecord(f"{pool.gpu}/{k}", pool.name, pool.gpu, pool.config_json, "starting", model=pool.model, devices=devices)
+            self.slots[record.slot] = self._launch(record, pool.name, pool.config_json)
+        deadline = time.monotonic() + start_timeout_s(self.config)
         while time.monotonic() < deadline and len(self.healthy) < len(self.slots):
             self._probe_starting()
             time.sleep(0.1)
@@ -240,7 +242,7 @@ class ControllerService:
                                  f"replicas of {', '.join(self.models)}: move it aside to start the fleet afresh")
             record = dataclasses.replace(record, model=record.model or self.models[0])  # format 1: the one model's
             if self.ray is not None:  # known to the actuator, to be started or stopped later
-                self.ray.add_slot(record.slot, record.gpu, record.pool, record.config_json)
+                self.ray.add_slot(record.slot, record.gpu, record.pool, record.config_json, record.devices)
             alive = record.url is not None and _pid_alive(record.pid) and (record.phase == "starting" or answers_health(record.url, 2.0))
             if record.phase == "stopped" or alive:
                 self.slots[record.slot] = record

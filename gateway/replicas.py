@@ -122,7 +122,7 @@ def made_pool_adapters(config: GatewayConfig, pool: str, gpu: str) -> frozenset[
 def replica_control(config: GatewayConfig, command: tuple[str, ...], log_dir: Path) -> ReplicaControl:
     """The actuator ``fleet.actuator`` names (Ray: connected first)."""
     launch_for = launcher(config, command)
-    timeout_s = _start_timeout_s(config)
+    timeout_s = start_timeout_s(config)
     if config.actuator == "local":
         return LocalSlots(LocalActuator(log_dir), launch_for, timeout_s)
     if config.actuator == "kubernetes":
@@ -155,7 +155,8 @@ def kubernetes_control(config: GatewayConfig) -> ReplicaControl:
     return KubernetesActuator(api_client(settings.kubeconfig), settings.namespace, render)
 
 
-def _start_timeout_s(config: GatewayConfig) -> float:
+def start_timeout_s(config: GatewayConfig) -> float:
+    """How long a fleet's replicas may take to answer at start (a real engine loads weights, vLLM compiles)."""
     real = any(p.num_launched and p.engine_kind != "emulated" for p in config.pools)
     return REAL_START_TIMEOUT_S if real else 120.0
 
@@ -200,7 +201,7 @@ def start_fleet(control: ReplicaControl, config: GatewayConfig) -> dict[str, lis
         slots.append((slot, pool.name))
     if not slots:
         return {}
-    timeout_s = _start_timeout_s(config)
+    timeout_s = start_timeout_s(config)
     kinds = ", ".join(sorted({p.engine_kind for p in config.pools if p.num_launched}))
     print(f"polymorph: starting {len(slots)} replicas ({kinds}; {config.actuator} actuator)", file=sys.stderr, flush=True)
     deadline = time.monotonic() + timeout_s
