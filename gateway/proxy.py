@@ -23,6 +23,7 @@ from fleet.router_steps import work_units
 from gateway.adapters import engine_model, with_model
 from gateway.admission import RetryBudget
 from gateway.config import UpstreamSettings
+from gateway.engine_errors import context_exceeded
 from gateway.errors import ApiError, error_body, sse_error_event
 from gateway.metrics import GatewayMetrics
 from gateway.pool_wait import PoolWaits
@@ -284,6 +285,16 @@ class Proxy:
                     self.waits.wake(replica.pool, loop.time())
             return result
 
+    def _raise_if_context_exceeded(self, replica: ReplicaState, status: int, body: bytes, outcome: Outcome) -> None:
+        """OpenAI's 400 ``context_length_exceeded`` for an engine's answer that the request's context does not
+        fit there (gateway.engine_errors); ``forward`` retries it on another replica, which may hold it. The
+        replica answered as a healthy one does: a success for its breaker (it may have been a probe)."""
+        message = context_exceeded(status, body)
+        if message is not None:
+            self.mark_success(replica)
+            outcome.status = 400
+            raise ApiError(400, f"Replica {replica.name} cannot hold this request's context: {message}", "context_length_exceeded")
+
     def mark_failure(self, replica: ReplicaState) -> None:
         if replica.breaker.on_failure(asyncio.get_running_loop().time()):
             self.metrics.child(self.metrics.ejections, replica.pool, replica.name).inc()
@@ -330,6 +341,7 @@ class Proxy:
             # --embeddings): the client's answer, passed on, and no sign of a sick replica
             if (upstream.status >= 500 and upstream.status != 501) or upstream.status == 429:
                 body = await upstream.read()
+                self._raise_if_context_exceeded(replica, upstream.status, body, outcome)  # the request's fault: the replica is well
                 if upstream.status >= 500:
                     self.mark_failure(replica)
                 outcome.status = upstream.status
@@ -339,6 +351,7 @@ class Proxy:
                 usage_filter = UsageChunkFilter() if strip_usage else None
                 return await self._stream(request, upstream, replica, headers, settings, started_at, outcome, usage_filter, wire.events)
             body = await upstream.read()
+            self._raise_if_context_exceeded(replica, upstream.status, body, outcome)
         except TimeoutError:
             self.mark_failure(replica)
             raise ApiError(504, f"Replica {replica.name} did not answer within {settings.first_byte_timeout_s:g} s.", "upstream_timeout") from None
@@ -502,3 +515,4 @@ class Proxy:
             _read_response(event.get("response"), outcome)
         if outcome.completion_tokens is not None and outcome.completion_tokens > 1:
             outcome.tpot_s = (last_event_at - first_at) / (outcome.completion_tokens - 1)
+

@@ -51,7 +51,8 @@ def _config(tmp_path: Path) -> Path:
             "devices": {"cpu": {"count": 2}},
             "pools": [{"name": "chat-cpu", "model": "tiny-llama", "gpu": "cpu", "shapes": ["short-chat"],
                        # -c 8192: long prompts overflowing here while long-cpu is short fit beside the chats in its one
-                       # KV cache (with the model's 2,048, llama-server fails them and the gateway ejects the replica)
+                       # KV cache (with the model's 2,048, llama-server fails some with "Context size has been exceeded",
+                       # which the gateway retries on long-cpu: gateway/engine_errors.py)
                        "engine": {**engine, "max_running_requests": 4, "max_total_tokens": 8192}, "replicas": {"launch": 1}},
                       {"name": "long-cpu", "model": "tiny-llama", "gpu": "cpu", "shapes": ["long-context"],
                        "engine": {**engine, "max_running_requests": 1}, "replicas": {"launch": 1}}],

@@ -1,0 +1,98 @@
+"""A request whose context a replica cannot hold is the request's fault, not the replica's: the gateway tries
+another replica (a pool with a longer context), keeps the first in service, and answers OpenAI's 400
+``context_length_exceeded`` when no replica holds it. Real llama-servers (tests/support/engines.py)."""
+
+from __future__ import annotations
+
+import json
+import urllib.request
+from pathlib import Path
+
+import openai
+import pytest
+
+from gateway.engine_errors import context_exceeded
+from tests.gateway.test_admin_move import ADMIN
+from tests.support.procs import start_gateway, write_tenant
+
+KEY = "sk-polymorph-demo"
+SENTENCE = "The quick brown fox jumps over the lazy dog. "
+
+
+@pytest.mark.parametrize(("status", "body", "found"), [
+    # llama.cpp: a sequence ran out of KV cells (slots share one cache with --kv-unified)
+    (500, b'{"error":{"code":500,"message":"Context size has been exceeded.","type":"server_error"}}', "Context size has been exceeded."),
+    # llama.cpp: the prompt is longer than a slot's context
+    (400, b'{"error":{"code":400,"message":"request (1348 tokens) exceeds the available context size (256 tokens), try increasing it",'
+          b'"type":"exceed_context_size_error","n_prompt_tokens":1348,"n_ctx":256}}',
+     "request (1348 tokens) exceeds the available context size (256 tokens), try increasing it"),
+    # vLLM, its flat error object and OpenAI's envelope
+    (400, b'{"object":"error","message":"This model\'s maximum context length is 2048 tokens. However, you requested 4200 tokens.",'
+          b'"type":"BadRequestError","param":null,"code":400}',
+     "This model's maximum context length is 2048 tokens. However, you requested 4200 tokens."),
+    (400, b'{"error":{"message":"The decoder prompt (length 4100) is longer than the maximum model length of 2048.","type":"BadRequestError"}}',
+     "The decoder prompt (length 4100) is longer than the maximum model length of 2048."),
+    # sglang, as text
+    (400, b"The input (4100 tokens) is longer than the model's context length (2048 tokens).",
+     "The input (4100 tokens) is longer than the model's context length (2048 tokens)."),
+    # not a context error: a sick replica, a client error of another kind, a success that quotes the phrase
+    (500, b'{"error":{"message":"CUDA error: an illegal memory access","type":"server_error"}}', None),
+    (400, b'{"error":{"message":"temperature must be non-negative","type":"invalid_request_error"}}', None),
+    (200, b'{"choices":[{"message":{"content":"maximum context length"}}]}', None),
+])
+def test_engine_answers_that_say_the_context_does_not_fit_are_recognised(status: int, body: bytes, found: str | None) -> None:
+    assert context_exceeded(status, body) == found
+
+
+def _metric(url: str, name: str, label: str) -> float:
+    with urllib.request.urlopen(url + "/metrics", timeout=5) as resp:
+        text = resp.read().decode()
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(name) and label in line)
+
+
+@pytest.mark.slow
+def test_a_context_too_long_for_one_pool_is_served_by_another_and_no_replica_is_ejected(
+        tmp_path: Path, llama_server_bin: Path, tiny_gguf: Path) -> None:
+    (tmp_path / "tenants").mkdir()
+    write_tenant(tmp_path / "tenants", "demo", KEY, max_concurrency=100, rate_limits={"requests_per_min": 1_000_000})
+    engine = {"kind": "llamacpp", "threads": 1, "max_running_requests": 2}
+    config = {
+        "server": {"admin_token": ADMIN, "access_log": False},
+        "tenants_dir": "tenants",
+        "shapes": [{"name": "long-context", "min_prompt_tokens": 1024}, {"name": "short-chat", "max_prompt_tokens": 1023}],
+        "default_shape": "short-chat",
+        "fleet": {
+            "devices": {"cpu": {"count": 2}},
+            # the long prompts' own pool holds 256 tokens (-c 256): each of them is tried there first
+            "pools": [{"name": "small-cpu", "model": "tiny-llama", "gpu": "cpu", "shapes": ["long-context"],
+                       "engine": {**engine, "max_total_tokens": 256}, "replicas": {"launch": 1}},
+                      {"name": "big-cpu", "model": "tiny-llama", "gpu": "cpu", "shapes": ["short-chat"],
+                       "engine": engine, "replicas": {"launch": 1}}],
+        },
+    }
+    path = tmp_path / "config.yaml"
+    path.write_text(json.dumps(config))
+    gateway = start_gateway(tmp_path, ["--config", str(path)], timeout_s=180.0)
+    try:
+        client = openai.OpenAI(base_url=gateway.url + "/v1", api_key=KEY, max_retries=0, timeout=120.0)
+        pools = []
+        for _ in range(5):  # more than eject_after_failures (3): an ejection would show
+            raw = client.chat.completions.with_raw_response.create(
+                model="tiny-llama", messages=[{"role": "user", "content": SENTENCE * 110}], max_tokens=8)
+            pools.append((raw.headers["x-polymorph-shape"], raw.headers["x-polymorph-pool"]))
+            assert raw.parse().usage is not None and raw.parse().usage.prompt_tokens > 256
+        retries = _metric(gateway.url, "polymorph_upstream_retries_total", 'pool="small-cpu"')
+        with pytest.raises(openai.BadRequestError) as refused:  # longer than any replica's context (the model's 2,048)
+            client.chat.completions.create(model="tiny-llama", messages=[{"role": "user", "content": SENTENCE * 400}], max_tokens=8)
+        short = client.chat.completions.create(model="tiny-llama", messages=[{"role": "user", "content": "Hi"}], max_tokens=4)
+        ejections = _metric(gateway.url, "polymorph_replica_ejections_total", "")
+    finally:
+        gateway.stop()
+    assert pools == [("long-context", "big-cpu")] * 5, pools
+    # each long prompt went to small-cpu first, then on: had its breaker counted them, it would have been ejected
+    # after three, and the last two would have gone straight to big-cpu
+    assert retries == 5 and ejections == 0
+    error = refused.value.body
+    assert refused.value.status_code == 400 and isinstance(error, dict) and error["code"] == "context_length_exceeded", error
+    assert "cannot hold this request's context" in error["message"] and "Traceback" not in error["message"], error
+    assert short.choices[0].message.content is not None
