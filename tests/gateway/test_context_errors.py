@@ -82,6 +82,11 @@ def test_a_context_too_long_for_one_pool_is_served_by_another_and_no_replica_is_
             pools.append((raw.headers["x-polymorph-shape"], raw.headers["x-polymorph-pool"]))
             assert raw.parse().usage is not None and raw.parse().usage.prompt_tokens > 256
         retries = _metric(gateway.url, "polymorph_upstream_retries_total", 'pool="small-cpu"')
+        # streamed: the engine refuses before its first byte, so the stream starts on the other pool
+        stream = client.chat.completions.with_raw_response.create(
+            model="tiny-llama", messages=[{"role": "user", "content": SENTENCE * 110}], max_tokens=8, stream=True)
+        streamed_pool = stream.headers["x-polymorph-pool"]
+        chunks = list(stream.parse())
         with pytest.raises(openai.BadRequestError) as refused:  # longer than any replica's context (the model's 2,048)
             client.chat.completions.create(model="tiny-llama", messages=[{"role": "user", "content": SENTENCE * 400}], max_tokens=8)
         short = client.chat.completions.create(model="tiny-llama", messages=[{"role": "user", "content": "Hi"}], max_tokens=4)
@@ -92,6 +97,7 @@ def test_a_context_too_long_for_one_pool_is_served_by_another_and_no_replica_is_
     # each long prompt went to small-cpu first, then on: had its breaker counted them, it would have been ejected
     # after three, and the last two would have gone straight to big-cpu
     assert retries == 5 and ejections == 0
+    assert streamed_pool == "big-cpu" and chunks and chunks[-1].choices[0].finish_reason is not None
     error = refused.value.body
     assert refused.value.status_code == 400 and isinstance(error, dict) and error["code"] == "context_length_exceeded", error
     assert "cannot hold this request's context" in error["message"] and "Traceback" not in error["message"], error
