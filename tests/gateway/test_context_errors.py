@@ -4,7 +4,6 @@ another replica (a pool with a longer context), keeps the first in service, and 
 
 from __future__ import annotations
 
-import json
 import urllib.request
 from pathlib import Path
 
@@ -12,10 +11,9 @@ import openai
 import pytest
 
 from gateway.engine_errors import context_exceeded
-from tests.gateway.test_admin_move import ADMIN
-from tests.support.procs import start_gateway, write_tenant
+from tests.gateway.test_real_drift import KEY, cpu_fleet_config
+from tests.support.procs import start_gateway
 
-KEY = "sk-polymorph-demo"
 SENTENCE = "The quick brown fox jumps over the lazy dog. "
 
 
@@ -53,25 +51,12 @@ def _metric(url: str, name: str, label: str) -> float:
 @pytest.mark.slow
 def test_a_context_too_long_for_one_pool_is_served_by_another_and_no_replica_is_ejected(
         tmp_path: Path, llama_server_bin: Path, tiny_gguf: Path) -> None:
-    (tmp_path / "tenants").mkdir()
-    write_tenant(tmp_path / "tenants", "demo", KEY, max_concurrency=100, rate_limits={"requests_per_min": 1_000_000})
     engine = {"kind": "llamacpp", "threads": 1, "max_running_requests": 2}
-    config = {
-        "server": {"admin_token": ADMIN, "access_log": False},
-        "tenants_dir": "tenants",
-        "shapes": [{"name": "long-context", "min_prompt_tokens": 1024}, {"name": "short-chat", "max_prompt_tokens": 1023}],
-        "default_shape": "short-chat",
-        "fleet": {
-            "devices": {"cpu": {"count": 2}},
-            # the long prompts' own pool holds 256 tokens (-c 256): each of them is tried there first
-            "pools": [{"name": "small-cpu", "model": "tiny-llama", "gpu": "cpu", "shapes": ["long-context"],
-                       "engine": {**engine, "max_total_tokens": 256}, "replicas": {"launch": 1}},
-                      {"name": "big-cpu", "model": "tiny-llama", "gpu": "cpu", "shapes": ["short-chat"],
-                       "engine": engine, "replicas": {"launch": 1}}],
-        },
-    }
-    path = tmp_path / "config.yaml"
-    path.write_text(json.dumps(config))
+    # the long prompts' own pool holds 256 tokens (-c 256): each of them is tried there first
+    path = cpu_fleet_config(tmp_path, [{"name": "small-cpu", "model": "tiny-llama", "gpu": "cpu", "shapes": ["long-context"],
+                                        "engine": {**engine, "max_total_tokens": 256}, "replicas": {"launch": 1}},
+                                       {"name": "big-cpu", "model": "tiny-llama", "gpu": "cpu", "shapes": ["short-chat"],
+                                        "engine": engine, "replicas": {"launch": 1}}])
     gateway = start_gateway(tmp_path, ["--config", str(path)], timeout_s=180.0)
     try:
         client = openai.OpenAI(base_url=gateway.url + "/v1", api_key=KEY, max_retries=0, timeout=120.0)

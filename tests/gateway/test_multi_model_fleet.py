@@ -67,7 +67,9 @@ def _pool_argvs(url: str, pool: str) -> list[list[str]]:
     return [r["process"]["argv"] for r in pools[pool]["replicas"]]  # type: ignore[index]
 
 
-def test_a_drift_in_one_models_traffic_moves_only_that_models_replicas(tmp_path: Path) -> None:
+def _two_models(tmp_path: Path, **controller: object) -> Path:
+    """llama's chat pool of one emulated replica and qwen's of two, on one GPU kind (its slots are split
+    between the models by the pool each serves in at start), the controller on (and ``controller``)."""
     (tmp_path / "tenants").mkdir()
     write_tenant(tmp_path / "tenants", "live", KEY, max_concurrency=1000, rate_limits={"requests_per_min": 1_000_000})
     chat = {"gpu": "H100-SXM", "shapes": ["short-chat"]}
@@ -75,15 +77,19 @@ def test_a_drift_in_one_models_traffic_moves_only_that_models_replicas(tmp_path:
         "server": {"admin_token": ADMIN, "access_log": False},
         "tenants_dir": "tenants",
         "fleet": {
-            # one GPU kind: its slots are split between the models by the pool each serves in at start
             "pools": [{**chat, "name": "llama-chat", "model": LLAMA, "replicas": {"emulated": 1}},
                       {**chat, "name": "qwen-chat", "model": QWEN, "replicas": {"emulated": 2}}],
             "emulator_speed": SPEED,
-            "controller": {"enabled": True, "tick_s": 5.0, "decision_log": "decisions.jsonl"},
+            "controller": {"enabled": True, "tick_s": 5.0, "decision_log": "decisions.jsonl", **controller},
         },
     }
     path = tmp_path / "config.yaml"
     path.write_text(json.dumps(config))
+    return path
+
+
+def test_a_drift_in_one_models_traffic_moves_only_that_models_replicas(tmp_path: Path) -> None:
+    path = _two_models(tmp_path)
     gateway = start_gateway(tmp_path, ["--config", str(path)])
     try:
         before = _pool_urls(gateway.url)
@@ -143,23 +149,8 @@ def test_the_external_controller_plans_each_model_on_its_own_slots_and_a_restart
     """``polymorph controller`` over two models' launched pools, beside a gateway: each gateway report carries
     its requests' models, qwen's drift moves only qwen's slots into a pool of its own that runs qwen, llama's slot
     stays, every decision names its model; a controller SIGKILLed and started again adopts the same plan."""
-    (tmp_path / "tenants").mkdir()
-    write_tenant(tmp_path / "tenants", "live", KEY, max_concurrency=1000, rate_limits={"requests_per_min": 1_000_000})
-    chat = {"gpu": "H100-SXM", "shapes": ["short-chat"]}
     port = free_port()
-    config = {
-        "server": {"admin_token": ADMIN, "access_log": False},
-        "tenants_dir": "tenants",
-        "fleet": {
-            "pools": [{**chat, "name": "llama-chat", "model": LLAMA, "replicas": {"emulated": 1}},
-                      {**chat, "name": "qwen-chat", "model": QWEN, "replicas": {"emulated": 2}}],
-            "emulator_speed": SPEED,
-            "controller": {"enabled": True, "mode": "external", "url": f"http://127.0.0.1:{port}", "tick_s": 5.0,
-                           "decision_log": "decisions.jsonl"},
-        },
-    }
-    path = tmp_path / "config.yaml"
-    path.write_text(json.dumps(config))
+    path = _two_models(tmp_path, mode="external", url=f"http://127.0.0.1:{port}")
     argv = ["controller", "--config", str(path), "--replica-logs", str(tmp_path / "replicas"), "--stop-replicas-on-exit"]
     state_file = tmp_path / "decisions.state.json"
     controller = start(argv, port, tmp_path / "controller.log", "/healthz", timeout_s=60.0)

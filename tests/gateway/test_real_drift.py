@@ -38,32 +38,36 @@ LONG = {"name": "long", "weight": 1.0, "domain": "summarization", "tier": "stand
         "output": {"lognormal": {"median": 96, "sigma": 0.1}, "min": 80, "max": 112}}
 
 
-def _config(tmp_path: Path) -> Path:
+def cpu_fleet_config(tmp_path: Path, pools: list[dict[str, Any]], **fleet: Any) -> Path:
+    """A gateway config of real llama.cpp ``pools`` on two CPU slots (and ``fleet`` fields), the tenant
+    ``demo`` (``KEY``), shapes split at 1,024 prompt tokens; written to ``tmp_path``."""
     (tmp_path / "tenants").mkdir()
     write_tenant(tmp_path / "tenants", "demo", KEY, max_concurrency=100, rate_limits={"requests_per_min": 1_000_000})
-    engine = {"kind": "llamacpp", "threads": 1}
     config = {
         "server": {"admin_token": ADMIN, "access_log": False},
         "tenants_dir": "tenants",
         "shapes": [{"name": "long-context", "min_prompt_tokens": 1024}, {"name": "short-chat", "max_prompt_tokens": 1023}],
         "default_shape": "short-chat",
-        "fleet": {
-            "devices": {"cpu": {"count": 2}},
-            "pools": [{"name": "chat-cpu", "model": "tiny-llama", "gpu": "cpu", "shapes": ["short-chat"],
-                       # -c 8192: long prompts overflowing here while long-cpu is short fit beside the chats in its one
-                       # KV cache (with the model's 2,048, llama-server fails some with "Context size has been exceeded",
-                       # which the gateway retries on long-cpu: gateway/engine_errors.py)
-                       "engine": {**engine, "max_running_requests": 4, "max_total_tokens": 8192}, "replicas": {"launch": 1}},
-                      {"name": "long-cpu", "model": "tiny-llama", "gpu": "cpu", "shapes": ["long-context"],
-                       "engine": {**engine, "max_running_requests": 1}, "replicas": {"launch": 1}}],
-            # the chat mix is planned at ~5 s and refined at ~25 s (its drift's start + window_s), before the long prompts
-            "controller": {"enabled": True, "tick_s": 2.0, "decision_log": "decisions.jsonl", "window_s": 20, "verify_after_s": 8,
-                           "backoff_s": 30, "drift": {"warmup_s": 5, "dwell_s": 4, "strong_dwell_s": 2, "min_interval_s": 15}},
-        },
+        "fleet": {"devices": {"cpu": {"count": 2}}, "pools": pools, **fleet},
     }
     path = tmp_path / "config.yaml"
     path.write_text(json.dumps(config))
     return path
+
+
+def _config(tmp_path: Path) -> Path:
+    engine = {"kind": "llamacpp", "threads": 1}
+    return cpu_fleet_config(
+        tmp_path, [{"name": "chat-cpu", "model": "tiny-llama", "gpu": "cpu", "shapes": ["short-chat"],
+                    # -c 8192: long prompts overflowing here while long-cpu is short fit beside the chats in its one
+                    # KV cache (with the model's 2,048, llama-server fails some with "Context size has been exceeded",
+                    # which the gateway retries on long-cpu: gateway/engine_errors.py)
+                    "engine": {**engine, "max_running_requests": 4, "max_total_tokens": 8192}, "replicas": {"launch": 1}},
+                   {"name": "long-cpu", "model": "tiny-llama", "gpu": "cpu", "shapes": ["long-context"],
+                    "engine": {**engine, "max_running_requests": 1}, "replicas": {"launch": 1}}],
+        # the chat mix is planned at ~5 s and refined at ~25 s (its drift's start + window_s), before the long prompts
+        controller={"enabled": True, "tick_s": 2.0, "decision_log": "decisions.jsonl", "window_s": 20, "verify_after_s": 8,
+                    "backoff_s": 30, "drift": {"warmup_s": 5, "dwell_s": 4, "strong_dwell_s": 2, "min_interval_s": 15}})
 
 
 def _move_verified(decisions: list[dict[str, Any]]) -> tuple[dict[str, Any], dict[str, Any]] | None:
