@@ -236,10 +236,14 @@ class ControllerService:
         """Take over the slots of ``state``: live processes as they are, dead ones relaunched."""
         self.epoch, self.version = state.epoch, state.plan_version
         self._plan_key = self._plan_routes(state.slots)  # the plan the gateways route on: same version while unchanged
-        for record in state.slots:
+        for record in state.slots:  # checked before anything is launched
             if not record.model and len(self.models) > 1:
                 raise SystemExit(f"polymorph: {self.state_file} was written by a controller of one model, and the config launches "
                                  f"replicas of {', '.join(self.models)}: move it aside to start the fleet afresh")
+            if record.model and record.model not in self.models:
+                raise SystemExit(f"polymorph: {self.state_file} has replica {record.slot} serving {record.model!r}, which the config "
+                                 f"no longer launches (it launches {', '.join(self.models)}): move the file aside to start afresh")
+        for record in state.slots:
             record = dataclasses.replace(record, model=record.model or self.models[0])  # format 1: the one model's
             if self.ray is not None:  # known to the actuator, to be started or stopped later
                 self.ray.add_slot(record.slot, record.gpu, record.pool, record.config_json, record.devices)

@@ -6,8 +6,11 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import math
 import os
 import signal
+import subprocess
+import sys
 import time
 import urllib.error
 import urllib.request
@@ -16,6 +19,8 @@ from typing import Any
 
 import openai
 
+from fleet.controller_state import ControllerState, LoopState, SlotRecord
+from fleet.telemetry import TrafficMix
 from tests.conftest import free_port
 from tests.gateway.test_live_fleet import ADMIN, KEY, LONG_PROMPT, _admin, _serving
 from tests.support.procs import start, start_gateway, write_tenant
@@ -197,3 +202,19 @@ def test_the_external_controller_plans_each_model_on_its_own_slots_and_a_restart
     assert sorted(state["model_to_loop"]) == [LLAMA, QWEN]
     assert [again[k] for k in ("epoch", "version", "pools")] == [plan[k] for k in ("epoch", "version", "pools")]
     assert "resuming from" in (tmp_path / "controller-2.log").read_text()
+
+
+def test_the_external_controller_refuses_a_state_whose_replicas_serve_a_model_the_config_no_longer_launches(tmp_path: Path) -> None:
+    """Its replicas would be planned by no controller, or restarted with another model's engine: the leader says
+    which file and which replica, and starts nothing."""
+    path = _two_models(tmp_path, mode="external", url=f"http://127.0.0.1:{free_port()}")
+    mix = TrafficMix(0.0, 120.0, (), ())
+    loop = LoopState(mix, -math.inf, -math.inf, 0, 0, 0)
+    slots = (SlotRecord("H100-SXM/0", "mistral-chat", "H100-SXM", "{}", "active", "http://127.0.0.1:9", 999_999_999, model="mistral-7b"),)
+    state_file = tmp_path / "decisions.state.json"
+    state_file.write_text(json.dumps(ControllerState("e", 3, slots, (("mistral-7b", loop),)).to_json()))
+    done = subprocess.run([sys.executable, "-m", "gateway.cli", "controller", "--config", str(path), "--replica-logs", str(tmp_path / "logs")],
+                          capture_output=True, text=True, timeout=60, cwd=tmp_path)
+    assert done.returncode != 0, done.stderr
+    assert "H100-SXM/0 serving 'mistral-7b', which the config no longer launches" in done.stderr and str(state_file) in done.stderr, done.stderr
+    assert not (tmp_path / "logs").exists() or not list((tmp_path / "logs").iterdir())  # no replica was started
