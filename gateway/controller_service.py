@@ -58,7 +58,7 @@ import aiohttp
 import orjson
 from aiohttp import web
 
-from fleet.actuators.local import LocalActuator, answers_health
+from fleet.actuators.local import LocalActuator, answers_health, warm_up
 from fleet.capacity import PerfCapacity
 from fleet.commands import apply
 from fleet.controller import Controller
@@ -77,6 +77,7 @@ from gateway.live_fleet import controller_settings
 from gateway.replicas import ReplicaControl, assign_devices, close, launcher, replica_control, start_timeout_s
 
 _JSON = "application/json"
+_WARMUP_TIMEOUT_S = 30.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -158,6 +159,7 @@ class ControllerService:
         self.stopping: list[subprocess.Popen[bytes]] = []  # terminated children not yet reaped
         self.healthy: set[str] = set()
         self.recovering: set[str] = set()  # relaunched outside a move (their process was gone): routable once healthy
+        self.warmup_model: dict[str, str | None] = {}  # slot -> the model its engine's warm-up request names, until it answered
         self.telemetry = ModelTelemetry(self.models, settings.window_s)
         self.decisions = DecisionLog(settings.decision_log)
         self.controller: MultiController | None = None
@@ -193,6 +195,7 @@ class ControllerService:
             self.ray.start(record.slot, pool, config_json, self.now())
             return dataclasses.replace(record, pool=pool, config_json=config_json, phase="starting", url=None, pid=None)  # URL once healthy
         spec = self.launch_for(record.gpu, pool, config_json, record.devices)  # the pool's model, engine and LoRA adapters
+        self.warmup_model[record.slot] = spec.warmup_model
         replica = self.local.start(dataclasses.replace(spec, name=f"{record.slot.replace('/', '-')}-{time.time_ns()}"))
         self.local.replicas.remove(replica)  # this service tracks its processes by slot
         self.processes[record.slot] = replica.process
@@ -363,6 +366,12 @@ class ControllerService:
                 self.slots[record.slot] = dataclasses.replace(record, url=self.ray.url(record.slot))  # known once its actor answered
             elif self.ray is not None or not (record.url and answers_health(record.url, 0.5)):
                 continue
+            # a real engine's first request compiles and allocates: one warm-up before it is routable (it holds
+            # this tick, as the start it follows holds the rollout; a failed one is tried again next tick)
+            model = self.warmup_model.get(record.slot)
+            if model is not None and record.url and not warm_up(record.url, model, _WARMUP_TIMEOUT_S):
+                continue
+            self.warmup_model.pop(record.slot, None)
             self.healthy.add(record.slot)
             if record.slot in self.recovering:
                 self.recovering.discard(record.slot)

@@ -9,6 +9,7 @@ import os
 import signal
 import sys
 import time
+import urllib.request
 from pathlib import Path
 from typing import Any
 
@@ -20,6 +21,13 @@ from tests.support.procs import start, write_tenant
 def _pool(name: str, weights: Path, launch: int, shapes: list[str]) -> dict[str, Any]:
     return {"name": name, "model": "tiny-llama", "gpu": "H100-SXM", "shapes": shapes, "replicas": {"launch": launch},
             "engine": {"kind": "sglang", "command": f"{sys.executable} {SGLANG_STANDIN}", "model_path": str(weights)}}
+
+
+def _num_requests(url: str) -> float:
+    """The requests the replica's engine finished (sglang's counter, which the stand-in's emulator exports)."""
+    with urllib.request.urlopen(url + "/metrics", timeout=5) as resp:
+        lines = resp.read().decode().splitlines()
+    return sum(float(line.rsplit(" ", 1)[1]) for line in lines if line.startswith("sglang:num_requests_total"))
 
 
 def _starts(record: Path) -> list[dict[str, Any]]:
@@ -48,6 +56,7 @@ def test_the_external_controller_starts_each_engine_on_its_devices_and_relaunche
     try:
         first = {s["slot"]: s for s in json.loads(state_file.read_text())["slots"]}
         started = _starts(record)
+        warmed = [_num_requests(s["url"]) for s in first.values()]  # before any gateway: the warm-up request
         long_slot = next(s for s in first.values() if s["pool"] == "long-h100")
         controller.kill()  # its replicas outlive it; then the long pool's replica dies too
         os.kill(long_slot["pid"], signal.SIGKILL)
@@ -67,6 +76,7 @@ def test_the_external_controller_starts_each_engine_on_its_devices_and_relaunche
     assert sorted((s["pool"], s["devices"]) for s in first.values()) == [
         ("chat-h100", ["4"]), ("chat-h100", ["7"]), ("long-h100", ["2"])], first
     assert sorted(s["cuda_visible_devices"] for s in started) == ["2", "4", "7"], started
+    assert warmed == [1.0, 1.0, 1.0], warmed  # each real engine answered one request before it was routable
     assert all(s["argv"][s["argv"].index("--model-path") + 1] == str(weights) for s in started)  # sglang's own command line
     # the new leader relaunched the dead replica on its slot's device, and only that one
     assert len(again) == 4 and again[3]["cuda_visible_devices"] == "2", again
