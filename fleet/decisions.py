@@ -111,6 +111,13 @@ def read_decisions(entries: Iterable[object]) -> list[LoggedDecision]:
     return [found for found in map(read_decision, entries) if found is not None]
 
 
+def read_log(path: Path) -> list[LoggedDecision]:
+    """The decisions a log file holds, in order; lines that hold none are skipped, as ``DecisionLog.open``
+    skips them. Raises OSError when the file cannot be read."""
+    with path.open("rb") as lines:
+        return read_decisions(map(_parse_line, lines))
+
+
 class DecisionLog:
     """Appends decisions as JSON lines; ``tail()`` serves the newest ``max_tail`` of them."""
 

@@ -16,6 +16,7 @@ import dataclasses
 import os
 import sys
 import time
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -186,9 +187,10 @@ def assign_devices(config: GatewayConfig) -> tuple[list[tuple[str, PoolSpec, tup
     return held, {kind: tuple(ids) for kind, ids in free.items()}
 
 
-def start_fleet(control: ReplicaControl, config: GatewayConfig) -> dict[str, list[str]]:
-    """Start the config's launched replicas, each on its share of ``fleet.devices``, and wait until
-    they answer; returns pool -> URLs.
+def start_fleet(control: ReplicaControl, config: GatewayConfig, pool_to_config_json: Mapping[str, str] | None = None) -> dict[str, list[str]]:
+    """Start the config's launched replicas, each on its share of ``fleet.devices`` and with its pool's
+    configuration (``pool_to_config_json``'s where it names the pool: an adopted one, fleet.adoptions; else the
+    declared one), and wait until they answer; returns pool -> URLs.
 
     Each slot is named as the gateway names its replica (``<pool>-<i>``, after the pool's static URLs),
     so the commands find it. Raises SystemExit, with the replicas stopped, if any never answers."""
@@ -196,8 +198,9 @@ def start_fleet(control: ReplicaControl, config: GatewayConfig) -> dict[str, lis
     held, _ = assign_devices(config)
     for slot, pool, devices in held:
         assert pool.gpu is not None
-        control.add_slot(slot, pool.gpu, pool.name, pool.config_json, devices)
-        control.start(slot, pool.name, pool.config_json, 0.0)
+        config_json = (pool_to_config_json or {}).get(pool.name, pool.config_json)
+        control.add_slot(slot, pool.gpu, pool.name, config_json, devices)
+        control.start(slot, pool.name, config_json, 0.0)
         slots.append((slot, pool.name))
     if not slots:
         return {}

@@ -13,6 +13,7 @@ import shutil
 import signal
 import sys
 import tempfile
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -87,7 +88,30 @@ def _start_fleet(config: GatewayConfig, log_dir: Path | None) -> tuple[ReplicaCo
     if external or not any(p.num_launched for p in config.pools):  # an external controller runs them
         return None, {}
     control = replica_control(config, EMULATE_COMMAND, log_dir or Path(tempfile.mkdtemp(prefix="polymorph-replicas-")))
-    return control, start_fleet(control, config)
+    return control, start_fleet(control, config, _adopted_configs(config))
+
+
+def _adopted_configs(config: GatewayConfig) -> dict[str, str]:
+    """Per launched pool, the configuration a canary adopted for it before this start (fleet.adoptions), read
+    from the decision log; each is said on stderr. An unreadable log restores nothing, and says why."""
+    from fleet.adoptions import adopted_configs
+    from fleet.decisions import read_log
+
+    path = config.controller.decision_log
+    if path is None or not path.is_file():
+        return {}
+    try:
+        decisions = read_log(path)
+    except OSError as exc:
+        print(f"polymorph: cannot read the decision log {path} ({exc}); pools start on their declared configurations", file=sys.stderr)
+        return {}
+    found = adopted_configs(decisions, {p.name: p.config_json for p in config.pools if p.num_launched})
+    for adoption in sorted(found.values(), key=lambda a: a.pool):
+        when = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(adoption.adopted_at_unix_s))
+        print(f"polymorph: pool {adoption.pool} starts on the configuration its canary adopted at {when} "
+              f"({adoption.num_adoptions} adoption(s) on top of the declared one, decision log {path}): {adoption.config_json}",
+              file=sys.stderr, flush=True)
+    return {pool: adoption.config_json for pool, adoption in found.items()}
 
 
 class _OneLineParseErrors(logging.Filter):

@@ -91,7 +91,8 @@ def _trial(gateway: Proc, load: _Load, config: dict[str, Any], timeout_s: float,
     return entries
 
 
-def test_an_adopted_configuration_is_what_the_pool_runs_and_what_a_replica_moved_into_it_starts_with(tmp_path: Path) -> None:
+def test_an_adopted_configuration_is_what_the_pool_runs_and_what_a_replica_moved_into_it_starts_with_and_survives_a_restart(
+        tmp_path: Path) -> None:
     # fp8 weights: a decode step reads half the bytes, so the canary answers ~1.8x faster per token (emulated at 20x)
     pools = [
         {"name": "chat", "model": "llama-3.1-8b", "gpu": "H100-SXM", "shapes": ["short-chat"],
@@ -110,6 +111,13 @@ def test_an_adopted_configuration_is_what_the_pool_runs_and_what_a_replica_moved
         after = _admin(gateway.url, "/admin/state")[1]
     finally:
         gateway.stop()
+    # the same config and decision log again: the pool starts on what it adopted (fleet.adoptions), the declared
+    # configuration unchanged; the moved replica starts in its declared pool, as the config launches it
+    again = start_gateway(tmp_path, ["--config", str(config)], name="restarted", timeout_s=120)
+    try:
+        restarted = _admin(again.url, "/admin/state")[1]
+    finally:
+        again.stop()
     assert [(d["kind"], d["evidence"].get("outcome")) for d in trial] == [("step", None), ("canary", "adopt"), ("step", None), ("verify", None)], trial
     chat = next(p for p in state["pools"] if p["name"] == "chat")
     adopted = {"max_running_requests": 64, "quantization": "fp8"}
@@ -118,6 +126,11 @@ def test_an_adopted_configuration_is_what_the_pool_runs_and_what_a_replica_moved
     assert [d["kind"] for d in moved[-2:]] == ["step", "verify"] and load.failed == []
     assert _replica(after, "long-0")[0] == "chat" and '"quantization":"fp8"' in " ".join(_replica(after, "long-0")[1]["argv"])
     assert next(p for p in after["pools"] if p["name"] == "chat")["running_engine"] == adopted
+    chat_again = next(p for p in restarted["pools"] if p["name"] == "chat")
+    assert chat_again["engine"] == {"max_running_requests": 64} and chat_again["running_engine"] == adopted
+    assert all('"quantization":"fp8"' in " ".join(_replica(restarted, name)[1]["argv"]) for name in ("chat-0", "chat-1"))
+    assert _replica(restarted, "long-0")[0] == "long" and "fp8" not in " ".join(_replica(restarted, "long-0")[1]["argv"])
+    assert "pool chat starts on the configuration its canary adopted" in again.log()
 
 
 def _caching(state: dict[str, Any], name: str) -> bool:
