@@ -14,7 +14,7 @@ class HealthState(Enum):
 class CircuitBreaker:
     """Ejects a replica after ``eject_after`` consecutive failures, for ``cooldown_s``, then probes it."""
 
-    __slots__ = ("eject_after", "cooldown_s", "state", "consecutive_failures", "ejected_at", "num_ejections")
+    __slots__ = ("eject_after", "cooldown_s", "state", "consecutive_failures", "ejected_at", "num_ejections", "num_trials")
 
     def __init__(self, eject_after: int, cooldown_s: float) -> None:
         self.eject_after = eject_after
@@ -23,6 +23,7 @@ class CircuitBreaker:
         self.consecutive_failures = 0
         self.ejected_at = 0.0
         self.num_ejections = 0
+        self.num_trials = 0
 
     def available(self, now: float) -> bool:
         """May a request go here now? Once an ejection's cool-down is over, exactly one trial may."""
@@ -30,10 +31,21 @@ class CircuitBreaker:
             return True
         return self.state is HealthState.EJECTED and now - self.ejected_at >= self.cooldown_s
 
-    def on_dispatch(self) -> None:
-        """A request is being sent: if this is the trial after a cool-down, hold others back until it ends."""
+    def on_dispatch(self) -> int | None:
+        """A request is being sent: if this is the trial after a cool-down, hold others back until it ends.
+        Returns the trial's number (None: not a trial), for ``on_undecided``."""
         if self.state is HealthState.EJECTED:
             self.state = HealthState.PROBING
+            self.num_trials += 1
+            return self.num_trials
+        return None
+
+    def on_undecided(self, trial: int | None) -> None:
+        """Trial ``trial`` ended with neither a success nor a failure (its client left first, or the replica
+        answered 429): it decided nothing, so the next request or probe is the trial. Without this the replica
+        would stay out for good: nothing is sent to a replica whose trial is in flight, probes included."""
+        if trial is not None and trial == self.num_trials and self.state is HealthState.PROBING:
+            self.state = HealthState.EJECTED
 
     def on_success(self) -> None:
         self.consecutive_failures = 0

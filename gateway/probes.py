@@ -14,7 +14,6 @@ from typing import TYPE_CHECKING
 import aiohttp
 import orjson
 
-from fleet.health import HealthState
 from fleet.pool import ReplicaState
 from gateway.background import BackgroundTask
 
@@ -61,17 +60,19 @@ class HealthProber:
         breaker = replica.breaker
         if not replica.offers_health or not breaker.available(loop.time()):
             return
-        breaker.on_dispatch()
+        trial = breaker.on_dispatch()
         try:
             async with self.state.session.get(replica.url + "/health", timeout=self._timeout()) as resp:
                 status = resp.status
                 await resp.read()
-        except (TimeoutError, aiohttp.ClientError):
+        except (TimeoutError, aiohttp.ClientError, OSError):
             status = 0
+        except BaseException:
+            breaker.on_undecided(trial)  # cancelled, or an error the round reports: the next round's probe decides
+            raise
         if status == 404:
             replica.offers_health = False
-            if breaker.state is HealthState.PROBING:
-                breaker.state = HealthState.EJECTED  # no probe to decide: the next trial request will
+            breaker.on_undecided(trial)  # no probe to decide: the next trial request will
             return
         if status == 200:
             self.state.proxy.mark_success(replica)

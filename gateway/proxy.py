@@ -252,7 +252,7 @@ class Proxy:
             outcome.pool, outcome.replica = decision.pool, decision.replica
             outcome.attempts += 1
             tried.append(replica.name)
-            replica.breaker.on_dispatch()
+            trial = replica.breaker.on_dispatch()
             replica.begin(budget_tokens, decision.work)  # an overflow from another shape weighs what the router weighed
             # an urgent request's time in flight is what the pool's urgent reserve is sized from (fleet.urgent_demand)
             demand = pool.urgent_demand if pool is not None and tier is not None and tier.priority < runtime.config.router.shed_priority else None
@@ -274,6 +274,7 @@ class Proxy:
                 self.metrics.child(self.metrics.retries, decision.pool).inc()
                 continue
             finally:
+                replica.breaker.on_undecided(trial)  # a decided trial is past: this only frees an abandoned one
                 if span is not None:
                     span.end(outcome.status, outcome.stream_error)
                 replica.end(budget_tokens, decision.work)
@@ -452,6 +453,8 @@ class Proxy:
             upstream.close()
             if _DONE not in tail:
                 outcome.stream_error = "client_disconnected"
+            else:
+                self.mark_success(replica)  # the replica sent the whole stream (it may have been its trial)
             _count_stream(outcome, tail, num_events, first_at, last_event_at)
             raise
         if outcome.stream_error is None and _DONE not in tail:

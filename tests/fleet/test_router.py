@@ -108,6 +108,21 @@ def test_circuit_breaker_ejects_cools_down_and_probes_once() -> None:
     assert breaker.state is HealthState.HEALTHY and breaker.available(11.6) and breaker.num_ejections == 2
 
 
+def test_a_trial_that_decided_nothing_lets_the_next_request_or_probe_be_the_trial() -> None:
+    breaker = CircuitBreaker(eject_after=1, cooldown_s=5.0)
+    assert breaker.on_dispatch() is None and breaker.on_failure(0.0)  # not a trial: a healthy replica's request
+    first = breaker.on_dispatch()
+    assert first == 1 and not breaker.available(6.0)
+    breaker.on_undecided(first)  # its client left, or the replica answered 429
+    assert breaker.state is HealthState.EJECTED and breaker.available(6.0)  # its cool-down is over: at once
+    second = breaker.on_dispatch()
+    breaker.on_undecided(first)  # a stale trial's end does not free the trial in flight
+    assert second == 2 and breaker.state is HealthState.PROBING and not breaker.available(6.0)
+    breaker.on_success()
+    breaker.on_undecided(second)  # a decided trial stays decided
+    assert breaker.state is HealthState.HEALTHY
+
+
 def _modelled(name: str, shapes: set[str], in_flight: int, rate: float, cost_per_hour: float = 1.0, queued: bool = False) -> PoolState:
     """A pool of two replicas that saturates at 4 in flight each, with a capacity-model rate."""
     pool = _pool(name, shapes, num_replicas=2, max_running=4)
