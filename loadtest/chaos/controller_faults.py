@@ -25,6 +25,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Self
 
+from fleet.controller_state import ControllerState
 from fleet.decisions import LoggedDecision, read_decisions
 from fleet.evidence import PlanEvidence
 from loadtest.chaos.fleet_faults import DEADLINE_S, DRIFT_POOL, FleetFaultSettings, long_request, write_fleet_config
@@ -54,9 +55,9 @@ class ExternalControllerDeployment:
         self.at_rollout_end: list[LoggedDecision] = []  # the decisions when ``rollout_done`` first said so
 
     def __enter__(self) -> Self:
-        # verify_after_s: a step is verified 6 wall seconds after its replica came back (the default's 2.25 s is
-        # the window controller-dies kills the leader in; a fresh machine's test run, compiling llama.cpp beside
-        # it, once polled the plan too late and killed it after the rollout had ended)
+        # verify_after_s: a step of a fleet meeting its demand is verified 6 wall seconds after its replica came
+        # back (the default's 2.25 s made controller-partitioned's window, between the replica in the plan and its
+        # verification, short enough for a poll on a loaded machine to miss)
         write_fleet_config(self.run_dir, (("mixed", self.num_replicas, ("short-chat",)),),
                            {"enabled": True, "mode": "external", "url": self.url, "tick_s": 5.0, "decision_log": self.decision_log.name,
                             "verify_after_s": 120.0})
@@ -119,6 +120,13 @@ class ExternalControllerDeployment:
         if done and not self.at_rollout_end:
             self.at_rollout_end = decisions
         return done
+
+    def rollout_saved(self) -> bool:
+        """Does the state file, as a standby taking over now would read it, hold a rollout in progress?"""
+        if not self.state_file.exists():
+            return False
+        state = ControllerState.from_json(json.loads(self.state_file.read_bytes()))  # written whole (a rename)
+        return any(loop.rollout for _, loop in state.model_to_loop)
 
     def decisions(self) -> list[LoggedDecision]:
         text = self.decision_log.read_text() if self.decision_log.exists() else ""
@@ -209,12 +217,16 @@ async def controller_dies(run_dir: Path, settings: FleetFaultSettings) -> Scenar
         deployment.start_gateways()
 
         def faults() -> dict[str, Any]:
-            wait_until("the first step", lambda: len(deployment.new_pool_urls()) == 1)  # before its verification
-            moved = deployment.new_pool_urls()
+            # killed once its state holds the rollout: its replica draining, restarting or serving unverified. Not
+            # on seeing the moved replica in the plan: a fleet failing its demand verifies a step one tick after
+            # its replica is back, and a poll of a controller busy planning missed that window (CI, twice)
+            wait_until("the first step", deployment.rollout_saved)
             leader.send_signal(signal.SIGKILL)
             killed_at = time.monotonic()
             deployment.wait_leading(standby)
             takeover_s = time.monotonic() - killed_at
+            wait_until("the moved replica to serve", lambda: len(deployment.new_pool_urls()) >= 1)
+            moved = deployment.new_pool_urls()
             wait_until("the rollout to finish", deployment.rollout_done)
             plan = deployment.plan()
             standby.send_signal(signal.SIGKILL)
