@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.support.procs import Proc, set_faults, start_emulator, start_gateway, write_tenant
+from tests.support.procs import Proc, gateway_over, set_faults, start_emulator, write_tenant
 
 MODEL, KEY, ADMIN = "llama-3.1-8b", "sk-test-trials", "admin-token-for-tests"
 COOLDOWN_S = 0.5
@@ -39,15 +39,8 @@ def fleet(tmp_path: Path) -> Iterator[tuple[Proc, Proc]]:
         "fleet": {"pools": [{"name": "main", "model": MODEL, "shapes": ["short-chat", "long-context", "reasoning", "batch"],
                              "replicas": {"urls": [emulator.url]}}]},
     }
-    (tmp_path / "config.yaml").write_text(json.dumps(config))
-    try:
-        gateway = start_gateway(tmp_path, ["--config", str(tmp_path / "config.yaml")])
-    except Exception:
-        emulator.stop()
-        raise
-    yield gateway, emulator
-    gateway.stop()
-    emulator.stop()
+    with gateway_over(tmp_path, emulator, config) as gateway:
+        yield gateway, emulator
 
 
 def _chat(gateway: Proc, stream: bool = False) -> int:

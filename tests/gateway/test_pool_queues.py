@@ -20,7 +20,7 @@ from typing import Any
 import aiohttp
 from prometheus_client.parser import text_string_to_metric_families
 
-from tests.support.procs import Proc, set_faults, start_emulator, start_gateway, write_tenant
+from tests.support.procs import Proc, gateway_over, set_faults, start_emulator, write_tenant
 
 KEY = "sk-test-queues"
 Samples = dict[tuple[str, frozenset[tuple[str, str]]], float]
@@ -41,17 +41,8 @@ def _deployment(tmp: Path, batch_ttft_s: float) -> Iterator[tuple[Proc, Proc]]:
         # one replica the gateway admits one request at a time to
         "fleet": {"pools": [{"name": "p", "model": "llama-3.1-8b", "max_in_flight_per_replica": 1, "replicas": {"urls": [emulator.url]}}]},
     }
-    (tmp / "config.yaml").write_text(json.dumps(config))
-    try:
-        gateway = start_gateway(tmp, ["--config", str(tmp / "config.yaml")])
-    except BaseException:
-        emulator.stop()
-        raise
-    try:
+    with gateway_over(tmp, emulator, config) as gateway:
         yield gateway, emulator
-    finally:
-        gateway.stop()
-        emulator.stop()
 
 
 async def _chat(session: aiohttp.ClientSession, url: str, tier: str) -> tuple[int, dict[str, str], dict[str, Any]]:

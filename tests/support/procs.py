@@ -85,3 +85,17 @@ def running(*procs: Proc) -> Iterator[None]:
     finally:
         for proc in procs:
             proc.stop()
+
+
+@contextmanager
+def gateway_over(tmp: Path, emulator: Proc, config: Mapping[str, object]) -> Iterator[Proc]:
+    """A gateway on ``config`` (written to ``tmp/config.yaml``) in front of ``emulator``; both stop on leaving,
+    the emulator also when the gateway does not start."""
+    (tmp / "config.yaml").write_text(json.dumps(config))
+    try:
+        gateway = start_gateway(tmp, ["--config", str(tmp / "config.yaml")])
+    except BaseException:
+        emulator.stop()
+        raise
+    with running(gateway, emulator):
+        yield gateway
