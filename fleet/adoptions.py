@@ -36,7 +36,6 @@ class Adoption:
 def adopted_configs(decisions: Iterable[LoggedDecision], declared: Mapping[str, str]) -> dict[str, Adoption]:
     """Per pool of ``declared`` (pool -> its configuration's JSON, as ``PoolSpec.config_json`` spells it),
     the configuration its completed adoptions lead to; pools with none are left out."""
-    current = dict(declared)
     pending: dict[str, CanaryEvidence] = {}  # pool -> its adopted canary whose siblings are still following
     found: dict[str, Adoption] = {}
     for decision in decisions:
@@ -52,9 +51,8 @@ def adopted_configs(decisions: Iterable[LoggedDecision], declared: Mapping[str, 
                 if trial is None or evidence.config != trial.new_config:
                     continue
                 del pending[pool]
-                if current.get(pool) != trial.old_config:
-                    continue
-                current[pool] = trial.new_config
                 done = found.get(pool)
+                if trial.old_config != (declared.get(pool) if done is None else done.config_json):
+                    continue
                 found[pool] = Adoption(pool, trial.new_config, decision.at_unix_s, 1 if done is None else done.num_adoptions + 1)
     return {pool: adoption for pool, adoption in found.items() if adoption.config_json != declared[pool]}

@@ -94,6 +94,11 @@ class ControllerState:
     rebalanced_at: float = -math.inf  # the arbiter's last transfer between models (fleet.rebalance)
     lent: Transfer | None = None  # that transfer, while its receiver's rollout may still give the slot back
 
+    @property
+    def rollout_in_progress(self) -> bool:
+        """Does a model's loop hold a rollout that a leader taking over resumes?"""
+        return any(loop.rollout for _, loop in self.model_to_loop)
+
     def to_json(self) -> dict[str, Any]:
         doc = _encode(asdict(self))
         doc["model_to_loop"] = {model: _encode(asdict(loop)) for model, loop in self.model_to_loop}

@@ -77,7 +77,7 @@ def _run_controller(args: argparse.Namespace) -> int:
         service.fresh_fleet()
     else:
         print(f"polymorph: resuming from {path} (plan version {state.plan_version}"
-              f"{', rollout in progress' if any(loop.rollout for _, loop in state.model_to_loop) else ''})", file=sys.stderr, flush=True)
+              f"{', rollout in progress' if state.rollout_in_progress else ''})", file=sys.stderr, flush=True)
         service.adopt(state)
     try:
         service.build_controller(state)

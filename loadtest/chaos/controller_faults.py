@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Any, Self
 
 from fleet.controller_state import ControllerState
-from fleet.decisions import LoggedDecision, read_decisions
+from fleet.decisions import LoggedDecision, read_log
 from fleet.evidence import PlanEvidence
 from loadtest.chaos.fleet_faults import DEADLINE_S, DRIFT_POOL, FleetFaultSettings, long_request, write_fleet_config
 from loadtest.chaos.load import OK, Answer, ChaosClient, open_loop, percentile
@@ -125,12 +125,10 @@ class ExternalControllerDeployment:
         """Does the state file, as a standby taking over now would read it, hold a rollout in progress?"""
         if not self.state_file.exists():
             return False
-        state = ControllerState.from_json(json.loads(self.state_file.read_bytes()))  # written whole (a rename)
-        return any(loop.rollout for _, loop in state.model_to_loop)
+        return ControllerState.from_json(json.loads(self.state_file.read_bytes())).rollout_in_progress  # written whole (a rename)
 
     def decisions(self) -> list[LoggedDecision]:
-        text = self.decision_log.read_text() if self.decision_log.exists() else ""
-        return read_decisions(json.loads(line) for line in text.splitlines())
+        return read_log(self.decision_log) if self.decision_log.exists() else []
 
     def retries(self) -> float:
         return sum(metric_sum(url, "polymorph_upstream_retries_total") for url in self.gateway_urls)
@@ -219,7 +217,7 @@ async def controller_dies(run_dir: Path, settings: FleetFaultSettings) -> Scenar
         def faults() -> dict[str, Any]:
             # killed once its state holds the rollout: its replica draining, restarting or serving unverified. Not
             # on seeing the moved replica in the plan: a fleet failing its demand verifies a step one tick after
-            # its replica is back, and a poll of a controller busy planning missed that window (CI, twice)
+            # its replica is back, and a poll of a controller busy planning missed that window (two suite runs)
             wait_until("the first step", deployment.rollout_saved)
             leader.send_signal(signal.SIGKILL)
             killed_at = time.monotonic()
