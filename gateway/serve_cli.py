@@ -23,6 +23,9 @@ from gateway.config import GatewayConfig, PoolSpec
 from loadtest.demo_credentials import DEMO_ADMIN_TOKEN, DEMO_API_KEY
 
 if TYPE_CHECKING:
+    from multiprocessing.process import BaseProcess
+    from multiprocessing.synchronize import Semaphore
+
     from gateway.limits_shared import WorkerLimits
     from gateway.live_fleet import LiveFleet
     from gateway.plan_client import PlanClient
@@ -140,6 +143,7 @@ async def _serve(
     config_path: Path | None,
     live_fleet: Callable[[GatewayState], LiveFleet] | None = None,
     shared_port: bool = False,
+    on_listening: Callable[[], None] | None = None,
 ) -> None:
     from aiohttp import web
 
@@ -158,14 +162,18 @@ async def _serve(
     # SO_REUSEPORT only among `--workers` siblings: a lone gateway must fail on a port in use (say, another
     # gateway's), not silently share its connections with whatever holds it.
     site = web.TCPSite(runner, config.server.host, config.server.port, backlog=4096, reuse_port=shared_port)
-    await site.start()
-    watcher = ConfigWatcher(app[STATE_KEY], config_path) if config_path is not None else None
-    if watcher is not None:
-        watcher.start()
+    # The handlers go in before the socket listens and the caller hears of it after: whoever starts serving on
+    # "serving on" (a script, make run's user) can send a request or a Ctrl-C at once and have it honoured.
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
+    await site.start()
+    watcher = ConfigWatcher(app[STATE_KEY], config_path) if config_path is not None else None
+    if watcher is not None:
+        watcher.start()
+    if on_listening is not None:
+        on_listening()
     await stop.wait()
     if watcher is not None:
         await watcher.stop()
@@ -184,14 +192,34 @@ def _run_worker(
     config_path: Path | None,
     live_fleet: Callable[[GatewayState], LiveFleet] | None = None,
     worker_limits: WorkerLimits | None = None,
+    listening: Callable[[], None] | None = None,
 ) -> None:
+    """Serve until SIGINT or SIGTERM; ``listening`` is called once the socket listens."""
     import uvloop
 
     if worker_limits is not None:  # one of `--workers N`: the tenants' limits are shared with the siblings
         from gateway.limits_shared import attach_process
 
         attach_process(worker_limits)
-    uvloop.run(_serve(config, replica_urls, config_path, live_fleet or _plan_client_factory(config), shared_port=worker_limits is not None))
+    uvloop.run(_serve(config, replica_urls, config_path, live_fleet or _plan_client_factory(config), shared_port=worker_limits is not None,
+                      on_listening=listening))
+
+
+def _run_spawned_worker(config: GatewayConfig, replica_urls: dict[str, list[str]], config_path: Path | None, worker_limits: WorkerLimits,
+                        listening: Semaphore) -> None:
+    """One of `--workers N` (a spawned process: the semaphore travels whole, its bound ``release`` would not)."""
+    _run_worker(config, replica_urls, config_path, None, worker_limits, listening.release)
+
+
+def _all_listening(workers: list[BaseProcess], listening: Semaphore, num_workers: int) -> bool:
+    """Whether every worker said it listens (False as soon as one has exited without saying so)."""
+    heard = 0
+    while heard < num_workers:
+        if listening.acquire(timeout=0.2):
+            heard += 1
+        elif not all(worker.is_alive() for worker in workers):
+            return False
+    return True
 
 
 def _plan_client_factory(config: GatewayConfig) -> Callable[[GatewayState], PlanClient] | None:
@@ -255,15 +283,19 @@ def _run_serve(args: argparse.Namespace) -> int:
     control, replica_urls = _start_fleet(config, args.replica_logs)
     config_path = args.config.absolute() if args.config is not None else None  # not resolved: see load_config
     where = f"http://{config.server.host}:{config.server.port}"
-    print(f"polymorph: serving on {where} with {args.workers} worker(s); pools: {', '.join(p.name for p in config.pools)}", file=sys.stderr, flush=True)
+
+    def announce() -> None:
+        print(f"polymorph: serving on {where} with {args.workers} worker(s); pools: {', '.join(p.name for p in config.pools)}",
+              file=sys.stderr, flush=True)
+
     try:
         if args.workers <= 1:
-            _run_worker(config, replica_urls, config_path, _live_fleet_factory(config, control))
+            _run_worker(config, replica_urls, config_path, _live_fleet_factory(config, control), listening=announce)
             return 0
         if config.controller.enabled and config.controller.mode == "embedded":
             print("polymorph: the embedded fleet.controller runs only with --workers 1 (use mode: external and "
                   "`polymorph controller`); serving the configured pools as they are", file=sys.stderr)
-        return _run_workers(args.workers, config, replica_urls, config_path)
+        return _run_workers(args.workers, config, replica_urls, config_path, announce)
     except ClassifierLoadError as exc:
         print(f"polymorph: cannot load the classifier: {exc}", file=sys.stderr)
         return 2
@@ -277,7 +309,8 @@ def _run_serve(args: argparse.Namespace) -> int:
             close(control)
 
 
-def _run_workers(num_workers: int, config: GatewayConfig, replica_urls: dict[str, list[str]], config_path: Path | None) -> int:
+def _run_workers(num_workers: int, config: GatewayConfig, replica_urls: dict[str, list[str]], config_path: Path | None,
+                 announce: Callable[[], None]) -> int:
     from gateway.limits_shared import SharedLimitTable, WorkerLimits
     from gateway.metrics import MULTIPROC_ENV
 
@@ -288,7 +321,7 @@ def _run_workers(num_workers: int, config: GatewayConfig, replica_urls: dict[str
     table = SharedLimitTable.create() if config.limits.store is None else None
     try:
         return _spawn_workers(num_workers, config, replica_urls, config_path, metrics_dir,
-                              WorkerLimits(num_workers, table.handle if table is not None else None))
+                              WorkerLimits(num_workers, table.handle if table is not None else None), announce)
     finally:
         if table is not None:
             table.close()
@@ -296,11 +329,13 @@ def _run_workers(num_workers: int, config: GatewayConfig, replica_urls: dict[str
 
 
 def _spawn_workers(num_workers: int, config: GatewayConfig, replica_urls: dict[str, list[str]], config_path: Path | None, metrics_dir: str,
-                   worker_limits: WorkerLimits) -> int:
+                   worker_limits: WorkerLimits, announce: Callable[[], None]) -> int:
     from prometheus_client import multiprocess
 
     ctx = multiprocessing.get_context("spawn")
-    workers = [ctx.Process(target=_run_worker, args=(config, replica_urls, config_path, None, worker_limits), daemon=False) for _ in range(num_workers)]
+    listening = ctx.Semaphore(0)  # each worker releases it once its socket listens
+    workers = [ctx.Process(target=_run_spawned_worker, args=(config, replica_urls, config_path, worker_limits, listening), daemon=False)
+               for _ in range(num_workers)]
     for worker in workers:
         worker.start()
 
@@ -311,6 +346,8 @@ def _spawn_workers(num_workers: int, config: GatewayConfig, replica_urls: dict[s
 
     for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
         signal.signal(sig, forward)
+    if _all_listening(workers, listening, num_workers):
+        announce()
     for worker in workers:
         worker.join()
         if worker.pid is not None:

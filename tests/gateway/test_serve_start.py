@@ -1,0 +1,59 @@
+"""`polymorph serve` says "serving on" only when it does: a request or a Ctrl-C sent the moment the line
+appears is honoured, with one process and with `--workers 2`.
+
+Before, the line came before the socket listened and before the signal handlers were in place: a curl
+sent on seeing it was refused, and a SIGINT then ended the process with a traceback.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import REPO, free_port
+from tests.support.procs import POLYMORPH, start_emulator
+
+
+def _serve_until_announced(upstream: str, workers: int) -> tuple[subprocess.Popen[bytes], str, str]:
+    port = free_port()
+    process = subprocess.Popen([*POLYMORPH, "serve", "--upstream", upstream, "--port", str(port), "--workers", str(workers)],
+                               cwd=REPO, env={**os.environ, "PYTHONUNBUFFERED": "1"}, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    assert process.stderr is not None
+    said = ""
+    deadline = time.monotonic() + 60
+    while "serving on" not in said:
+        line = process.stderr.readline().decode(errors="replace")
+        assert line and time.monotonic() < deadline, f"no 'serving on' line; the gateway said: {said}"
+        said += line
+    return process, f"http://127.0.0.1:{port}", said
+
+
+@pytest.mark.parametrize("workers", [1, 2])
+def test_serving_on_means_it_answers_and_a_ctrl_c_at_once_stops_it(tmp_path: Path, workers: int) -> None:
+    emulator = start_emulator(tmp_path, "upstream")
+    try:
+        process, url, _ = _serve_until_announced(emulator.url, workers)
+        with process:
+            try:
+                with urllib.request.urlopen(url + "/healthz", timeout=5) as resp:  # no retry: the line is the promise
+                    assert resp.status == 200
+            finally:
+                process.send_signal(signal.SIGTERM)
+        process, url, _ = _serve_until_announced(emulator.url, workers)
+        with process:
+            process.send_signal(signal.SIGINT)
+            try:
+                _, rest = process.communicate(timeout=20)
+            except subprocess.TimeoutExpired:
+                process.kill()
+                pytest.fail("a SIGINT sent on 'serving on' did not stop the gateway in 20 s")
+        assert process.returncode == 0, rest.decode(errors="replace")
+        assert b"Traceback" not in rest, rest.decode(errors="replace")
+    finally:
+        emulator.stop()
