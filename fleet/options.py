@@ -229,6 +229,17 @@ def pool_options(
             concurrency.append((name, cap.concurrency))
             if compiled is not None and compiled.config == config:
                 compiled_for.append((name, compiled))
+    # A pool made for a shape that has no load now keeps an option that serves nothing, as a declared pool does:
+    # its replicas may stay until another pool gains by them, instead of moving at once for no predicted goodput
+    # (the plan fills idle GPUs). Stretched drift-ramp: the start's reasoning replica, idle for the first minutes,
+    # went to short-chat at 60 s and a long-context replica had to become reasoning at 370 s (fleet/README.md).
+    offered = {name for name, _ in chosen}
+    for name, config in sorted((running or {}).items()):
+        gpu = name.rsplit("@", 1)[-1]
+        if name not in offered and gpu in gpus and name.startswith(model_prefix):
+            pools.append(PoolOption(name, gpu, config.num_gpus, ()))
+            chosen.append((name, config))
+            concurrency.append((name, 0.0))
     return Options(tuple(pools), tuple(chosen), tuple(concurrency), tuple(envelopes), tuple(compiled_for), tuple(submitted), declared)
 
 

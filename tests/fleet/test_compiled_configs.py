@@ -192,7 +192,8 @@ def test_closing_the_live_source_kills_a_compile_in_flight(tmp_path: Path) -> No
 
 
 def test_simulated_adaptive_fleet_runs_compiled_configurations() -> None:
-    workload = build_workload(load_scenario("drift-step"), duration_s=800.0, rate_rps=4.0)
+    # 8 req/s: at 4 the starting fleet serves the whole run (its idle pools keep their replicas) and nothing restarts
+    workload = build_workload(load_scenario("drift-step"), duration_s=800.0, rate_rps=8.0)
     capacity = CompiledFaster({"short-chat": 3.0, "long-context": 0.6, "reasoning": 1.0, "batch": 1.0})
     log = DecisionLog()
     with TrialStore(":memory:") as store:

@@ -169,3 +169,23 @@ def test_a_drift_during_the_refines_rolling_recompiles_cancels_the_rest_and_is_p
     steps_before = [d for d in moved if d.kind == "step" and refine.at <= d.at < cancelled.at]
     assert len(steps_before) < len(recompiled.moves)
     assert [s.pool for s in slots].count(long) > [s.pool for s in settled_slots].count(long)
+
+
+def test_a_made_pool_whose_shape_went_quiet_keeps_its_replica_until_another_pool_gains_by_it() -> None:
+    """Long prompts stop at t=200 while the chat pool serves its demand with room to spare: the drift's plans
+    keep the long-context replica where it is (moving it would gain nothing). When the chat demand then
+    outgrows its pool, the idle replica is the one that moves. Before, every plan without long-context load
+    moved it to the chat pool at once (the planner had no option for it, and filled the idle GPU)."""
+    chat, long = "short-chat@H100-SXM", "long-context@H100-SXM"
+    tel = Telemetry()
+    _feed(tel, 0.0, 200.0, {"short-chat": 4.0, "long-context": 0.5})
+    settings = ControllerSettings("llama-3.1-8b", {GPU: 3}, verify_after_s=30.0)
+    controller = Controller(settings, tel, ShapesDefaultsFaster(), tel.window(200.0))
+    slots = [SlotState(f"{GPU}/0", chat, GPU, "{}"), SlotState(f"{GPU}/1", chat, GPU, "{}"), SlotState(f"{GPU}/2", long, GPU, "{}")]
+    quiet, slots = _drive(controller, slots, tel, [(200.0, {"short-chat": 4.0})], 205, 700)
+    assert [d for d in quiet if isinstance(d.evidence, DriftEvidence)]  # the mix did change
+    assert not [d for d in quiet if d.kind == "step"] and [s.pool for s in slots].count(long) == 1
+    busy, slots = _drive(controller, slots, tel, [(700.0, {"short-chat": 20.0})], 705, 1200)
+    assert [s.pool for s in slots] == [chat, chat, chat]
+    moved = next(d for d in busy if d.kind == "step")
+    assert [(m.slot, m.from_pool, m.to_pool) for m in moved.moves] == [(f"{GPU}/2", long, chat)]
