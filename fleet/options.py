@@ -289,14 +289,16 @@ class PoolModel:
     cost_per_hour: float  # one replica's GPUs
     mean_prompt_tokens: float  # of the shape it was planned for (weighs other shapes' requests)
     mean_output_tokens: float
+    tpot_objective_s: float  # the TPOT objective its concurrency was sized to meet (its shapes' strictest)
 
     def apply(self, pool: PoolState) -> None:
         pool.max_running_per_replica = self.max_running_per_replica
         pool.rate_per_replica_rps, pool.cost_per_hour = self.rate_per_replica_rps, self.cost_per_hour
         pool.mean_prompt_tokens, pool.mean_output_tokens = self.mean_prompt_tokens, self.mean_output_tokens
+        pool.tpot_objective_s = self.tpot_objective_s
 
 
-def pool_models(options: Options, mix: TrafficMix) -> dict[str, PoolModel]:
+def pool_models(options: Options, mix: TrafficMix, tiers: Mapping[str, TierSlo]) -> dict[str, PoolModel]:
     """Each planned pool's router model, from ``options`` planned for ``mix`` (a pool of several shapes:
     its rate under their mix, their mean lengths weighted by their shares); the simulator and the live
     gateway both hand these to their pools after a plan. A declared pool that serves no shape with
@@ -308,10 +310,12 @@ def pool_models(options: Options, mix: TrafficMix) -> dict[str, PoolModel]:
         shares = _shares(option, {load.name: load.rate_rps for load in mix.shapes})
         rate = mix_capacity([(share, Capacity(s.rate_per_replica_rps, 0.0)) for share, s in shares]).rate_rps
         prompt = output = 0.0
+        tpot_s = math.inf
         for share, served in shares:
             load = mix.shape(served.shape)
             if load is not None:
                 prompt, output = prompt + share * load.mean_prompt_tokens, output + share * load.mean_output_tokens
+                tpot_s = min(tpot_s, strictest(load.tier_shares(), tiers).tpot_p99_s)
         out[name] = PoolModel(max(1, math.ceil(concurrency)), rate, get_gpu(option.gpu).price_per_gpu_hour * option.gpus_per_replica,
-                              prompt, output)
+                              prompt, output, tpot_s if math.isfinite(tpot_s) else 0.0)
     return out

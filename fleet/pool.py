@@ -74,6 +74,7 @@ class PoolState:
     cost_per_hour: float = 0.0
     mean_prompt_tokens: float = 0.0
     mean_output_tokens: float = 0.0
+    tpot_objective_s: float = 0.0  # the TPOT its concurrency was sized to meet (0: unknown)
     # Requests waiting for room in this pool, by tier priority and deadline; None: the caller keeps no
     # queue and the router never answers Wait for this pool.
     queue: PoolQueue[Any] | None = None

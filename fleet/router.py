@@ -100,7 +100,7 @@ def route(
         works = [work_units(shape, p) for p in serving]
         has_own = any(shape.name in p.shapes for p in serving)
         score = steps.pool_scorer
-        scored = [(score(p, shape, now, slo.priority, wait_s, settings, has_own, works[i]), i, p) for i, p in enumerate(serving)]
+        scored = [(score(p, shape, now, slo, wait_s, settings, has_own, works[i]), i, p) for i, p in enumerate(serving)]
         scored.sort()  # in place: a list comprehension is cheaper to fill than a generator is to drain into sorted()
         ranked = [(p, works[i]) for _, i, p in scored]
     if tiers is not None:

@@ -40,7 +40,10 @@ The SLO chance is a closed form on the hot path: a pool whose routable replicas 
 concurrency to meet the SLO); otherwise it waits for the ``k`` units of work ahead of it beyond that
 limit to leave (in flight, plus queued requests of its priority or a more urgent one), and the pool
 completes work at its capacity rate ``n x rate_per_replica_rps`` as a Poisson process, so the chance
-is P(Poisson(rate x wait budget) >= k). Work is counted in the pool's own requests (``work_units``:
+is P(Poisson(rate x wait budget) >= k). In another shape's pool sized for a looser TPOT than the
+request's tier's (``PoolState.tpot_objective_s``: a code pool at 100 ms, an interactive chat at 50 ms),
+the request counts on that ratio of the slots only: a pool its own requests fill to their slower steps
+would break the tighter objective. Work is counted in the pool's own requests (``work_units``:
 another shape's request weighs its dominant length ratio to the pool's mean prompt and output), so
 long prompts overflowing into a chat pool fill it as the prefill and KV they hold, not as one chat
 each. The wait budget is ``wait_share`` of the tier's TTFT objective (the rest is the engine's own
@@ -79,10 +82,11 @@ class PoolFilter(Protocol):
 
 
 class PoolScorer(Protocol):
-    """A sort key (lowest first); ``has_own``: some candidate pool is compiled for the shape; ``work``: work_units(shape, pool)."""
+    """A sort key (lowest first); ``slo``: the request's tier's objectives; ``has_own``: some candidate
+    pool is compiled for the shape; ``work``: work_units(shape, pool)."""
 
     def __call__(
-        self, pool: PoolState, shape: Shape, now: float, priority: int, wait_s: float, settings: RouterSettings, has_own: bool, work: float
+        self, pool: PoolState, shape: Shape, now: float, slo: TierSlo, wait_s: float, settings: RouterSettings, has_own: bool, work: float
     ) -> tuple[float, ...]: ...
 
 
@@ -122,21 +126,28 @@ def own_shape(pools: Sequence[PoolState], shape: Shape, model: str) -> list[Pool
 
 
 def slo_chance_score(
-    pool: PoolState, shape: Shape, now: float, priority: int, wait_s: float, settings: RouterSettings, has_own: bool, work: float
+    pool: PoolState, shape: Shape, now: float, slo: TierSlo, wait_s: float, settings: RouterSettings, has_own: bool, work: float
 ) -> tuple[float, ...]:
     other = shape.name not in pool.shapes
     # Without a capacity model a pool's saturation is only its engines' batch cap, far past where its
     # own requests miss their SLO; an overflow heavier than those (a long prompt into a chat pool)
     # would stall them with its prefill, so only a model's word sends it there.
     heavy_unmodelled = has_own and other and work > 1.0 and pool.rate_per_replica_rps <= 0
-    chance = 0.0 if heavy_unmodelled else slo_chance(pool, now, priority, wait_s, work, slots_per_replica(pool, priority, settings, now))
+    slots = slots_per_replica(pool, slo.priority, settings, now)
+    if other and 0.0 < slo.tpot_p99_s < pool.tpot_objective_s:
+        # The pool runs as many requests as keep its own, looser TPOT: decode steps that slow break a
+        # tighter tier's objective, so the request counts on the share of the slots that keeps its own
+        # (step time taken as growing with the batch). Stretched drift-ramp at x1.19: chats that spilled
+        # into the code and long-context pools met 19% and 45% of their objectives.
+        slots = max(1.0, math.floor(slots * slo.tpot_p99_s / pool.tpot_objective_s))
+    chance = 0.0 if heavy_unmodelled else slo_chance(pool, now, slo.priority, wait_s, work, slots)
     if chance >= settings.good_chance:
         return (0.0, float(other), pool.cost_per_request() if other else 0.0, _balance_load(pool, now))
     return (1.0, -chance, float(other), _balance_load(pool, now))
 
 
 def least_load_score(
-    pool: PoolState, shape: Shape, now: float, priority: int, wait_s: float, settings: RouterSettings, has_own: bool, work: float
+    pool: PoolState, shape: Shape, now: float, slo: TierSlo, wait_s: float, settings: RouterSettings, has_own: bool, work: float
 ) -> tuple[float, ...]:
     return (_balance_load(pool, now), float(shape.name not in pool.shapes))
 

@@ -345,7 +345,7 @@ class LiveFleet:
         for model, controller in self.controller.model_to_controller.items():
             options = controller.options
             if options is not None and (model not in self._modelled or options is not self._modelled[model][0]):
-                self._modelled[model] = (options, pool_models(options, controller.reference_mix))
+                self._modelled[model] = (options, pool_models(options, controller.reference_mix, controller.settings.tiers))
                 changed = True
         if changed:
             models = {pool: found for _, by_pool in self._modelled.values() for pool, found in by_pool.items()}

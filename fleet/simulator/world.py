@@ -185,7 +185,7 @@ class FleetSim:
 
     def set_pool_model(self, options: Options, mix: TrafficMix) -> None:
         """What the router knows of each pool from the capacity model (``options``, planned for ``mix``)."""
-        self.pool_to_model.update(pool_models(options, mix))
+        self.pool_to_model.update(pool_models(options, mix, self.settings.tiers))
         for name in self.pool_to_model:
             if name in self.pools:
                 self._model_pool(self.pools[name])

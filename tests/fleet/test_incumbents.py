@@ -10,9 +10,9 @@ from fleet.decisions import Decision
 from fleet.drift import DriftSettings
 from fleet.evidence import DriftEvidence, PlanEvidence
 from fleet.incumbents import restart_margin, running_configs
-from fleet.options import DeclaredPool, config_json, pool_options
+from fleet.options import DeclaredPool, config_json, pool_models, pool_options
 from fleet.rollout import SlotState
-from fleet.telemetry import ShapeLoad, Telemetry
+from fleet.telemetry import ShapeLoad, Telemetry, TrafficMix
 from kernels.config import EngineConfig
 from kernels.tiers import DEFAULT_TIERS
 from tests.fleet.test_declared_pools import _feed, _run
@@ -189,3 +189,16 @@ def test_a_made_pool_whose_shape_went_quiet_keeps_its_replica_until_another_pool
     assert [s.pool for s in slots] == [chat, chat, chat]
     moved = next(d for d in busy if d.kind == "step")
     assert [(m.slot, m.from_pool, m.to_pool) for m in moved.moves] == [(f"{GPU}/2", long, chat)]
+
+
+def test_each_pool_model_carries_the_tpot_its_shapes_strictest_tier_sized_it_for() -> None:
+    # the router lets a tighter tier count on only part of a pool sized for a looser TPOT (fleet.router_steps)
+    code = ShapeLoad("code", 3.0, 1500.0, 900.0, (("standard", 1.0),))
+    mixed = (DeclaredPool("shared", GPU, ("chat", "code"), EngineConfig(), config_json(EngineConfig())),)
+    loads = (CHAT, code)
+    made = pool_models(pool_options(loads, (GPU,), DefaultsFaster(0.0), DEFAULT_TIERS), TrafficMix(0.0, 60.0, loads), DEFAULT_TIERS)
+    assert made["chat@H100-SXM"].tpot_objective_s == DEFAULT_TIERS["interactive"].tpot_p99_s
+    assert made["code@H100-SXM"].tpot_objective_s == DEFAULT_TIERS["standard"].tpot_p99_s
+    shared = pool_models(pool_options(loads, (GPU,), DefaultsFaster(0.0), DEFAULT_TIERS, declared=mixed), TrafficMix(0.0, 60.0, loads),
+                         DEFAULT_TIERS)
+    assert shared["shared"].tpot_objective_s == DEFAULT_TIERS["interactive"].tpot_p99_s  # its chats set it
