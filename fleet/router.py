@@ -35,12 +35,13 @@ from classifiers.shape import Shape
 from fleet.engines.load import EngineLoad
 from fleet.pool import PoolState, ReplicaState
 from fleet.router_decisions import Reject, Route, Wait
-from fleet.router_steps import Router, compose, poisson_at_least, slo_chance, work_units
+from fleet.router_steps import Router, compose, poisson_at_least, request_slots, slo_chance, work_units
 from kernels.tiers import DEFAULT_TIERS, TierSlo, slo_for
 
 # Route, Wait, Reject and the closed forms are used through this module by the gateway, the simulator and the tests.
 __all__ = [
-    "Reject", "Route", "RouterSettings", "Wait", "foreign_requests", "pick_replica", "poisson_at_least", "route", "slo_chance", "work_units",
+    "Reject", "Route", "RouterSettings", "Wait", "foreign_requests", "pick_replica", "poisson_at_least", "request_slots", "route", "slo_chance",
+    "work_units",
 ]
 
 

@@ -133,14 +133,7 @@ def slo_chance_score(
     # own requests miss their SLO; an overflow heavier than those (a long prompt into a chat pool)
     # would stall them with its prefill, so only a model's word sends it there.
     heavy_unmodelled = has_own and other and work > 1.0 and pool.rate_per_replica_rps <= 0
-    slots = slots_per_replica(pool, slo.priority, settings, now)
-    if other and 0.0 < slo.tpot_p99_s < pool.tpot_objective_s:
-        # The pool runs as many requests as keep its own, looser TPOT: decode steps that slow break a
-        # tighter tier's objective, so the request counts on the share of the slots that keeps its own
-        # (step time taken as growing with the batch). Stretched drift-ramp at x1.19: chats that spilled
-        # into the code and long-context pools met 19% and 45% of their objectives.
-        slots = max(1.0, math.floor(slots * slo.tpot_p99_s / pool.tpot_objective_s))
-    chance = 0.0 if heavy_unmodelled else slo_chance(pool, now, slo.priority, wait_s, work, slots)
+    chance = 0.0 if heavy_unmodelled else slo_chance(pool, now, slo.priority, wait_s, work, request_slots(pool, shape, slo, settings, now))
     if chance >= settings.good_chance:
         return (0.0, float(other), pool.cost_per_request() if other else 0.0, _balance_load(pool, now))
     return (1.0, -chance, float(other), _balance_load(pool, now))
@@ -279,6 +272,19 @@ def slots_per_replica(pool: PoolState, priority: int, settings: RouterSettings, 
     if peak:
         slots = min(slots, pool.max_running_per_replica - math.ceil(peak / max(1, pool.num_routable(now))) - 1)
     return max(1, slots)
+
+
+def request_slots(pool: PoolState, shape: Shape, slo: TierSlo, settings: RouterSettings, now: float) -> float:
+    """The running slots per replica a request of ``shape`` and tier ``slo`` counts on in ``pool``:
+    ``slots_per_replica``, and in another shape's pool sized for a looser TPOT than the tier's, that
+    ratio of them. The pool runs as many requests as keep its own TPOT; decode steps that slow break
+    a tighter objective, so the request counts on the share that keeps its own (step time taken as
+    growing with the batch). Stretched drift-ramp at x1.19: chats that spilled into the code and
+    long-context pools met 19% and 45% of their objectives (fleet/README.md)."""
+    slots = slots_per_replica(pool, slo.priority, settings, now)
+    if shape.name not in pool.shapes and 0.0 < slo.tpot_p99_s < pool.tpot_objective_s:
+        return max(1.0, math.floor(slots * slo.tpot_p99_s / pool.tpot_objective_s))
+    return slots
 
 
 def slo_chance(pool: PoolState, now: float, priority: int, wait_s: float, work: float = 1.0, slots: float | None = None) -> float:

@@ -19,7 +19,7 @@ from collections.abc import Mapping
 from typing import TYPE_CHECKING
 
 from classifiers.shape import Shape
-from fleet.router import Route, Wait, slo_chance
+from fleet.router import Route, Wait, request_slots, slo_chance
 from gateway.config import TracingSettings
 from gateway.runtime import Runtime
 from kernels.tiers import DEFAULT_TIERS, slo_for
@@ -119,7 +119,9 @@ class RequestTrace:
         if pool is None:
             return
         slo = slo_for(runtime.config.tiers or DEFAULT_TIERS, shape.tier)
-        self.slo_chance = slo_chance(pool, now, slo.priority, runtime.config.router.wait_share * slo.ttft_p99_s, decision.work)
+        settings = runtime.config.router
+        slots = request_slots(pool, shape, slo, settings, now)
+        self.slo_chance = slo_chance(pool, now, slo.priority, settings.wait_share * slo.ttft_p99_s, decision.work, slots)
 
     def start_upstream(self, decision: Route, path: str) -> UpstreamSpan:
         from opentelemetry.trace import SpanKind, set_span_in_context
