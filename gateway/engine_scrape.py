@@ -33,6 +33,7 @@ if TYPE_CHECKING:
 # The client session does not decompress (the proxy passes bodies through as they come); engines that
 # serve /metrics with prometheus_client would gzip it for a client that accepts gzip.
 _HEADERS = {"Accept-Encoding": "identity"}
+NOT_READ_YET = "its /metrics has not been read yet"  # a replica's error until its first read
 
 
 @dataclass(slots=True)
@@ -59,7 +60,7 @@ class EngineScraper:
         """Why ``replica``'s engine figures are not current, or None when its last read succeeded."""
         track = self._tracks.get((replica.pool, replica.name, replica.url))
         if track is None:
-            return "its /metrics has not been read yet"
+            return NOT_READ_YET
         return track.error
 
     def hit_fraction_of(self, replica: ReplicaState) -> float | None:

@@ -20,6 +20,7 @@ import pytest
 
 from fleet.engines import install
 from gateway.config import load_config
+from gateway.engine_scrape import NOT_READ_YET
 from gateway.yamlsrc import ConfigError
 from tests.conftest import REPO, free_port
 from tests.support.engines import llama_server
@@ -104,8 +105,8 @@ def emulated(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Emulated]:
 def test_engine_figures_are_read_reexported_and_shown(emulated: Emulated) -> None:
     gateway = emulated.gateway
     # every replica read at least once (under load the three first scrapes land seconds apart)
-    replicas = _replicas_when(gateway, lambda r: all(x["engine"] or "not been read yet" not in (x["engine_error"] or "not been read yet")
-                                                     for x in r.values()), "a scrape of every replica")
+    replicas = _replicas_when(gateway, lambda r: all(x["engine"] or x["engine_error"] not in (None, NOT_READ_YET) for x in r.values()),
+                              "a scrape of every replica")
     main = replicas["main-0"]
     assert main["engine_kind"] == "emulated" and main["engine_error"] is None
     assert main["engine"]["num_running"] == 0 and main["engine"]["num_waiting"] == 0 and main["engine"]["foreign_requests"] == 0
