@@ -85,7 +85,8 @@ def register_bench_adapt(benches: argparse._SubParsersAction) -> None:  # type: 
         ),
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
-    p.add_argument("--scenarios", default=None, help="comma-separated subset of the named scenarios")
+    p.add_argument("--scenarios", default=None, help="comma-separated subset of the named scenarios; '' for none "
+                   "(with --metric capacity and --trace: the traces alone)")
     p.add_argument("--policies", default=None, help="comma-separated subset of the policies")
     p.add_argument("--duration", type=float, default=1800.0, help="seconds of traffic per scenario")
     p.add_argument("--quick", action="store_true", help="two scenarios, 240 s each (for tests)")

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 from pathlib import Path
 
 from fleet.capacity import PerfCapacity
@@ -27,10 +28,13 @@ def _ratio(a: float, b: float) -> float | None:
 
 
 def main_bench(args: argparse.Namespace) -> int:
-    scenarios = tuple(args.scenarios.split(",")) if args.scenarios else NAMED
+    scenarios = NAMED if args.scenarios is None else tuple(s for s in args.scenarios.split(",") if s)
     unknown = [s for s in scenarios if s not in builtin_names()]
     if unknown:
-        print(f"polymorph bench adapt: unknown scenarios {unknown}")
+        print(f"polymorph bench adapt: unknown scenarios {unknown}", file=sys.stderr)
+        return 2
+    if not scenarios and not (args.metric == "capacity" and args.trace):
+        print("polymorph bench adapt: --scenarios '' leaves nothing to run (with --metric capacity, give --trace)", file=sys.stderr)
         return 2
     policies = tuple(args.policies.split(",")) if args.policies else POLICIES
     if args.metric == "capacity":

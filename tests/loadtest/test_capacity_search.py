@@ -181,3 +181,25 @@ def test_simulate_capacity_json_end_to_end(bursty_trace: Path, capsys: pytest.Ca
     assert not failing or min(failing) > out["capacity_multiplier"]
     assert all(p["worst"] <= p["overall"] for p in curve)
     assert {part["kind"] for p in curve for part in p["parts"]} == {"tier", "window"}
+
+
+def test_bench_adapt_capacity_on_a_trace_alone_reports_gpus_saved(bursty_trace: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    code = main(["bench", "adapt", "--metric", "capacity", "--scenarios", "", "--trace", str(bursty_trace), "--format", "native",
+                 "--fleet", "H100-SXM:2", "--policies", "static-initial,adaptive", "--json", "--resolution", "0.5",
+                 "--max-points", "3", "--no-cache", "--no-progress"])
+    assert code == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["fleet_search"] is True and out["fleet"] == {"H100-SXM": 2}
+    assert not {"drift-step", "stationary"} & out.keys()  # '' runs no scenario
+    entry = out["bursty.jsonl"]
+    assert set(entry["min_gpus"]) == {"static-initial", "adaptive"}
+    found = {p: n for p, n in entry["min_gpus"].items() if n is not None}
+    assert all(1 <= n <= 4 for n in found.values())  # the search stops at twice the fleet
+    if len(found) == 2:
+        assert entry["gpus_saved_by_adaptive"] == {"static-initial": found["static-initial"] - found["adaptive"]}
+    assert set(entry["adaptive_over"]) == {"static-initial"}
+
+
+def test_bench_adapt_with_no_scenario_and_no_trace_is_refused(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["bench", "adapt", "--metric", "capacity", "--scenarios", "", "--json"]) == 2
+    assert "nothing to run" in capsys.readouterr().err
