@@ -6,8 +6,9 @@ halves until one passes), then bisects geometrically until the passing and faili
 within ``resolution`` of each other. A point passes when the minimum of its overall attainment, its
 per-tier attainments and its per-window attainments (the phases of a scenario, 5-minute windows of
 a trace) is at least the threshold, so a good first half cannot hide a failing second half. Every
-call gets the same seed, so the points differ only in load. ``smallest_passing`` is the same idea
-over an integer (the number of GPUs a policy needs for the nominal rate).
+call gets the same seed, so the points differ only in load; ``over_draws`` judges each point on
+several seeds' runs pooled. ``smallest_passing`` is the same idea over an integer (the number of GPUs
+a policy needs for the nominal rate).
 
 ``attainment_of`` turns per-request results (arrival, tier, met its SLO) into an ``Attainment``;
 whether one request met its tier's objectives is decided where it ran (kernels.tiers).
@@ -196,6 +197,38 @@ def part_capacity(result: CapacityResult, kind: str, name: str) -> PartCapacity:
         multiplier = point.multiplier
     at_capacity = next((attainment_at(p) for p in result.curve if p.multiplier == result.multiplier), None)
     return PartCapacity(multiplier, held_throughout, at_capacity)
+
+
+def pooled(draws: Sequence[Attainment], min_gating_requests: int = MIN_GATING_REQUESTS) -> Attainment:
+    """Several draws of one point judged as one run: every draw's requests together, so overall, each
+    tier's and each window's attainment is the request-weighted mean over the draws. A slice gates when
+    it has ``min_gating_requests`` per draw it appears in, the bar one draw is held to."""
+    if not draws:
+        raise ValueError("no draws to pool")
+    if len(draws) == 1:
+        return draws[0]
+    num = sum(a.num_requests for a in draws)
+    overall = sum(a.overall * a.num_requests for a in draws) / num if num else 1.0
+    key_to_parts: dict[tuple[str, str], list[Part]] = {}
+    for attainment in draws:
+        for part in attainment.parts:
+            key_to_parts.setdefault((part.kind, part.name), []).append(part)
+    parts = []
+    for (kind, name), same in key_to_parts.items():
+        size = sum(p.num_requests for p in same)
+        mean = sum(p.attainment * p.num_requests for p in same) / size if size else 1.0
+        parts.append(Part(kind, name, mean, size, size >= min_gating_requests * len(same)))
+    return Attainment(overall, num, tuple(parts), sum(a.num_dropped for a in draws))
+
+
+def over_draws(attainment_at: Callable[[float, int], Attainment], num_draws: int) -> Callable[[float, int], Attainment]:
+    """``attainment_at`` run on ``num_draws`` consecutive seeds from the point's seed, pooled: every
+    point sees the same draws, so the points still differ only in load. One draw decides a point within
+    its own noise: an adaptive run near the threshold moved 12 points with a 1e-6 change of the
+    multiplier (fleet/README.md)."""
+    if num_draws < 1:
+        raise ValueError(f"draws must be >= 1, got {num_draws}")
+    return lambda multiplier, seed: pooled([attainment_at(multiplier, seed + k) for k in range(num_draws)])
 
 
 def smallest_passing(passes: Callable[[int], bool], low: int, high: int) -> int | None:

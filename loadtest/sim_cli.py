@@ -29,6 +29,12 @@ def _add_capacity_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-points", type=int, default=16, help="capacity: at most this many runs per search")
 
 
+def _add_draws_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--draws", type=int, default=1,
+                   help="capacity: judge each point on this many seeds' runs pooled (--seed, --seed+1, ...; the same at "
+                   "every point); one draw decides a point within its own noise (scenarios; a trace is one draw)")
+
+
 def register_simulate(commands: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     p = commands.add_parser(
         "simulate",
@@ -59,6 +65,7 @@ def register_simulate(commands: argparse._SubParsersAction) -> None:  # type: ig
                    "(bracket by doubling and halving, then bisect to --resolution; the same seed at every point); prints "
                    "the attainment curve")
     _add_capacity_args(p)
+    _add_draws_arg(p)
     p.add_argument("--compile", default="off", choices=("off", "analytic", "perf-model"),
                    help="run compiled engine configurations (kernels.compiler) searched with this evaluator; a compile "
                    "is computed at once but released to the adaptive controller --compile-s-per-trial virtual seconds "
@@ -100,6 +107,7 @@ def register_bench_adapt(benches: argparse._SubParsersAction) -> None:  # type: 
     p.add_argument("--json", action="store_true", help="capacity: print only the JSON object")
     p.add_argument("--no-progress", action="store_true", help="no progress line on stderr")
     _add_capacity_args(p)
+    _add_draws_arg(p)
     _add_sim_args(p, "H100-SXM:4,H200:4", 30.0, 2.0)
     p.set_defaults(handler=_run_bench_adapt)
 

@@ -29,6 +29,7 @@ from loadtest.capacity import (
     CapacityResult,
     CurvePoint,
     attainment_of,
+    over_draws,
     phase_bounds_s,
     search_capacity,
     window_bounds_s,
@@ -170,6 +171,7 @@ class CapacitySettings:
     threshold: float = DEFAULT_THRESHOLD
     resolution: float = DEFAULT_RESOLUTION
     max_points: int = DEFAULT_MAX_POINTS
+    draws: int = 1  # the simulator's: seeds each point pools (a trace replays the same requests: one)
 
 
 def capacity_settings(args: argparse.Namespace) -> CapacitySettings:
@@ -178,11 +180,28 @@ def capacity_settings(args: argparse.Namespace) -> CapacitySettings:
     return CapacitySettings(args.slo_threshold, args.resolution, args.max_points)
 
 
+def sim_capacity_settings(args: argparse.Namespace) -> CapacitySettings:
+    """``capacity_settings`` and the simulator's ``--draws`` (a scenario's seeds per point)."""
+    if args.draws < 1:
+        raise ValueError(f"--draws must be >= 1, got {args.draws}")
+    return replace(capacity_settings(args), draws=args.draws)
+
+
+def judge(source: WorkloadSource, policy: str, budget: Mapping[str, int], capacity: CapacityModel, model: str,
+          settings: CapacitySettings) -> Callable[[float, int], Attainment]:
+    """One point's attainment: the simulated run at ``multiplier`` from ``seed``, pooled over the
+    settings' draws for a scenario (a trace replays the same requests, so it is one draw)."""
+    def one(multiplier: float, seed: int) -> Attainment:
+        return run_attainment(source.build(multiplier, seed), source.is_trace, policy, budget, capacity, model)
+
+    return over_draws(one, 1 if source.is_trace else settings.draws)
+
+
 def capacity_of(source: WorkloadSource, policy: str, budget: Mapping[str, int], capacity: CapacityModel, model: str,
                 settings: CapacitySettings, on_point: Callable[[CurvePoint], None] = lambda point: None) -> CapacityResult:
-    """The policy's capacity at SLO on ``budget``: every point the same seed, only the load differs."""
+    """The policy's capacity at SLO on ``budget``: every point the same seeds, only the load differs."""
     return search_capacity(
-        lambda multiplier, seed: run_attainment(source.build(multiplier, seed), source.is_trace, policy, budget, capacity, model),
+        judge(source, policy, budget, capacity, model, settings),
         source.nominal_rate_rps, source.seed, settings.threshold, settings.resolution, max_points=settings.max_points,
         on_point=on_point,
     )
@@ -201,8 +220,10 @@ def print_curve(result: CapacityResult, out: TextIO = sys.stdout) -> None:
 
 def _main_capacity(args: argparse.Namespace, budget: Mapping[str, int], capacity: CapacityModel) -> int:
     try:
-        settings = capacity_settings(args)
+        settings = sim_capacity_settings(args)
         source = source_from_args(args)
+        if source.is_trace and settings.draws > 1:
+            raise ValueError("a trace replays the same requests, so it has one draw: --draws applies to scenarios")
     except (ValueError, OSError) as exc:
         print(f"polymorph simulate: {exc}", file=sys.stderr)
         return 2
@@ -214,7 +235,8 @@ def _main_capacity(args: argparse.Namespace, budget: Mapping[str, int], capacity
 
     result = capacity_of(source, args.policy, budget, capacity, args.model, settings, progress)
     if args.json:
-        print(json.dumps({"workload": source.name, "policy": args.policy, "fleet": dict(budget), **result.to_json()}, sort_keys=True))
+        print(json.dumps({"workload": source.name, "policy": args.policy, "fleet": dict(budget), "draws": settings.draws,
+                          **result.to_json()}, sort_keys=True))
     else:
         print_curve(result)
     return 0

@@ -27,10 +27,10 @@ from loadtest.simulate import (
     WorkloadSource,
     budget_from_args,
     capacity_of,
-    capacity_settings,
-    run_attainment,
+    judge,
     scale_fleet,
     scenario_source,
+    sim_capacity_settings,
     trace_source,
 )
 
@@ -59,9 +59,8 @@ def smallest_fleet(source: WorkloadSource, policy: str, budget: Mapping[str, int
 
     def passes(num_gpus: int) -> bool:
         if num_gpus not in known:
-            workload = source.build(1.0, source.seed)
             fleet = scale_fleet(budget, num_gpus)
-            known[num_gpus] = run_attainment(workload, source.is_trace, policy, fleet, capacity, model).worst >= settings.threshold
+            known[num_gpus] = judge(source, policy, fleet, capacity, model, settings)(1.0, source.seed).worst >= settings.threshold
         return known[num_gpus]
 
     if passes(total):
@@ -78,7 +77,7 @@ def main_capacity(args: argparse.Namespace, scenarios: tuple[str, ...], policies
     duration = 240.0 if args.quick else args.duration
     scenarios = scenarios[:2] if args.quick else scenarios
     try:
-        settings = capacity_settings(args)
+        settings = sim_capacity_settings(args)
         budget = budget_from_args(args)
         sources = [scenario_source(name, duration, args.rate, args.stretch, args.seed) for name in scenarios]
         sources += [trace_source(path, args.format, args.speedup, None) for path in args.trace]
@@ -123,7 +122,7 @@ def _summary(args: argparse.Namespace, budget: Mapping[str, int], duration_s: fl
              sources: list[WorkloadSource], rows: list[PolicyCapacity]) -> dict[str, object]:
     summary: dict[str, object] = {
         "metric": "capacity", "fleet": dict(budget), "rate_rps": args.rate, "duration_s": duration_s, "stretch": args.stretch,
-        "model": args.model, "slo_threshold": settings.threshold, "resolution": settings.resolution,
+        "model": args.model, "slo_threshold": settings.threshold, "resolution": settings.resolution, "draws": settings.draws,
         "fleet_search": not args.no_fleet_search,
     }
     for source in sources:

@@ -11,7 +11,17 @@ import numpy as np
 import pytest
 
 from gateway.cli import main
-from loadtest.capacity import Attainment, attainment_of, phase_bounds_s, search_capacity, smallest_passing, window_bounds_s
+from loadtest.capacity import (
+    Attainment,
+    Part,
+    attainment_of,
+    over_draws,
+    phase_bounds_s,
+    pooled,
+    search_capacity,
+    smallest_passing,
+    window_bounds_s,
+)
 from loadtest.simulate import trace_source, trace_workload
 from loadtest.spec import RequestSpec, Workload, make_workload
 from loadtest.traces import write_native
@@ -108,6 +118,37 @@ def test_per_tier_minimum_and_small_slices_do_not_gate() -> None:
 def test_trace_windows_are_five_minutes() -> None:
     assert window_bounds_s(1000.0) == (0.0, 300.0, 600.0, 900.0, 1000.0)
     assert phase_bounds_s(1800.0, (600.0, 600.0, 0.0)) == (0.0, 600.0, 1800.0)
+
+
+def test_draws_pool_by_requests_and_every_point_sees_the_same_seeds() -> None:
+    seen: list[tuple[float, int]] = []
+
+    def one(multiplier: float, seed: int) -> Attainment:
+        seen.append((multiplier, seed))
+        good = 0.99 if multiplier <= 1.3 else 0.7
+        bad = good - 0.2 if seed % 2 else good  # every other draw is 20 points worse
+        attainment = bad if seed % 2 else good
+        return Attainment(attainment, 1000, (Part("tier", "standard", attainment, 1000, True), Part("phase", "0-60 s", attainment, 20, False)))
+
+    result = search_capacity(over_draws(one, 3), 10.0, seed=4, resolution=0.05)
+    multipliers = sorted({m for m, _ in seen})
+    assert all(sorted(seed for m, seed in seen if m == multiplier) == [4, 5, 6] for multiplier in multipliers)
+    point = next(p for p in result.curve if p.multiplier == 1.0)
+    assert point.attainment.num_requests == 3000 and point.attainment.overall == pytest.approx((0.99 + 0.79 + 0.99) / 3)
+    standard, short = point.attainment.parts
+    assert standard.attainment == pytest.approx(point.attainment.overall) and standard.gates
+    assert short.num_requests == 60 and not short.gates  # 20 a draw: under the one-draw bar in each
+    assert point.passed and 1.0 <= result.multiplier <= 1.3  # pooled, the bad draw alone would fail (0.79)
+    assert search_capacity(one, 10.0, seed=5).multiplier < 1.0  # that bad draw, judged alone
+    assert pooled([point.attainment]) is point.attainment
+    with pytest.raises(ValueError):
+        over_draws(one, 0)
+
+
+def test_simulate_capacity_draws_apply_to_scenarios_not_traces(bursty_trace: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["simulate", "--trace", str(bursty_trace), "--format", "native", "--fleet", "H100-SXM:1", "--policy",
+                 "round-robin", "--capacity", "--draws", "2", "--no-cache"]) == 2
+    assert "one draw" in capsys.readouterr().err
 
 
 def test_smallest_passing_finds_the_fewest_gpus() -> None:
