@@ -126,8 +126,7 @@ def test_draws_pool_by_requests_and_every_point_sees_the_same_seeds() -> None:
     def one(multiplier: float, seed: int) -> Attainment:
         seen.append((multiplier, seed))
         good = 0.99 if multiplier <= 1.3 else 0.7
-        bad = good - 0.2 if seed % 2 else good  # every other draw is 20 points worse
-        attainment = bad if seed % 2 else good
+        attainment = good - 0.2 if seed % 2 else good  # every other draw is 20 points worse
         return Attainment(attainment, 1000, (Part("tier", "standard", attainment, 1000, True), Part("phase", "0-60 s", attainment, 20, False)))
 
     result = search_capacity(over_draws(one, 3), 10.0, seed=4, resolution=0.05)
