@@ -246,6 +246,9 @@ def main_simulate(args: argparse.Namespace) -> int:
     if args.capacity and (args.compile != "off" or args.decisions):
         print("polymorph simulate: --capacity runs without --compile and --decisions", file=sys.stderr)
         return 2
+    if args.draws != 1 and not args.capacity:
+        print("polymorph simulate: --draws judges the points of a --capacity search; one run is one draw (give --seed)", file=sys.stderr)
+        return 2
     try:
         budget = budget_from_args(args)
         workload = None if args.capacity else load_workload(args)

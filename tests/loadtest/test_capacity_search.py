@@ -150,6 +150,14 @@ def test_simulate_capacity_draws_apply_to_scenarios_not_traces(bursty_trace: Pat
     assert "one draw" in capsys.readouterr().err
 
 
+def test_draws_without_a_capacity_search_are_refused(bursty_trace: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["simulate", "--trace", str(bursty_trace), "--format", "native", "--fleet", "H100-SXM:1", "--policy",
+                 "round-robin", "--draws", "3", "--no-cache"]) == 2
+    assert "--draws judges the points of a --capacity search" in capsys.readouterr().err
+    assert main(["bench", "adapt", "--scenarios", "drift-step", "--draws", "3", "--no-cache"]) == 2
+    assert "--draws judges the points of --metric capacity" in capsys.readouterr().err
+
+
 def test_smallest_passing_finds_the_fewest_gpus() -> None:
     asked: list[int] = []
 
