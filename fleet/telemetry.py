@@ -4,7 +4,9 @@ The gateway calls ``record_arrival`` when it has classified a request and ``reco
 response ends; the simulator calls the same two methods on its virtual clock. Time is bucketed
 (``bucket_s``) in a ring of ``window_s / bucket_s`` buckets, so a record is a few dict updates and a
 window is a sum over the ring. Arrivals, not completions, measure demand: under overload completions
-only show what the fleet managed to serve.
+only show what the fleet managed to serve. An outcome carries the prompt tokens its engine served from
+a prefix cache (the response's ``usage.prompt_tokens_details.cached_tokens``): the capacity model
+charges a shape's prompts at the share the engines really computed, not at their full length.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from fleet.lengths import add_counts, equal_mass_points, length_bin
+from kernels.config import MAX_PREFIX_SHARE
 
 
 @dataclass(frozen=True, slots=True)
@@ -29,6 +32,7 @@ class ShapeLoad:
     # equally weighted length points (fleet.lengths); () when only the means are known
     prompt_points: tuple[int, ...] = ()
     output_points: tuple[int, ...] = ()
+    prefix_share: float = 0.0  # of its prompt tokens, the share engines served from a prefix cache
 
     def tier_shares(self) -> dict[str, float]:
         return dict(self.tier_to_share)
@@ -73,7 +77,8 @@ class TrafficMix:
             "shapes": {
                 s.name: {"rate_rps": round(s.rate_rps, 3), "prompt_tokens": round(s.mean_prompt_tokens),
                          "output_tokens": round(s.mean_output_tokens), "prompt_points": list(s.prompt_points),
-                         "output_points": list(s.output_points), "tiers": dict(s.tier_to_share)}
+                         "output_points": list(s.output_points), "prefix_share": round(s.prefix_share, 3),
+                         "tiers": dict(s.tier_to_share)}
                 for s in self.shapes
             },
             "pool_attainment": {p.pool: round(p.attainment, 4) for p in self.pools},
@@ -83,20 +88,24 @@ class TrafficMix:
 def mix_from_counts(
     ended_at: float,
     window_s: float,
-    shape_to_counts: Mapping[str, tuple[int, float, float, int, Mapping[str, int]]],
+    shape_to_counts: Mapping[str, tuple[int, float, float, int, Mapping[str, int], float]],
     shape_to_bins: Mapping[str, tuple[Mapping[int, int], Mapping[int, int]]] | None = None,
 ) -> TrafficMix:
-    """Build a mix from per-shape (arrivals, prompt tokens, output tokens, outcomes, tier counts) and,
-    optionally, per-shape (prompt, output) length histograms (fleet.lengths bins)."""
+    """Build a mix from per-shape (arrivals, prompt tokens, output tokens, outcomes, tier counts, the
+    outcomes' cached prompt tokens) and, optionally, per-shape (prompt, output) length histograms
+    (fleet.lengths bins)."""
     loads = []
     for name in sorted(shape_to_counts):
-        num, prompt, output, num_out, tiers = shape_to_counts[name]
+        num, prompt, output, num_out, tiers, cached = shape_to_counts[name]
         if num == 0:
             continue
         shares = tuple(sorted((t, n / num) for t, n in tiers.items() if n))
         prompt_bins, output_bins = (shape_to_bins or {}).get(name, ({}, {}))
+        # cached tokens per outcome over prompt tokens per arrival: both means, so a window whose
+        # outcomes lag its arrivals still gives the share
+        prefix_share = min(MAX_PREFIX_SHARE, cached / num_out / (prompt / num)) if num_out and prompt > 0 else 0.0
         loads.append(ShapeLoad(name, num / window_s, prompt / num, output / num_out if num_out else 0.0, shares,
-                               equal_mass_points(prompt_bins), equal_mass_points(output_bins)))
+                               equal_mass_points(prompt_bins), equal_mass_points(output_bins), prefix_share))
     return TrafficMix(ended_at, window_s, tuple(loads))
 
 
@@ -105,7 +114,7 @@ class _Bucket:
 
     def __init__(self) -> None:
         self.shape_to_arrivals: dict[str, list[Any]] = {}  # shape -> [num, prompt_tokens, {tier: num}, {bin: num}]
-        self.shape_to_outputs: dict[str, list[Any]] = {}  # shape -> [num, completion_tokens, {bin: num}]
+        self.shape_to_outputs: dict[str, list[Any]] = {}  # shape -> [num, completion_tokens, {bin: num}, cached prompt tokens]
         self.pool_to_outcomes: dict[str, list[int]] = {}  # pool -> [num, num_met]
 
 
@@ -146,13 +155,15 @@ class Telemetry:
         index = length_bin(prompt_tokens)
         bins[index] = bins.get(index, 0) + 1
 
-    def record_outcome(self, now: float, shape: str, pool: str, met_slo: bool, completion_tokens: int) -> None:
+    def record_outcome(self, now: float, shape: str, pool: str, met_slo: bool, completion_tokens: int, cached_tokens: int = 0) -> None:
+        """``cached_tokens``: of its prompt, the tokens its engine took from a prefix cache (0: none, or not reported)."""
         bucket = self._bucket(now)
         out = bucket.shape_to_outputs.get(shape)
         if out is None:
-            out = bucket.shape_to_outputs[shape] = [0, 0, {}]
+            out = bucket.shape_to_outputs[shape] = [0, 0, {}, 0]
         out[0] += 1
         out[1] += completion_tokens
+        out[3] += cached_tokens
         index = length_bin(completion_tokens)
         out[2][index] = out[2].get(index, 0) + 1
         pool_entry = bucket.pool_to_outcomes.get(pool)
@@ -174,21 +185,21 @@ class Telemetry:
         num_full = min(self._num_buckets - 1, self._current - (self._first or 0))
         if span_s is not None:
             num_full = min(num_full, max(1, int(span_s // self.bucket_s)))
-        counts: dict[str, tuple[int, float, float, int, dict[str, int]]] = {}
+        counts: dict[str, tuple[int, float, float, int, dict[str, int], float]] = {}
         pools: dict[str, list[int]] = {}
         bins: dict[str, tuple[dict[int, int], dict[int, int]]] = {}
         for back in range(1, num_full + 1):
             bucket = self._ring[(self._current - back) % self._num_buckets]
             for shape, (num, prompt, tiers, prompt_bins) in bucket.shape_to_arrivals.items():
-                n0, p0, o0, no0, t0 = counts.get(shape, (0, 0.0, 0.0, 0, {}))
+                n0, p0, o0, no0, t0, c0 = counts.get(shape, (0, 0.0, 0.0, 0, {}, 0.0))
                 merged = dict(t0)
                 for tier, n in tiers.items():
                     merged[tier] = merged.get(tier, 0) + n
-                counts[shape] = (n0 + num, p0 + prompt, o0, no0, merged)
+                counts[shape] = (n0 + num, p0 + prompt, o0, no0, merged, c0)
                 add_counts(bins.setdefault(shape, ({}, {}))[0], prompt_bins)
-            for shape, (num_out, tokens, output_bins) in bucket.shape_to_outputs.items():
-                n0, p0, o0, no0, t0 = counts.get(shape, (0, 0.0, 0.0, 0, {}))
-                counts[shape] = (n0, p0, o0 + tokens, no0 + num_out, t0)
+            for shape, (num_out, tokens, output_bins, cached) in bucket.shape_to_outputs.items():
+                n0, p0, o0, no0, t0, c0 = counts.get(shape, (0, 0.0, 0.0, 0, {}, 0.0))
+                counts[shape] = (n0, p0, o0 + tokens, no0 + num_out, t0, c0 + cached)
                 add_counts(bins.setdefault(shape, ({}, {}))[1], output_bins)
             for pool, (num, met) in bucket.pool_to_outcomes.items():
                 acc = pools.setdefault(pool, [0, 0])

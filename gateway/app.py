@@ -338,7 +338,8 @@ class Handlers:
             met_slo = _met_slo(runtime, tier, outcome)
             self.state.series.record(time.time(), shape.name, tier, outcome.pool, outcome.status == 200, met_slo, outcome.ttft_s, outcome.tpot_s)
             if self.state.live is not None:
-                self.state.live.telemetry.record_outcome(self.state.live.now(), shape.name, outcome.pool, met_slo, outcome.completion_tokens or 0, model)
+                self.state.live.telemetry.record_outcome(self.state.live.now(), shape.name, outcome.pool, met_slo, outcome.completion_tokens or 0, model,
+                                                         outcome.cached_tokens or 0)
                 if outcome.replica != "-":
                     self.state.replica_outcomes.record(self.state.live.now(), outcome.replica, outcome.status == 200 and outcome.stream_error is None,
                                                        met_slo, outcome.ttft_s, outcome.tpot_s, outcome.completion_tokens or 0)

@@ -36,6 +36,8 @@ from gateway.upstream import UpstreamError, UpstreamPool, UpstreamResponse
 _DONE = b"data: [DONE]"
 _USAGE_KEY = b'"completion_tokens":'
 _PROMPT_KEY = b'"prompt_tokens":'
+# usage.prompt_tokens_details.cached_tokens (sglang; vLLM with --enable-prompt-tokens-details; the emulator)
+_CACHED_KEY = b'"cached_tokens":'
 _MEDIA_TYPE = re.compile(r"[\x21-\x7e]+(?: ?;[\x20-\x7e]*)?")
 _DIGITS = re.compile(rb"[ \t]*([0-9]+)")
 # The Responses API's last event, whatever way the response ended; quoted, so a model's text (where
@@ -76,6 +78,7 @@ class Outcome:
     tpot_s: float | None = None
     prompt_tokens: int | None = None
     completion_tokens: int | None = None
+    cached_tokens: int | None = None  # of the prompt, served from the engine's prefix cache (None: not reported)
     stream_error: str | None = None
     response_id: str | None = None  # a Responses answer's id (the replica holds it for follow-ups)
     engine_share_s: float = 0.0  # its share of its replicas' engine time over all attempts (fleet.engine_share)
@@ -97,6 +100,7 @@ def _count_stream(outcome: Outcome, tail: bytes, num_events: int, first_at: floa
     """A chat or completions stream's usage (from its last bytes, when the engine sent it) and TPOT."""
     outcome.prompt_tokens = _usage_int(tail, _PROMPT_KEY)
     outcome.completion_tokens = _usage_int(tail, _USAGE_KEY)
+    outcome.cached_tokens = _usage_int(tail, _CACHED_KEY)
     num_tokens = outcome.completion_tokens or max(0, num_events - 2)
     if num_tokens > 1:
         outcome.tpot_s = (last_event_at - first_at) / (num_tokens - 1)
@@ -121,6 +125,9 @@ def _read_response(response: object, outcome: Outcome) -> None:
         tokens_in, tokens_out = usage.get("input_tokens"), usage.get("output_tokens")
         outcome.prompt_tokens = tokens_in if isinstance(tokens_in, int) else None
         outcome.completion_tokens = tokens_out if isinstance(tokens_out, int) else None
+        details = usage.get("input_tokens_details")
+        cached = details.get("cached_tokens") if isinstance(details, dict) else None
+        outcome.cached_tokens = cached if isinstance(cached, int) else None
 
 
 def engine_priority(pool: PoolState, tier_priority: int) -> int | None:
@@ -378,6 +385,7 @@ class Proxy:
             else:
                 outcome.prompt_tokens = _usage_int(body, wire.prompt_key)
                 outcome.completion_tokens = _usage_int(body, wire.completion_key)
+                outcome.cached_tokens = _usage_int(body, _CACHED_KEY)
         content_type = upstream.headers.get("content-type", "")
         # Only a plain media type is passed on: a replica's control characters must not reach our headers.
         headers["Content-Type"] = content_type if _MEDIA_TYPE.fullmatch(content_type) else "application/json"

@@ -26,7 +26,8 @@ if TYPE_CHECKING:
 
 class TelemetrySink(Protocol):
     def record_arrival(self, now: float, shape: str, tier: str, prompt_tokens: int, model: str) -> None: ...  # model: the served one
-    def record_outcome(self, now: float, shape: str, pool: str, met_slo: bool, completion_tokens: int, model: str) -> None: ...
+    def record_outcome(self, now: float, shape: str, pool: str, met_slo: bool, completion_tokens: int, model: str,
+                       cached_tokens: int = 0) -> None: ...
 
 
 class FleetLink(Protocol):

@@ -74,6 +74,11 @@ _ALIASES = {
 }
 
 
+# A prefix cache never serves a whole prompt (the last token is always computed) and shares measured over
+# a short window overstate the long run's: a share is capped here wherever one is measured.
+MAX_PREFIX_SHARE = 0.95
+
+
 @dataclass(frozen=True, slots=True)
 class EngineConfig:
     """One compiled engine configuration (per replica: tp GPUs per data-parallel rank, dp ranks)."""
@@ -119,6 +124,12 @@ class EngineConfig:
             _check_choice("quantization", self.quantization, QUANTIZATIONS)
         if self.speculative_algorithm is not None:
             _check_choice("speculative_algorithm", self.speculative_algorithm, SPECULATIVE_ALGORITHMS)
+
+    def prefilled_share(self, prefix_share: float) -> float:
+        """The share of a prompt's tokens this engine computes when a prefix cache could reuse
+        ``prefix_share`` of them. Charging a prompt at its unshared length is an approximation: decode
+        still reads the whole context (the compiler's evaluators and the fleet's capacity model both)."""
+        return 1.0 - prefix_share if self.enable_prefix_caching else 1.0
 
     @property
     def num_gpus(self) -> int:

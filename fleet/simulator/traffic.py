@@ -11,6 +11,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
+from kernels.engine import DEFAULT_PREFIX_BLOCK_TOKENS
+
 
 class SimRequest(Protocol):
     @property
@@ -46,3 +48,22 @@ class SimTraffic:
     specs: Sequence[SimRequest]
     duration_s: float
     drift_onsets_s: tuple[float, ...] = ()
+
+
+def reusable_prefix_tokens(specs: Sequence[SimRequest], block_tokens: int = DEFAULT_PREFIX_BLOCK_TOKENS) -> list[int]:
+    """Per request, the prompt tokens an unbounded prefix cache would serve it: its leading blocks
+    whose whole chain of ids an earlier request already sent (what the engines' block cache matches),
+    at most all but its last token. What an oracle knows of a window's cache hits before they happen."""
+    seen: set[int] = set()
+    out = []
+    for spec in specs:
+        chain, num_reused, leading = 0, 0, True
+        for hash_id in spec.hash_ids:
+            chain = hash((chain, hash_id))
+            if leading and chain in seen:
+                num_reused += 1
+            else:
+                leading = False
+                seen.add(chain)
+        out.append(min(num_reused * block_tokens, max(0, spec.input_tokens - 1)))
+    return out

@@ -33,7 +33,7 @@ from fleet.rollout import SlotState
 from fleet.router import Reject, RouterSettings, Wait, route, work_units
 from fleet.simulator.events import Event, EventLoop
 from fleet.simulator.replica import VirtualReplica
-from fleet.simulator.traffic import SimRequest, Traffic
+from fleet.simulator.traffic import SimRequest, Traffic, reusable_prefix_tokens
 from fleet.telemetry import Telemetry, TrafficMix
 from kernels.catalog import get_gpu, get_model
 from kernels.config import EngineConfig
@@ -59,11 +59,13 @@ class Outcomes:
     overhead_s: np.ndarray
     met_slo: np.ndarray
     shed: np.ndarray  # refused with 429 before any token (by the router, or a queue's deadline or bound)
+    cached_tokens: np.ndarray  # prompt tokens its engine took from a prefix cache (what a response's usage reports)
     num_dropped: int = 0
 
     @classmethod
     def empty(cls, num: int) -> Outcomes:
-        return cls(np.full(num, np.nan), np.full(num, np.nan), np.zeros(num), np.zeros(num, dtype=bool), np.zeros(num, dtype=bool))
+        return cls(np.full(num, np.nan), np.full(num, np.nan), np.zeros(num), np.zeros(num, dtype=bool), np.zeros(num, dtype=bool),
+                   np.zeros(num, dtype=np.int64))
 
     @property
     def num_shed(self) -> int:
@@ -92,6 +94,7 @@ class FleetSim:
         self.telemetry = telemetry
         self.shapes = [classify(s, settings.rules) for s in self.specs]
         self.arrivals_s = [s.arrival_s for s in self.specs]
+        self.reusable_tokens = reusable_prefix_tokens(self.specs)  # what planning before the run (true_mix) knows of cache hits
         self.outcomes = Outcomes.empty(len(self.specs))
         self.pools: dict[str, PoolState] = {}
         self.pool_to_model: dict[str, PoolModel] = {}  # pool -> the capacity model's view of it, for the router
@@ -300,8 +303,9 @@ class FleetSim:
             return ()  # superseded by a cut
         outputs = rep.finish_plan(now)
         out = self.outcomes
-        for req_id in outputs.first_token_req_ids:
+        for req_id, num_cached in zip(outputs.first_token_req_ids, outputs.first_token_num_cached, strict=True):
             out.first_at[int(req_id)] = now
+            out.cached_tokens[int(req_id)] = num_cached
         for req_id in outputs.finished_req_ids:
             self._finish(int(req_id), rep, now)
         plan = rep.next_plan(now)
@@ -318,7 +322,7 @@ class FleetSim:
         met = bool(slo_for(self.settings.tiers, spec.tier).met(ttft, tpot))  # numpy floats: a numpy bool otherwise
         out.met_slo[index] = met
         rep.state.end(spec.input_tokens + spec.output_tokens, self.work[index])
-        self.telemetry.record_outcome(now, self.shapes[index], rep.pool, met, spec.output_tokens)
+        self.telemetry.record_outcome(now, self.shapes[index], rep.pool, met, spec.output_tokens, int(out.cached_tokens[index]))
         self._num_done += 1
 
 

@@ -75,11 +75,11 @@ class Screening(Protocol):
         ...
 
 
-def shape_workloads(shape: TrafficShape, prefix_caching: bool) -> tuple[list[Workload], list[float]]:
+def shape_workloads(shape: TrafficShape, config: EngineConfig) -> tuple[list[Workload], list[float]]:
     """The shape as a weighted mix of fixed-length workloads (prompt x output quantile x domain).
     With prefix caching the shared part of a prompt is neither recomputed nor held twice, so the
-    prompt is charged at its unshared length (an approximation: decode still reads the whole context)."""
-    keep = 1.0 - shape.prefix_share if prefix_caching else 1.0
+    prompt is charged at its unshared length (EngineConfig.prefilled_share)."""
+    keep = config.prefilled_share(shape.prefix_share)
     workloads: list[Workload] = []
     weights: list[float] = []
     domains = shape.domain_weights()
@@ -144,7 +144,7 @@ class _RateLadder:
     @classmethod
     def for_config(cls, model: ModelSpec, gpu: GpuSpec, config: EngineConfig, shape: TrafficShape, seed: int) -> _RateLadder:
         perf = PerfModel(model, gpu, config)
-        workloads, weights = shape_workloads(shape, perf.config.enable_prefix_caching)
+        workloads, weights = shape_workloads(shape, perf.config)
         ceiling = offline_rate_rps(perf, workloads, weights)
         low = math.ceil(math.log(RATE_BRACKET[0] * ceiling, _RATE_STEP))
         high = max(low + 1, math.floor(math.log(RATE_BRACKET[1] * ceiling, _RATE_STEP)))
@@ -238,7 +238,7 @@ class AnalyticEvaluator:
 
     def evaluate(self, model: ModelSpec, gpu: GpuSpec, config: EngineConfig, shape: TrafficShape) -> Metrics:
         perf = PerfModel(model, gpu, config)
-        keep = 1.0 - shape.prefix_share if perf.config.enable_prefix_caching else 1.0
+        keep = perf.config.prefilled_share(shape.prefix_share)
         isl, osl = shape.mean_prompt_tokens * keep, shape.mean_output_tokens
         domain = max(shape.domain_weights().items(), key=lambda item: item[1])[0]
         held = isl + osl / 2

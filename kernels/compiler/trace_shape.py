@@ -10,6 +10,7 @@ from pathlib import Path
 
 from kernels.compiler.evaluators import ReplayRequest
 from kernels.compiler.shape import TrafficShape, shape_from_samples
+from kernels.config import MAX_PREFIX_SHARE
 from kernels.tiers import DEFAULT_TIERS
 from kernels.traces import read_trace_rows
 
@@ -32,7 +33,7 @@ def prefix_share(requests: list[ReplayRequest]) -> float:
         total += len(req.prefix_hash_ids)
         reused += sum(1 for h in req.prefix_hash_ids if h in seen)
         seen.update(req.prefix_hash_ids)
-    return min(0.95, reused / total) if total else 0.0
+    return min(MAX_PREFIX_SHARE, reused / total) if total else 0.0
 
 
 def shape_from_trace(path: Path | str, trace_format: str, tier: str = "interactive") -> tuple[TrafficShape, list[ReplayRequest]]:
