@@ -5,10 +5,12 @@ shape's length distribution: the cross product of its equal-mass prompt and outp
 (fleet.lengths; the means when a load carries no points) as a Poisson load on the engine scheduler,
 the same engine the simulator and emulator run, against the p99 TTFT and TPOT of the shape's
 strictest tier. Sizing pools from mean lengths under-provisions heavy-tailed shapes (the long prompts
-set the p99 TTFT); the points carry the tail. Prompts are charged at the share of their tokens the
-engines computed (``ShapeLoad.prefix_share``, measured from the responses' cached tokens): chat behind
-a shared 1,024-token system prompt costs its ~40 new tokens, not 1,060 (the routing workload's
-short-chat on an H100: 15.6 req/s at full length). Points are on a quarter-octave grid, so nearby windows
+set the p99 TTFT); the points carry the tail. The share of prompt tokens engines served from their
+prefix cache (``ShapeLoad.prefix_share``, measured from the responses' cached tokens) becomes a prefix
+every simulated request shares: chat behind a 1,024-token system prompt (1,060-token prompts, 200
+out) meets the interactive tier at 66 req/s on an H100 (the search's ceiling: 1.2x the closed-form
+offline rate, which counts every decode step's attention over the whole context), not the 21 req/s
+of 1,060 new tokens each. Points are on a quarter-octave grid, so nearby windows
 share a cache entry and a stationary mix costs nothing after its first plan. The cache can persist to
 a JSON file (the bench keeps one between runs).
 
@@ -19,6 +21,7 @@ capacity model beside a small fixed candidate set that stands in until the compi
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 from collections.abc import Sequence
@@ -43,6 +46,11 @@ CANDIDATE_CONFIGS: tuple[EngineConfig, ...] = (
 )
 
 
+# Bumped when an evaluation of the same key would answer differently: a persisted cache's older answers are
+# not read (2: shared prefixes, and the rate search's bracket no longer starved by the chunk limit).
+_KEY_VERSION = 2
+
+
 @dataclass(frozen=True, slots=True)
 class Capacity:
     rate_rps: float  # per replica, within the SLO
@@ -60,12 +68,12 @@ def length_points(load: ShapeLoad) -> tuple[tuple[int, ...], tuple[int, ...]]:
     return prompts, outputs
 
 
-def charged_points(load: ShapeLoad, config: EngineConfig) -> tuple[tuple[int, ...], tuple[int, ...]]:
-    """``length_points`` with each prompt charged at the share of it ``config``'s engine computes (on the
-    grid again, so nearby shares share a cache entry)."""
-    prompts, outputs = length_points(load)
-    keep = config.prefilled_share(load.prefix_share)
-    return (prompts if keep >= 1.0 else tuple(snap_tokens(p * keep) for p in prompts)), outputs
+def shared_prefix_tokens(load: ShapeLoad, config: EngineConfig) -> int:
+    """The prompt tokens every request of ``load`` shares, as ``config``'s engine caches them (on the
+    grid, so nearby shares share a cache entry; 0 without prefix caching)."""
+    if load.prefix_share <= 0 or not config.enable_prefix_caching:
+        return 0
+    return snap_tokens(load.prefix_share * load.mean_prompt_tokens)
 
 
 class PerfCapacity:
@@ -86,15 +94,17 @@ class PerfCapacity:
             for key, (rate, conc) in json.loads(cache_path.read_text()).items():
                 self._key_to_capacity[key] = Capacity(rate, conc)
 
-    def _key(self, gpu: str, config: EngineConfig, prompts: tuple[int, ...], outputs: tuple[int, ...], slo: TierSlo) -> str:
-        return json.dumps([self.model, gpu, config.to_dict(), prompts, outputs, slo.ttft_p99_s, slo.tpot_p99_s], sort_keys=True)
+    def _key(self, gpu: str, config: EngineConfig, prompts: tuple[int, ...], outputs: tuple[int, ...], slo: TierSlo, shared: int) -> str:
+        return json.dumps([_KEY_VERSION, self.model, gpu, config.to_dict(), prompts, outputs, slo.ttft_p99_s, slo.tpot_p99_s, shared],
+                          sort_keys=True)
 
     def estimate(self, gpu: str, config: EngineConfig, load: ShapeLoad, slo: TierSlo) -> Capacity:
-        prompts, outputs = charged_points(load, config)
-        key = self._key(gpu, config, prompts, outputs, slo)
+        prompts, outputs = length_points(load)
+        shared = shared_prefix_tokens(load, config)
+        key = self._key(gpu, config, prompts, outputs, slo, shared)
         found = self._key_to_capacity.get(key)
         if found is None:
-            found = self._key_to_capacity[key] = self._evaluate(gpu, config, prompts, outputs, slo)
+            found = self._key_to_capacity[key] = self._evaluate(gpu, config, prompts, outputs, slo, shared)
             self._save()
         return found
 
@@ -105,10 +115,11 @@ class PerfCapacity:
             return
         key_to_future = {}
         for gpu, config, load, slo in queries:
-            prompts, outputs = charged_points(load, config)
-            key = self._key(gpu, config, prompts, outputs, slo)
+            prompts, outputs = length_points(load)
+            shared = shared_prefix_tokens(load, config)
+            key = self._key(gpu, config, prompts, outputs, slo, shared)
             if key not in self._key_to_capacity and key not in key_to_future:
-                args = (self.model, gpu, config, prompts, outputs, slo, self.rel_tol, self.num_requests)
+                args = (self.model, gpu, config, prompts, outputs, slo, self.rel_tol, self.num_requests, shared)
                 key_to_future[key] = self.executor.submit(evaluate_capacity, *args)
         for key, future in key_to_future.items():
             self._key_to_capacity[key] = future.result()
@@ -116,9 +127,10 @@ class PerfCapacity:
         if key_to_future:
             self._save()
 
-    def _evaluate(self, gpu: str, config: EngineConfig, prompts: tuple[int, ...], outputs: tuple[int, ...], slo: TierSlo) -> Capacity:
+    def _evaluate(self, gpu: str, config: EngineConfig, prompts: tuple[int, ...], outputs: tuple[int, ...], slo: TierSlo,
+                  shared: int) -> Capacity:
         self.num_evaluations += 1
-        args = (self.model, gpu, config, prompts, outputs, slo, self.rel_tol, self.num_requests)
+        args = (self.model, gpu, config, prompts, outputs, slo, self.rel_tol, self.num_requests, shared)
         if self.executor is None:
             return evaluate_capacity(*args)
         return self.executor.submit(evaluate_capacity, *args).result()
@@ -134,16 +146,17 @@ class PerfCapacity:
 
 
 def evaluate_capacity(model: str, gpu: str, config: EngineConfig, prompts: tuple[int, ...], outputs: tuple[int, ...],
-                      slo: TierSlo, rel_tol: float, num_requests: int) -> Capacity:
-    """One replica's rate within ``slo`` on the (prompt, output) cross product (module-level: picklable)."""
+                      slo: TierSlo, rel_tol: float, num_requests: int, shared_prefix_tokens: int = 0) -> Capacity:
+    """One replica's rate within ``slo`` on the (prompt, output) cross product, every prompt starting with
+    the same ``shared_prefix_tokens`` (all but its last token of a shorter one) (module-level: picklable)."""
     perf = PerfModel(get_model(model), get_gpu(gpu), config)
     if not perf.fits or max(prompts) + max(outputs) > perf.kv_capacity_tokens:
         return Capacity(0.0, 0.0)
-    workloads = [Workload(p, o, num_requests=num_requests) for p in prompts for o in outputs]
+    workloads = [Workload(p, o, num_requests=num_requests, shared_prefix_tokens=min(shared_prefix_tokens, p - 1)) for p in prompts for o in outputs]
     rate = max_rate_under_slo(perf, workloads, ttft_p99_s=slo.ttft_p99_s, tpot_p99_s=slo.tpot_p99_s, rel_tol=rel_tol)
     if rate <= 0:
         return Capacity(0.0, 0.0)
-    at = simulate(perf, [Workload(w.isl, w.osl, rate=rate, num_requests=num_requests) for w in workloads], [1.0] * len(workloads))
+    at = simulate(perf, [dataclasses.replace(w, rate=rate) for w in workloads], [1.0] * len(workloads))
     mean_osl = sum(outputs) / len(outputs)
     return Capacity(rate, rate * (at.ttft_mean_s + at.tpot_mean_s * mean_osl))
 

@@ -69,10 +69,10 @@ class ModelTelemetry:
             found.record_arrival(now, shape, tier, prompt_tokens)
 
     def record_outcome(self, now: float, shape: str, pool: str, met_slo: bool, completion_tokens: int, model: str,
-                       cached_tokens: int = 0) -> None:
+                       cached_tokens: int = 0, of_prompt_tokens: int = 0) -> None:
         found = self.model_to_telemetry.get(model)
         if found is not None:
-            found.record_outcome(now, shape, pool, met_slo, completion_tokens, cached_tokens)
+            found.record_outcome(now, shape, pool, met_slo, completion_tokens, cached_tokens, of_prompt_tokens)
 
 
 class MultiController:

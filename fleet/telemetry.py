@@ -4,9 +4,10 @@ The gateway calls ``record_arrival`` when it has classified a request and ``reco
 response ends; the simulator calls the same two methods on its virtual clock. Time is bucketed
 (``bucket_s``) in a ring of ``window_s / bucket_s`` buckets, so a record is a few dict updates and a
 window is a sum over the ring. Arrivals, not completions, measure demand: under overload completions
-only show what the fleet managed to serve. An outcome carries the prompt tokens its engine served from
-a prefix cache (the response's ``usage.prompt_tokens_details.cached_tokens``): the capacity model
-charges a shape's prompts at the share the engines really computed, not at their full length.
+only show what the fleet managed to serve. An outcome carries the prompt tokens its engine counted and
+those it served from a prefix cache (the response's ``usage.prompt_tokens`` and
+``usage.prompt_tokens_details.cached_tokens``; both the engine's, as a tokenizer of the gateway's own
+would count differently): the capacity model prices a shape with that share of its prompts cached.
 """
 
 from __future__ import annotations
@@ -88,22 +89,20 @@ class TrafficMix:
 def mix_from_counts(
     ended_at: float,
     window_s: float,
-    shape_to_counts: Mapping[str, tuple[int, float, float, int, Mapping[str, int], float]],
+    shape_to_counts: Mapping[str, tuple[int, float, float, int, Mapping[str, int], float, float]],
     shape_to_bins: Mapping[str, tuple[Mapping[int, int], Mapping[int, int]]] | None = None,
 ) -> TrafficMix:
     """Build a mix from per-shape (arrivals, prompt tokens, output tokens, outcomes, tier counts, the
-    outcomes' cached prompt tokens) and, optionally, per-shape (prompt, output) length histograms
-    (fleet.lengths bins)."""
+    outcomes' cached prompt tokens, the prompt tokens those were counted among) and, optionally,
+    per-shape (prompt, output) length histograms (fleet.lengths bins)."""
     loads = []
     for name in sorted(shape_to_counts):
-        num, prompt, output, num_out, tiers, cached = shape_to_counts[name]
+        num, prompt, output, num_out, tiers, cached, cached_of = shape_to_counts[name]
         if num == 0:
             continue
         shares = tuple(sorted((t, n / num) for t, n in tiers.items() if n))
         prompt_bins, output_bins = (shape_to_bins or {}).get(name, ({}, {}))
-        # cached tokens per outcome over prompt tokens per arrival: both means, so a window whose
-        # outcomes lag its arrivals still gives the share
-        prefix_share = min(MAX_PREFIX_SHARE, cached / num_out / (prompt / num)) if num_out and prompt > 0 else 0.0
+        prefix_share = min(MAX_PREFIX_SHARE, cached / cached_of) if cached_of > 0 else 0.0
         loads.append(ShapeLoad(name, num / window_s, prompt / num, output / num_out if num_out else 0.0, shares,
                                equal_mass_points(prompt_bins), equal_mass_points(output_bins), prefix_share))
     return TrafficMix(ended_at, window_s, tuple(loads))
@@ -114,7 +113,8 @@ class _Bucket:
 
     def __init__(self) -> None:
         self.shape_to_arrivals: dict[str, list[Any]] = {}  # shape -> [num, prompt_tokens, {tier: num}, {bin: num}]
-        self.shape_to_outputs: dict[str, list[Any]] = {}  # shape -> [num, completion_tokens, {bin: num}, cached prompt tokens]
+        # shape -> [num, completion_tokens, {bin: num}, cached prompt tokens, the prompt tokens they were counted among]
+        self.shape_to_outputs: dict[str, list[Any]] = {}
         self.pool_to_outcomes: dict[str, list[int]] = {}  # pool -> [num, num_met]
 
 
@@ -155,15 +155,18 @@ class Telemetry:
         index = length_bin(prompt_tokens)
         bins[index] = bins.get(index, 0) + 1
 
-    def record_outcome(self, now: float, shape: str, pool: str, met_slo: bool, completion_tokens: int, cached_tokens: int = 0) -> None:
-        """``cached_tokens``: of its prompt, the tokens its engine took from a prefix cache (0: none, or not reported)."""
+    def record_outcome(self, now: float, shape: str, pool: str, met_slo: bool, completion_tokens: int, cached_tokens: int = 0,
+                       of_prompt_tokens: int = 0) -> None:
+        """``cached_tokens`` of the ``of_prompt_tokens`` its engine counted in its prompt came from a prefix
+        cache (0 of 0: the engine did not say)."""
         bucket = self._bucket(now)
         out = bucket.shape_to_outputs.get(shape)
         if out is None:
-            out = bucket.shape_to_outputs[shape] = [0, 0, {}, 0]
+            out = bucket.shape_to_outputs[shape] = [0, 0, {}, 0, 0]
         out[0] += 1
         out[1] += completion_tokens
         out[3] += cached_tokens
+        out[4] += of_prompt_tokens
         index = length_bin(completion_tokens)
         out[2][index] = out[2].get(index, 0) + 1
         pool_entry = bucket.pool_to_outcomes.get(pool)
@@ -185,21 +188,21 @@ class Telemetry:
         num_full = min(self._num_buckets - 1, self._current - (self._first or 0))
         if span_s is not None:
             num_full = min(num_full, max(1, int(span_s // self.bucket_s)))
-        counts: dict[str, tuple[int, float, float, int, dict[str, int], float]] = {}
+        counts: dict[str, tuple[int, float, float, int, dict[str, int], float, float]] = {}
         pools: dict[str, list[int]] = {}
         bins: dict[str, tuple[dict[int, int], dict[int, int]]] = {}
         for back in range(1, num_full + 1):
             bucket = self._ring[(self._current - back) % self._num_buckets]
             for shape, (num, prompt, tiers, prompt_bins) in bucket.shape_to_arrivals.items():
-                n0, p0, o0, no0, t0, c0 = counts.get(shape, (0, 0.0, 0.0, 0, {}, 0.0))
+                n0, p0, o0, no0, t0, c0, of0 = counts.get(shape, (0, 0.0, 0.0, 0, {}, 0.0, 0.0))
                 merged = dict(t0)
                 for tier, n in tiers.items():
                     merged[tier] = merged.get(tier, 0) + n
-                counts[shape] = (n0 + num, p0 + prompt, o0, no0, merged, c0)
+                counts[shape] = (n0 + num, p0 + prompt, o0, no0, merged, c0, of0)
                 add_counts(bins.setdefault(shape, ({}, {}))[0], prompt_bins)
-            for shape, (num_out, tokens, output_bins, cached) in bucket.shape_to_outputs.items():
-                n0, p0, o0, no0, t0, c0 = counts.get(shape, (0, 0.0, 0.0, 0, {}, 0.0))
-                counts[shape] = (n0, p0, o0 + tokens, no0 + num_out, t0, c0 + cached)
+            for shape, (num_out, tokens, output_bins, cached, cached_of) in bucket.shape_to_outputs.items():
+                n0, p0, o0, no0, t0, c0, of0 = counts.get(shape, (0, 0.0, 0.0, 0, {}, 0.0, 0.0))
+                counts[shape] = (n0, p0, o0 + tokens, no0 + num_out, t0, c0 + cached, of0 + cached_of)
                 add_counts(bins.setdefault(shape, ({}, {}))[1], output_bins)
             for pool, (num, met) in bucket.pool_to_outcomes.items():
                 acc = pools.setdefault(pool, [0, 0])

@@ -3,8 +3,9 @@
 A gateway that is not the controller's process records arrivals and outcomes into a ``TelemetryBatch``
 (the same two calls as ``ModelTelemetry``, so the request path does not care which it has). The batch
 keeps counts and token sums per (telemetry bucket, model, shape, tier or pool, length bin): a report is a
-few hundred numbers whatever the request rate. An outcome row's last number, the prompt tokens engines
-served from a prefix cache, is optional: a gateway of an earlier version sends rows without it. ``replay`` feeds a report into the controller's
+few hundred numbers whatever the request rate. An outcome row's last two numbers, the prompt tokens
+engines served from a prefix cache and the prompt tokens those were counted among, are optional: a
+gateway of an earlier version sends rows without them. ``replay`` feeds a report into the controller's
 ``ModelTelemetry`` at each bucket's time, each length bin's tokens spread over its requests, so each
 model's controller sees windows, rates and length histograms of its own requests.
 """
@@ -26,7 +27,8 @@ class TelemetryBatch:
     def __init__(self, bucket_s: float = 5.0) -> None:
         self.bucket_s = bucket_s
         self._arrivals: dict[tuple[int, str, str, str, int], list[int]] = {}  # -> [num, prompt tokens]
-        self._outcomes: dict[tuple[int, str, str, str, bool, int], list[int]] = {}  # -> [num, completion tokens, cached prompt tokens]
+        # -> [num, completion tokens, cached prompt tokens, the prompt tokens they were counted among]
+        self._outcomes: dict[tuple[int, str, str, str, bool, int], list[int]] = {}
 
     def record_arrival(self, now: float, shape: str, tier: str, prompt_tokens: int, model: str) -> None:
         key = (int(now // self.bucket_s), model, shape, tier, length_bin(prompt_tokens))
@@ -35,20 +37,21 @@ class TelemetryBatch:
         entry[1] += prompt_tokens
 
     def record_outcome(self, now: float, shape: str, pool: str, met_slo: bool, completion_tokens: int, model: str,
-                       cached_tokens: int = 0) -> None:
+                       cached_tokens: int = 0, of_prompt_tokens: int = 0) -> None:
         key = (int(now // self.bucket_s), model, shape, pool, met_slo, length_bin(completion_tokens))
-        entry = self._outcomes.setdefault(key, [0, 0, 0])
+        entry = self._outcomes.setdefault(key, [0, 0, 0, 0])
         entry[0] += 1
         entry[1] += completion_tokens
         entry[2] += cached_tokens
+        entry[3] += of_prompt_tokens
 
     def take(self) -> dict[str, Any]:
         """The report so far (JSON-able), and a fresh batch."""
         doc = {
             "bucket_s": self.bucket_s,
             "arrivals": [[b, model, shape, tier, n, tokens] for (b, model, shape, tier, _), (n, tokens) in self._arrivals.items()],
-            "outcomes": [[b, model, shape, pool, met, n, tokens, cached]
-                         for (b, model, shape, pool, met, _), (n, tokens, cached) in self._outcomes.items()],
+            "outcomes": [[b, model, shape, pool, met, n, tokens, cached, cached_of]
+                         for (b, model, shape, pool, met, _), (n, tokens, cached, cached_of) in self._outcomes.items()],
         }
         self._arrivals, self._outcomes = {}, {}
         return doc
@@ -82,8 +85,8 @@ class Report:
 
     bucket_s: float
     arrivals: tuple[tuple[int, str, str, str, int, int], ...]  # bucket, model, shape, tier, count, prompt tokens
-    # bucket, model, shape, pool, met SLO, count, completion tokens, cached prompt tokens
-    outcomes: tuple[tuple[int, str, str, str, bool, int, int, int], ...]
+    # bucket, model, shape, pool, met SLO, count, completion tokens, cached prompt tokens, the prompt tokens they were counted among
+    outcomes: tuple[tuple[int, str, str, str, bool, int, int, int, int], ...]
 
 
 def parse(doc: object) -> Report:
@@ -94,9 +97,9 @@ def parse(doc: object) -> Report:
     if isinstance(bucket_s, bool) or not isinstance(bucket_s, (int, float)) or bucket_s <= 0:
         raise ValueError("bucket_s must be a positive number")
     rows = doc.get("outcomes", [])
-    if isinstance(rows, list):  # an earlier version's rows end at the completion tokens: none were cached
-        doc = {**doc, "outcomes": [[*row, 0] if isinstance(row, list) and len(row) == 7 else row for row in rows]}
-    outcomes = _entries(doc, "outcomes", 8, 5)
+    if isinstance(rows, list):  # an earlier version's rows end at the completion tokens: no cache figures
+        doc = {**doc, "outcomes": [[*row, 0, 0] if isinstance(row, list) and len(row) == 7 else row for row in rows]}
+    outcomes = _entries(doc, "outcomes", 9, 5)
     if not all(isinstance(row[4], bool) for row in outcomes):
         raise ValueError("outcomes: met_slo must be true or false")
     return Report(float(bucket_s), tuple(tuple(r) for r in _entries(doc, "arrivals", 6, 4)), tuple(tuple(r) for r in outcomes))
@@ -117,6 +120,6 @@ def replay(report: Report, telemetry: ModelTelemetry, now: float) -> None:
             for prompt_tokens in _spread(num, tokens):
                 telemetry.record_arrival(at(bucket), shape, tier, prompt_tokens, model)
         else:
-            _, model, shape, pool, met, num, tokens, cached = row
-            for completion_tokens, cached_tokens in zip(_spread(num, tokens), _spread(num, cached), strict=True):
-                telemetry.record_outcome(at(bucket), shape, pool, met, completion_tokens, model, cached_tokens)
+            _, model, shape, pool, met, num, tokens, cached, cached_of = row
+            for completion_tokens, cached_tokens, of_prompt in zip(_spread(num, tokens), _spread(num, cached), _spread(num, cached_of), strict=True):
+                telemetry.record_outcome(at(bucket), shape, pool, met, completion_tokens, model, cached_tokens, of_prompt)

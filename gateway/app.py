@@ -30,14 +30,13 @@ from gateway.dashboard import add_dashboard_routes, is_admin_request
 from gateway.endpoints import CHAT_METER, COMPLETIONS_METER, EMBEDDINGS, RERANK, RERANK_PATHS, RESPONSES, SCORE, SCORE_PATHS, Endpoint, Meter
 from gateway.engine_scrape import EngineScraper
 from gateway.errors import ApiError, error_response
-from gateway.live_fleet import LiveFleet
 from gateway.openapi import DOCUMENT_BYTES
 from gateway.probes import HealthProber
 from gateway.proxy import Outcome, Proxy
 from gateway.response_ids import ResponseIds
 from gateway.response_lookup import find_stored
 from gateway.runtime import Runtime
-from gateway.state import GatewayState
+from gateway.state import FleetLink, GatewayState
 from gateway.tracing import RequestTrace, RequestTracer, build_tracer
 from gateway.upstream import UpstreamPool
 from gateway.validate import validate_body
@@ -338,8 +337,9 @@ class Handlers:
             met_slo = _met_slo(runtime, tier, outcome)
             self.state.series.record(time.time(), shape.name, tier, outcome.pool, outcome.status == 200, met_slo, outcome.ttft_s, outcome.tpot_s)
             if self.state.live is not None:
+                cached = (outcome.cached_tokens, outcome.prompt_tokens) if outcome.cached_tokens is not None and outcome.prompt_tokens else (0, 0)
                 self.state.live.telemetry.record_outcome(self.state.live.now(), shape.name, outcome.pool, met_slo, outcome.completion_tokens or 0, model,
-                                                         outcome.cached_tokens or 0)
+                                                         *cached)
                 if outcome.replica != "-":
                     self.state.replica_outcomes.record(self.state.live.now(), outcome.replica, outcome.status == 200 and outcome.stream_error is None,
                                                        met_slo, outcome.ttft_s, outcome.tpot_s, outcome.completion_tokens or 0)
@@ -467,7 +467,7 @@ async def _on_cleanup(app: web.Application) -> None:
 def build_app(
     config: GatewayConfig,
     replica_urls: dict[str, list[str]] | None = None,
-    live_fleet: Callable[[GatewayState], LiveFleet] | None = None,
+    live_fleet: Callable[[GatewayState], FleetLink] | None = None,
     span_exporter: SpanExporter | None = None,
 ) -> web.Application:
     """The gateway as an aiohttp app. Raises ClassifierLoadError early if the classifier cannot load.

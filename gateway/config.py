@@ -120,6 +120,14 @@ class PoolSpec:
     max_in_flight_per_replica: int | None = None
     launch: EngineLaunch = EngineLaunch("emulated")
     price_per_hour_usd: float | None = None  # one replica's price; None: its GPUs' catalog price (gateway.costs)
+    # its ``urls`` are emulated replicas (`polymorph emulate`, engine ``kind: emulated`` said outright): they
+    # run at ``fleet.emulator_speed`` like launched ones, so their latencies and capacity are in fleet time
+    emulated_urls: bool = False
+
+    @property
+    def real(self) -> bool:
+        """Its replicas are real engines (latencies in wall time), not emulated ones."""
+        return (bool(self.urls) and not self.emulated_urls) or self.engine_kind != "emulated"
 
     @property
     def engine_kind(self) -> str:
@@ -390,6 +398,7 @@ def _pool(doc: YamlDoc, i: int, body: object, shape_names: tuple[str, ...]) -> P
     if launch.adapters and launch.kind == "llamacpp":
         raise r.error("adapters", "llama-server selects LoRA adapters by id in each request's `lora` field, not by model name: "
                                   "adapters are not supported on llamacpp pools (serve them from a vllm or sglang pool)")
+    said_emulated = engine.get("kind") == "emulated"
     engine = {k: v for k, v in engine.items() if k not in _LAUNCH_KEYS}
     rr = _Reader(doc, (*path, "replicas"), r.data.get("replicas"), {"urls", "emulated", "launch"})
     urls = rr.names("urls", []) or []
@@ -423,6 +432,7 @@ def _pool(doc: YamlDoc, i: int, body: object, shape_names: tuple[str, ...]) -> P
         max_in_flight_per_replica=(r.number("max_in_flight_per_replica", 1, lo=1, hi=1_000_000, integer=True)
                                    if "max_in_flight_per_replica" in r.data else None),
         price_per_hour_usd=r.number("price_per_hour_usd", 0.0, lo=0.0, hi=1e6) if "price_per_hour_usd" in r.data else None,
+        emulated_urls=bool(urls) and said_emulated,
     )
 
 

@@ -140,6 +140,8 @@ class LiveFleet:
     of several models, each model's controller plans the slots its pools held at adoption (fleet.multi), and
     the arbiter (fleet.rebalance) moves a slot to another model when that model's plan needs it."""
 
+    owns_pools = True
+
     def __init__(self, state: GatewayState, control: ReplicaControl, models: tuple[str, ...], speed: float, settings: ControllerSettingsFile) -> None:
         self.state = state
         self.control = control

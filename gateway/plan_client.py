@@ -71,6 +71,8 @@ def plan_restarts(doc: dict[str, Any]) -> list[Restart]:
 class PlanClient:
     """What ``GatewayState.live`` is in external mode: telemetry out, plans in."""
 
+    owns_pools = True
+
     def __init__(self, state: GatewayState, settings: ControllerSettingsFile, speed: float) -> None:
         assert settings.url is not None
         self.state = state

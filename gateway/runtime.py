@@ -156,7 +156,7 @@ def build_runtime(
         classifier=classifier,
         pools=pools,
         replica_by_name={r.name: r for pool in pools for r in pool.replicas},
-        real_pools=frozenset(spec.name for spec in config.pools if spec.urls or spec.engine_kind != "emulated"),
+        real_pools=frozenset(spec.name for spec in config.pools if spec.real),
         limit_store=limit_store,
         spend=_spend_book(config, previous, limit_store, now),
         price_per_hour_usd={spec.name: replica_price_per_hour_usd(spec) for spec in config.pools},

@@ -30,7 +30,7 @@ if TYPE_CHECKING:
     from gateway.live_fleet import LiveFleet
     from gateway.plan_client import PlanClient
     from gateway.replicas import ReplicaControl
-    from gateway.state import GatewayState
+    from gateway.state import FleetLink, GatewayState
 
 
 def register(commands: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
@@ -141,7 +141,7 @@ async def _serve(
     config: GatewayConfig,
     replica_urls: dict[str, list[str]],
     config_path: Path | None,
-    live_fleet: Callable[[GatewayState], LiveFleet] | None = None,
+    live_fleet: Callable[[GatewayState], FleetLink] | None = None,
     shared_port: bool = False,
     on_listening: Callable[[], None] | None = None,
 ) -> None:
@@ -190,7 +190,7 @@ def _run_worker(
     config: GatewayConfig,
     replica_urls: dict[str, list[str]],
     config_path: Path | None,
-    live_fleet: Callable[[GatewayState], LiveFleet] | None = None,
+    live_fleet: Callable[[GatewayState], FleetLink] | None = None,
     worker_limits: WorkerLimits | None = None,
     listening: Callable[[], None] | None = None,
 ) -> None:
@@ -235,11 +235,14 @@ def _plan_client_factory(config: GatewayConfig) -> Callable[[GatewayState], Plan
     return build
 
 
-def _live_fleet_factory(config: GatewayConfig, control: ReplicaControl | None) -> Callable[[GatewayState], LiveFleet] | None:
+def _live_fleet_factory(config: GatewayConfig, control: ReplicaControl | None) -> Callable[[GatewayState], FleetLink] | None:
     """The loop over the replicas this gateway launched: operator moves always, the fleet controller
-    when the config enables it in the gateway and the performance model knows its models and GPUs."""
-    if control is None or (config.controller.enabled and config.controller.mode == "external"):
+    when the config enables it in the gateway and the performance model knows its models and GPUs.
+    Without launched replicas, an enabled controller models the ``urls`` pools it can price."""
+    if config.controller.enabled and config.controller.mode == "external":
         return None
+    if control is None:
+        return _pool_modeller_factory(config) if config.controller.enabled else None
     launched = [p for p in config.pools if p.num_launched]
     settings = config.controller
     unknown = _uncatalogued(launched)
@@ -254,6 +257,26 @@ def _live_fleet_factory(config: GatewayConfig, control: ReplicaControl | None) -
         live = LiveFleet(state, control, tuple(sorted({p.model for p in launched})), config.emulator_speed, settings)
         live.adopt()
         return live
+
+    return build
+
+
+def _pool_modeller_factory(config: GatewayConfig) -> Callable[[GatewayState], FleetLink] | None:
+    from gateway.pool_modeller import PoolModeller, modelled_pools
+
+    model_to_pools = modelled_pools(config)
+    if not model_to_pools:
+        print("polymorph: fleet.controller is enabled, but no pool is launched and no urls pool names a GPU kind and model the "
+              "performance model knows: nothing to plan or model", file=sys.stderr)
+        return None
+    names = [d.name for pools in model_to_pools.values() for d in pools]
+    print(f"polymorph: fleet.controller models the urls pools {', '.join(names)} for routing (it moves no replica: none is launched)",
+          file=sys.stderr)
+    # fleet time: emulated urls (engine kind: emulated) at the emulator's speed; with any real engine, wall time
+    speed = 1.0 if any(spec.real for spec in config.pools if spec.name in names) else config.emulator_speed
+
+    def build(state: GatewayState) -> FleetLink:
+        return PoolModeller(state, tuple(model_to_pools), speed, config.controller)
 
     return build
 

@@ -27,15 +27,18 @@ if TYPE_CHECKING:
 class TelemetrySink(Protocol):
     def record_arrival(self, now: float, shape: str, tier: str, prompt_tokens: int, model: str) -> None: ...  # model: the served one
     def record_outcome(self, now: float, shape: str, pool: str, met_slo: bool, completion_tokens: int, model: str,
-                       cached_tokens: int = 0) -> None: ...
+                       cached_tokens: int = 0, of_prompt_tokens: int = 0) -> None: ...
 
 
 class FleetLink(Protocol):
-    """The control loop as the request path sees it: the embedded one (gateway.live_fleet.LiveFleet)
-    or the link to an external controller (gateway.plan_client.PlanClient). Either owns the pools."""
+    """The control loop as the request path sees it: the embedded one (gateway.live_fleet.LiveFleet),
+    the link to an external controller (gateway.plan_client.PlanClient), either of which owns the pools,
+    or the capacity model of ``urls`` pools (gateway.pool_modeller.PoolModeller), which does not."""
 
     @property
     def telemetry(self) -> TelemetrySink: ...
+    @property
+    def owns_pools(self) -> bool: ...  # True: a config reload keeps the pools (the loop made them)
     def now(self) -> float: ...
     def replica_process(self, name: str) -> dict[str, object] | None: ...  # a launched replica's command line and devices
     def start_loop(self) -> None: ...
@@ -68,7 +71,7 @@ class GatewayState:
     def apply(self, config: GatewayConfig) -> Runtime:
         """Swap in a new config version; in-flight requests keep the runtime they started with."""
         runtime = build_runtime(config, self.urls_for(config), self.runtime, asyncio.get_running_loop().time())
-        if self.live is not None:  # the controller owns the pools now; the config seeded them
+        if self.live is not None and self.live.owns_pools:  # the controller owns the pools now; the config seeded them
             runtime = dataclasses.replace(runtime, pools=self.runtime.pools, replica_by_name=self.runtime.replica_by_name)
         self.runtime = runtime
         if self.proxy is not None:  # waiting requests move to the new pools' queues; new replicas may take some

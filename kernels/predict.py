@@ -7,6 +7,7 @@ t=0) use a closed-form steady state, which is what large-batch throughput tables
 
 from __future__ import annotations
 
+import dataclasses
 import heapq
 import math
 from collections.abc import Sequence
@@ -20,12 +21,17 @@ from kernels.perf import IterationShape, PerfModel
 
 _MIN_SIM_REQUESTS = 64
 _MAX_SIM_REQUESTS = 800
+# Prefix-cache granularity of a prediction: fine enough that a system prompt's tokens are cached nearly all
+# (engines match by token or in 16-32-token pages; the simulator's 512-token blocks are its traces' unit).
+PREFIX_BLOCK_TOKENS = 64
 
 
 @dataclass(frozen=True, slots=True)
 class Workload:
     """A load: fixed prompt/output lengths, either `concurrency` clients in a closed loop, a Poisson
-    `rate` in requests/s, or neither (offline: everything queued at once)."""
+    `rate` in requests/s, or neither (offline: everything queued at once). `shared_prefix_tokens` of
+    every prompt are the same (a system prompt): the engine's prefix cache serves them after the first
+    request, whose blocks then stay in KV once for all (offline loads ignore it)."""
 
     isl: int
     osl: int
@@ -33,6 +39,7 @@ class Workload:
     rate: float | None = None
     domain: str = "chat"
     num_requests: int | None = None  # None: enough for a steady state (a few per client)
+    shared_prefix_tokens: int = 0
 
     def __post_init__(self) -> None:
         if self.isl < 1 or self.osl < 1:
@@ -43,6 +50,8 @@ class Workload:
             raise ValueError(f"concurrency must be >= 1, got {self.concurrency}")
         if self.rate is not None and not self.rate > 0:
             raise ValueError(f"rate must be > 0, got {self.rate}")
+        if not 0 <= self.shared_prefix_tokens < self.isl:
+            raise ValueError(f"shared_prefix_tokens must be in [0, isl), got {self.shared_prefix_tokens} of {self.isl}")
 
 
 @dataclass(frozen=True, slots=True)
@@ -77,28 +86,31 @@ def predict(perf: PerfModel, workload: Workload, seed: int = 0) -> Prediction:
     return simulate(perf, [workload], [1.0], seed=seed)
 
 
-def predict_offline(perf: PerfModel, isl: int, osl: int, reserve_full_output: bool = False) -> Prediction:
+def predict_offline(perf: PerfModel, isl: int, osl: int, reserve_full_output: bool = False, shared_prefix_tokens: int = 0) -> Prediction:
     """Steady state of an offline run: the batch is as large as max_running_requests and KV allow, and
     every iteration mixes the batch's decode tokens with enough prefill to replace finished requests.
 
     `reserve_full_output` models schedulers that reserve KV for the whole output up front
-    (TensorRT-LLM's guaranteed-no-evict); sglang-style schedulers hold isl + osl/2 on average."""
+    (TensorRT-LLM's guaranteed-no-evict); sglang-style schedulers hold isl + osl/2 on average.
+    `shared_prefix_tokens` of every prompt come from the prefix cache: held once, never prefilled again,
+    but every decode step still attends over them."""
     cfg = perf.config
-    held = isl + (osl if reserve_full_output else osl / 2)
+    shared = min(shared_prefix_tokens, isl - 1)
+    held = isl - shared + (osl if reserve_full_output else osl / 2)
     batch = max(1, min(int(cfg.max_running_requests), int(perf.kv_capacity_tokens // held)))  # type: ignore[arg-type]
     tps = perf.spec_tokens_per_step("chat", batch)
     steps = math.ceil(osl / tps)
     budget = max(1, min(cfg.max_prefill_tokens, int(cfg.chunked_prefill_size or cfg.max_prefill_tokens)) - batch * perf.verify_tokens_per_seq)
-    prefill_per_cycle = batch * isl
+    prefill_per_cycle = batch * (isl - shared)
     mixed = min(prefill_per_cycle / steps, budget)
     extra_iters = max(0.0, (prefill_per_cycle - mixed * steps) / budget)
-    pairs_per_token = isl / 2  # a prompt's chunks see, on average, half the prompt before them
+    pairs_per_token = shared + (isl - shared) / 2  # a prompt's chunks see, on average, the prefix and half the rest before them
     mixed_t = perf.iteration_time(IterationShape(batch, int(batch * (isl + osl / 2)), int(mixed), mixed * pairs_per_token, 1)).total_s
     extra_t = perf.iteration_time(IterationShape(0, 0, budget, budget * pairs_per_token, 1)).total_s if extra_iters else 0.0
     cycle_s = steps * mixed_t + extra_iters * extra_t
     replicas = cfg.dp
     output = replicas * batch * osl / cycle_s
-    prefill_s = perf.prefill_time_s(isl) + perf.request_overhead_s
+    prefill_s = perf.prefill_time_s(isl - shared) + perf.request_overhead_s
     tpot = cycle_s / osl
     num_gpus = cfg.tp * replicas
     return Prediction(
@@ -138,7 +150,7 @@ class _Run:
 
     def __init__(self, perf: PerfModel, requests: list[Workload]) -> None:
         self.perf = perf
-        self.engine = Engine(perf, perf.config)
+        self.engine = Engine(perf, perf.config, math.lcm(PREFIX_BLOCK_TOKENS, perf.config.page_size))
         self.requests = requests
         self.arrivals: list[float] = []
         self.closed_loop = False
@@ -149,7 +161,12 @@ class _Run:
 
     def _submit(self, index: int, now: float) -> None:
         spec = self.requests[index]
-        req = EngineRequest(str(index), spec.isl, spec.osl, spec.domain, arrived_at=now)
+        block = self.engine.prefix_block_tokens
+        # the shared prefix's blocks carry the same ids in every request, the rest ids of the request's own
+        num_shared, num_blocks = spec.shared_prefix_tokens // block, -(-spec.isl // block)
+        own = (index + 1) << 24  # more blocks than any prompt has: no two requests' own ids meet
+        hash_ids = (*range(num_shared), *range(own, own + num_blocks - num_shared)) if num_shared else ()
+        req = EngineRequest(str(index), spec.isl, spec.osl, spec.domain, hash_ids, arrived_at=now)
         if not self.engine.add_request(req, now):
             raise ValueError(f"a {spec.isl}+{spec.osl}-token request never fits in {self.perf.kv_capacity_tokens} KV tokens")
         self.arrived_at[req.req_id] = now
@@ -216,10 +233,17 @@ RATE_BRACKET = (1e-3, 1.2)
 
 
 def offline_rate_rps(perf: PerfModel, workloads: Sequence[Workload], weights: Sequence[float]) -> float:
-    """The closed-form offline request rate of the mix's mean request: what the rate search is bracketed by."""
-    isl = int(np.average([w.isl for w in workloads], weights=weights))
+    """The closed-form offline request rate of the mix's mean request: what the rate search is bracketed by
+    (a shared prefix held once and not prefilled again). The larger of the steady states with and without
+    the chunk limit: when the closed form's batch fills the chunk with decode tokens it starves prefill
+    (1,060-token prompts behind a 1,024-token prefix, 200 out, a 2,048-token chunk: 2.5 req/s against 57
+    without the limit), which a scheduler at a rate it sustains never does."""
+    isl = max(1, int(np.average([w.isl for w in workloads], weights=weights)))
     osl = max(1, int(np.average([w.osl for w in workloads], weights=weights)))
-    return predict_offline(perf, isl, osl).request_rate
+    shared = int(np.average([w.shared_prefix_tokens for w in workloads], weights=weights))
+    unchunked = PerfModel(perf.model, perf.gpu, dataclasses.replace(perf.config, chunked_prefill_size=None), perf.params)
+    return max(predict_offline(perf, isl, osl, shared_prefix_tokens=shared).request_rate,
+               predict_offline(unchunked, isl, osl, shared_prefix_tokens=shared).request_rate)
 
 
 def max_rate_under_slo(
@@ -236,7 +260,8 @@ def max_rate_under_slo(
     weights = list(weights) if weights is not None else [1.0] * len(workloads)
 
     def meets(rate: float) -> bool:
-        mix = [Workload(w.isl, w.osl, rate=rate, domain=w.domain, num_requests=w.num_requests) for w in workloads]
+        mix = [Workload(w.isl, w.osl, rate=rate, domain=w.domain, num_requests=w.num_requests, shared_prefix_tokens=w.shared_prefix_tokens)
+               for w in workloads]
         result = simulate(perf, mix, weights, seed=seed)
         return result.ttft_p99_s <= ttft_p99_s and result.tpot_p99_s <= tpot_p99_s
 

@@ -47,13 +47,14 @@ def true_mix(sim: FleetSim, start_s: float, end_s: float) -> TrafficMix:
     specs, shapes, reusable = sim.specs, sim.shapes, sim.reusable_tokens
     for index in range(bisect_left(sim.arrivals_s, start_s), bisect_left(sim.arrivals_s, end_s)):
         spec, shape = specs[index], shapes[index]
-        entry = counts.setdefault(shape, [0, 0.0, 0.0, 0, {}, 0.0])
+        entry = counts.setdefault(shape, [0, 0.0, 0.0, 0, {}, 0.0, 0.0])
         entry[0] += 1
         entry[1] += spec.input_tokens
         entry[2] += spec.output_tokens
         entry[3] += 1
         entry[4][spec.tier] = entry[4].get(spec.tier, 0) + 1
         entry[5] += reusable[index]
+        entry[6] += spec.input_tokens
         prompt_bins, output_bins = bins.setdefault(shape, ({}, {}))
         for hist, tokens in ((prompt_bins, spec.input_tokens), (output_bins, spec.output_tokens)):
             k = length_bin(tokens)

@@ -322,7 +322,7 @@ class FleetSim:
         met = bool(slo_for(self.settings.tiers, spec.tier).met(ttft, tpot))  # numpy floats: a numpy bool otherwise
         out.met_slo[index] = met
         rep.state.end(spec.input_tokens + spec.output_tokens, self.work[index])
-        self.telemetry.record_outcome(now, self.shapes[index], rep.pool, met, spec.output_tokens, int(out.cached_tokens[index]))
+        self.telemetry.record_outcome(now, self.shapes[index], rep.pool, met, spec.output_tokens, int(out.cached_tokens[index]), spec.input_tokens)
         self._num_done += 1
 
 

@@ -4,7 +4,9 @@ Fleet: two H100 replicas compiled for short chat and two H200 replicas compiled 
 (the engine settings of config.example.yaml's two pools), emulated at ``--speed`` times real time.
 Routers: sglang-router ``round_robin`` and ``cache_aware`` (its defaults) over all four replicas;
 Polymorph with pools that declare no shapes (the router then balances on load with prefix affinity
-only); and Polymorph with the pools' shapes declared (classification picks the pool first). The
+only); and Polymorph with the pools' shapes declared (classification picks the pool first) and
+fleet.controller pricing the pools from the traffic it sees (gateway.pool_modeller: it moves nothing,
+the router spills by each pool's predicted SLO chance). The
 workload (loadtest/bench/data/peers-routing.yaml: interactive chat and code behind shared system
 prompts, and long documents, with loadtest's fitted production lengths) is stretched by the speed,
 and the tier objectives too, so goodput, TTFT and TPOT are judged per tier in the emulated GPUs' own
@@ -55,6 +57,7 @@ _POOLS = (
      ["long-context", "reasoning"]),
 )
 _REPLICAS_PER_POOL = 2
+CAPACITY_CACHE = Path.home() / ".cache" / "polymorph" / "capacity.json"  # the simulator's too: one pricing per shape and config
 _STARTUP_TIMEOUT_S = 120.0
 _DRAIN_TIMEOUT_S = 60.0
 # The load generator kept up when it sent at its target rate and its scheduling error stayed small
@@ -98,7 +101,7 @@ def run_routing(
         try:
             replica_urls = start_fleet(registry, args.speed)
             name_to_url = {
-                name: start_router(name, registry, run_dir, replica_urls, router_python) for name in routers
+                name: start_router(name, registry, run_dir, replica_urls, router_python, args.speed) for name in routers
             }
             figures = _measure(args, name_to_url, replica_urls, say)
         except RuntimeError as problem:
@@ -128,7 +131,7 @@ def start_fleet(registry: ProcessRegistry, speed: float) -> dict[str, list[str]]
 
 
 def start_router(
-    name: str, registry: ProcessRegistry, run_dir: Path, pool_to_urls: dict[str, list[str]], router_python: Path | None
+    name: str, registry: ProcessRegistry, run_dir: Path, pool_to_urls: dict[str, list[str]], router_python: Path | None, speed: float
 ) -> str:
     port = free_port()
     every_url = [url for urls in pool_to_urls.values() for url in urls]
@@ -138,7 +141,7 @@ def start_router(
         policy = "round_robin" if name == "sglang-rr" else "cache_aware"
         argv = sglang_router_argv(router_python, every_url, port, policy)
     else:
-        config = write_polymorph_config(run_dir / name, pool_to_urls, shapes_on=name == "polymorph-shapes")
+        config = write_polymorph_config(run_dir / name, pool_to_urls, shapes_on=name == "polymorph-shapes", speed=speed)
         argv = [sys.executable, "-m", "gateway.cli", "serve", "--config", str(config), "--port", str(port)]
     child = registry.start(name, argv)
     wait_for_port(port, child, _STARTUP_TIMEOUT_S)
@@ -146,8 +149,10 @@ def start_router(
     return f"http://127.0.0.1:{port}"
 
 
-def write_polymorph_config(directory: Path, pool_to_urls: dict[str, list[str]], shapes_on: bool) -> Path:
-    """A gateway config over the running replicas; with ``shapes_on`` False the pools declare no shapes."""
+def write_polymorph_config(directory: Path, pool_to_urls: dict[str, list[str]], shapes_on: bool, speed: float) -> Path:
+    """A gateway config over the running replicas; with ``shapes_on`` False the pools declare no shapes.
+    With shapes, fleet.controller prices the pools (gateway.pool_modeller: SLO-chance routing and spill
+    by each pool's capacity), told that the replicas are emulated at ``speed``; it moves none of them."""
     tenants = directory / "tenants"
     tenants.mkdir(parents=True, exist_ok=True)
     tenant = {
@@ -156,11 +161,14 @@ def write_polymorph_config(directory: Path, pool_to_urls: dict[str, list[str]], 
     }
     (tenants / "bench.yaml").write_bytes(orjson.dumps(tenant))
     pools = [
-        {"name": pool, "model": MODEL, "gpu": gpu, "engine": engine, "shapes": shapes if shapes_on else [],
+        {"name": pool, "model": MODEL, "gpu": gpu, "engine": {"kind": "emulated", **engine}, "shapes": shapes if shapes_on else [],
          "replicas": {"urls": pool_to_urls[pool]}}
         for pool, gpu, engine, shapes in _POOLS
     ]
-    config = {"server": {"host": "127.0.0.1", "access_log": False}, "tenants_dir": "tenants", "fleet": {"pools": pools}}
+    fleet: dict[str, object] = {"pools": pools, "emulator_speed": speed}
+    if shapes_on:
+        fleet["controller"] = {"enabled": True, "capacity_cache": str(CAPACITY_CACHE)}
+    config = {"server": {"host": "127.0.0.1", "access_log": False}, "tenants_dir": "tenants", "fleet": fleet}
     path = directory / "config.yaml"
     path.write_bytes(orjson.dumps(config))  # JSON is YAML
     return path

@@ -106,7 +106,7 @@ def _search_router(
     with ProcessRegistry(run_dir / name) as registry:
         pool_to_urls = start_fleet(registry, args.speed)
         replica_urls = [url for urls in pool_to_urls.values() for url in urls]
-        url = start_router(name, registry, run_dir, pool_to_urls, router_python)
+        url = start_router(name, registry, run_dir, pool_to_urls, router_python, args.speed)
         config = RunnerConfig(target_url=url, model=MODEL, api_key=DEMO_API_KEY, progress=False,
                               drain_timeout_s=_RUN_DRAIN_TIMEOUT_S)
         salts = iter(range(1, MAX_POINTS + 1))

@@ -171,13 +171,14 @@ def fleet_request(i: int) -> Request:
 
 # ~5,600 prompt tokens: the long-context shape. The controller keeps a declared pool that fits its traffic,
 # so the scenarios that need a move send long prompts into a fleet whose only pool is declared for short
-# chats: the first plan makes a pool for them (DRIFT_POOL) and moves replicas there.
+# chats: the first plan makes a pool for them (DRIFT_POOL) and moves replicas there. Each prompt opens with
+# its own number: a prompt the engines had cached would cost them little, and the capacity model knows it.
 LONG_TEXT = "Summarise the minutes of the meeting below. " + "The team reviewed the quarter's roadmap. " * 700
 DRIFT_POOL = f"long-context@{GPU}"
 
 
 def long_request(i: int) -> Request:
-    return chat_request(MODEL, KEY, max_tokens=24, stream=i % 2 == 0, text=LONG_TEXT)
+    return chat_request(MODEL, KEY, max_tokens=24, stream=i % 2 == 0, text=f"[{i}] {LONG_TEXT}")
 
 
 async def load_until(stack: ControllerStack, settings: FleetFaultSettings, done: Callable[[], bool],

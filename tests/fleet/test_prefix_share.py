@@ -1,5 +1,6 @@
-"""The capacity model charges prompts at the share engines compute: telemetry measures the prefix
-cache's share from the responses' cached tokens, the simulator's oracle from hash ids."""
+"""The capacity model counts prefix-cache hits: telemetry measures the share of prompt tokens engines
+served from their cache (the responses' cached tokens; the simulator's oracle: hash ids), and the
+prediction runs the engine with that much of every prompt shared."""
 
 from __future__ import annotations
 
@@ -7,10 +8,13 @@ from dataclasses import replace
 
 import pytest
 
-from fleet.capacity import PerfCapacity, charged_points
+from fleet.capacity import PerfCapacity, shared_prefix_tokens
 from fleet.simulator.traffic import reusable_prefix_tokens
 from fleet.telemetry import ShapeLoad, Telemetry
+from kernels.catalog import get_gpu, get_model
 from kernels.config import MAX_PREFIX_SHARE, EngineConfig
+from kernels.perf import PerfModel
+from kernels.predict import Workload, max_rate_under_slo, simulate
 from kernels.tiers import DEFAULT_TIERS
 from loadtest.spec import RequestSpec
 
@@ -19,7 +23,7 @@ def _window_share(prompt_tokens: int, cached_tokens: int) -> float:
     tel = Telemetry(window_s=20.0, bucket_s=5.0)
     for k in range(40):
         tel.record_arrival(k * 0.5, "chat", "interactive", prompt_tokens)
-        tel.record_outcome(k * 0.5, "chat", "p", True, 100, cached_tokens)
+        tel.record_outcome(k * 0.5, "chat", "p", True, 100, cached_tokens, prompt_tokens if cached_tokens else 0)
     (load,) = tel.window(20.0).shapes
     return load.prefix_share
 
@@ -36,11 +40,24 @@ def test_a_cached_prefix_raises_capacity_unless_the_engine_caches_nothing() -> N
     full = ShapeLoad("chat", 1.0, 1100.0, 200.0, (("interactive", 1.0),), (1024, 1217), (200,))
     shared = replace(full, prefix_share=0.9)
     no_cache = EngineConfig(enable_prefix_caching=False)
-    assert charged_points(shared, no_cache) == charged_points(full, EngineConfig()) == ((1024, 1217), (200,))
-    assert max(charged_points(shared, EngineConfig())[0]) < 160
+    assert shared_prefix_tokens(full, EngineConfig()) == shared_prefix_tokens(shared, no_cache) == 0
+    assert 900 < shared_prefix_tokens(shared, EngineConfig()) < 1100
     rate_full = capacity.estimate("H100-SXM", EngineConfig(), full, slo).rate_rps
     assert capacity.estimate("H100-SXM", EngineConfig(), shared, slo).rate_rps > 1.5 * rate_full
     assert capacity.estimate("H100-SXM", no_cache, shared, slo).rate_rps == capacity.estimate("H100-SXM", no_cache, full, slo).rate_rps
+
+
+def test_a_shared_prefix_is_prefilled_once_and_short_prompts_are_not_starved_by_the_chunk() -> None:
+    perf = PerfModel(get_model("llama-3.1-8b"), get_gpu("H100-SXM"), EngineConfig(chunked_prefill_size=2048))
+    alone = simulate(perf, [Workload(2048, 100, rate=8.0, num_requests=200)], [1.0])
+    shared = simulate(perf, [Workload(2048, 100, rate=8.0, num_requests=200, shared_prefix_tokens=1536)], [1.0])
+    assert shared.ttft_p50_s < 0.6 * alone.ttft_p50_s  # a quarter of each prompt is prefilled
+    # 1,060-token prompts behind a 1,024-token prefix: the search is bracketed above what the engine sustains
+    slo = DEFAULT_TIERS["interactive"]
+    chat = [Workload(1060, 200, num_requests=200, shared_prefix_tokens=1024)]
+    assert max_rate_under_slo(perf, chat, ttft_p99_s=slo.ttft_p99_s, tpot_p99_s=slo.tpot_p99_s, rel_tol=0.1) > 50.0
+    with pytest.raises(ValueError, match="shared_prefix_tokens"):
+        Workload(100, 10, shared_prefix_tokens=100)
 
 
 def _spec(arrival_s: float, tokens: int, hash_ids: tuple[int, ...]) -> RequestSpec:

@@ -73,12 +73,16 @@ def test_targets_compare_polymorph_with_router_and_litellm_of_the_same_run() -> 
 def test_routing_configs_load_and_differ_only_in_declared_shapes(tmp_path: Path) -> None:
     pool_to_urls = {"chat-h100": ["http://127.0.0.1:1", "http://127.0.0.1:2"], "long-h200": ["http://127.0.0.1:3"]}
 
-    with_shapes = load_config(write_polymorph_config(tmp_path / "on", pool_to_urls, shapes_on=True))
-    without = load_config(write_polymorph_config(tmp_path / "off", pool_to_urls, shapes_on=False))
+    with_shapes = load_config(write_polymorph_config(tmp_path / "on", pool_to_urls, shapes_on=True, speed=0.5))
+    without = load_config(write_polymorph_config(tmp_path / "off", pool_to_urls, shapes_on=False, speed=0.5))
 
     assert [pool.shapes for pool in with_shapes.pools] == [("short-chat", "batch"), ("long-context", "reasoning")]
     assert [pool.shapes for pool in without.pools] == [(), ()]
     assert [pool.urls for pool in without.pools] == [pool.urls for pool in with_shapes.pools]
+    # emulated replicas at half speed: latencies and capacity in engine time; shapes on: the pools are priced
+    assert all(pool.emulated_urls and not pool.real for pool in [*with_shapes.pools, *without.pools])
+    assert with_shapes.emulator_speed == without.emulator_speed == 0.5
+    assert with_shapes.controller.enabled and not without.controller.enabled
 
 
 def test_litellm_config_points_at_the_backend_with_a_master_key(tmp_path: Path) -> None:

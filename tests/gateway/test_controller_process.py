@@ -45,7 +45,7 @@ def test_a_batched_report_replays_into_each_models_window_as_direct_records() ->
         model = models[i % 7 == 0]  # qwen's traffic is a seventh of llama's, and differs
         for sink in (direct, batch):
             sink.record_arrival(now, "short-chat" if i % 3 else "long-context", "interactive" if i % 4 else "batch", prompt, model)
-            sink.record_outcome(now, "short-chat", "mixed", i % 5 != 0, output, model, prompt // 2)
+            sink.record_outcome(now, "short-chat", "mixed", i % 5 != 0, output, model, prompt // 2, prompt)
         batch.record_arrival(now, "short-chat", "batch", prompt, "a-model-no-controller-plans")  # dropped on replay
     replay(parse(json.loads(json.dumps(batch.take()))), replayed, 1200.0)
     windows = [(direct.of(m).window(1200.0), replayed.of(m).window(1200.0)) for m in models]
@@ -54,7 +54,7 @@ def test_a_batched_report_replays_into_each_models_window_as_direct_records() ->
     assert windows[0][1].to_json() != windows[1][1].to_json()  # each model's controller sees its own traffic
     assert 0.3 < replayed.of("llama").window(1200.0).shape("short-chat").prefix_share < 0.95  # type: ignore[union-attr]
     earlier = parse({"bucket_s": 5, "outcomes": [[1, "m", "s", "p", True, 2, 50]]})  # a gateway of an earlier version: none cached
-    assert earlier.outcomes == ((1, "m", "s", "p", True, 2, 50, 0),)
+    assert earlier.outcomes == ((1, "m", "s", "p", True, 2, 50, 0, 0),)
     for bad in ({"bucket_s": 0}, {"bucket_s": 5, "arrivals": [[1, "m", "s", "t", 0, 5]]}, {"bucket_s": 5, "outcomes": [[1, "m", "s", "p", 1, 1, 5]]},
                 {"bucket_s": 5, "arrivals": [[1, "s", "t", 1, 5]]}, {"bucket_s": 5, "arrivals": [[1, 7, "s", "t", 1, 5]]}, []):
         with pytest.raises((ValueError, TypeError)):

@@ -22,7 +22,7 @@ import openai
 from fleet.controller_state import ControllerState, LoopState, SlotRecord
 from fleet.telemetry import TrafficMix
 from tests.conftest import free_port
-from tests.gateway.test_live_fleet import ADMIN, KEY, LONG_PROMPT, _admin, _serving
+from tests.gateway.test_live_fleet import _SERIAL, ADMIN, KEY, LONG_PROMPT, _admin, _serving
 from tests.support.procs import start, start_gateway, write_tenant
 
 LLAMA, QWEN = "llama-3.1-8b", "qwen3-8b"
@@ -41,7 +41,7 @@ async def _load(url: str, duration_s: float, rate_rps: float, model_to_prompt: d
 
     async def one(model: str, prompt: str) -> None:
         try:
-            await client.chat.completions.create(model=model, messages=[{"role": "user", "content": prompt}], max_tokens=32,
+            await client.chat.completions.create(model=model, messages=[{"role": "user", "content": f"[{next(_SERIAL)}] {prompt}"}], max_tokens=32,
                                                  extra_body={"ignore_eos": True})
             outcomes.append("ok")
         except openai.APIError as exc:

@@ -5,6 +5,7 @@ load, and a clean stop leaves no Ray or replica process behind."""
 from __future__ import annotations
 
 import asyncio
+import itertools
 import json
 import time
 import urllib.request
@@ -67,10 +68,12 @@ def _host_of(url: str, processes: dict[int, tuple[int, str]]) -> str:
 async def _traffic(url: str, until: float, moved: asyncio.Event) -> list[str]:
     """Long-context requests at ~20/s until the move is done (or ``until``); returns each one's outcome."""
     outcomes: list[str] = []
+    serial = itertools.count()
 
     async def one(client: openai.AsyncOpenAI) -> None:
         try:
-            reply = await client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": LONG_PROMPT}], max_tokens=32)
+            reply = await client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": f"[{next(serial)}] {LONG_PROMPT}"}],
+                                                         max_tokens=32)  # its own prompt: engines cache none
             outcomes.append(reply.choices[0].finish_reason or "none")
         except openai.APIError as exc:
             outcomes.append(f"error: {exc}")
