@@ -9,11 +9,14 @@ prefix cache's share), prices the model's ``urls`` pools on it with their config
 hands the models to the router, as a controller's plan does for launched pools (gateway.live_fleet).
 The evaluations run in worker processes: seconds of perf-model work must not hold the event loop.
 
-The routing workload on the bench's 2 H100 (chat) + 2 H200 (long-context) replicas, in the simulator
-(engines without prefix fingerprints, as the live load generator sends them): at 0.75x its 100 req/s
-the pools unmodelled kept interactive chat at 99.8% and the standard tier at 77.5% (the documents wait
-for the two H200s); modelled, the documents spill into the chat pool while its SLO chance holds, 93.1%
-and 96.4% (fleet/README.md).
+Measured on the routing workload (loadtest/bench/data/peers-routing.yaml) over 2 H100 chat + 2 H200
+long-context replicas, the evidence is split. In the simulator (engines without prefix fingerprints, as
+the live load generator sends them; 30 s runs) at 0.75x its 100 req/s the pools unmodelled kept
+interactive chat at 99.8% and the standard tier at 77.5% (the documents wait for the two H200s);
+modelled, the documents spill into the chat pool while its SLO chance holds: 97.1% and 93.4%. Live
+(`polymorph bench peers --parts routing --metric capacity`'s search, 8 engine seconds per point) the
+modelled gateway's capacity was 0.545x the rate against 0.917x unmodelled, so that bench runs without it
+(fleet/README.md).
 """
 
 from __future__ import annotations

@@ -262,6 +262,8 @@ def _live_fleet_factory(config: GatewayConfig, control: ReplicaControl | None) -
 
 
 def _pool_modeller_factory(config: GatewayConfig) -> Callable[[GatewayState], FleetLink] | None:
+    """The capacity model of the ``urls`` pools an enabled controller cannot move (gateway.pool_modeller);
+    None, said on stderr, when the performance model can price none of them."""
     from gateway.pool_modeller import PoolModeller, modelled_pools
 
     model_to_pools = modelled_pools(config)
