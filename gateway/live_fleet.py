@@ -43,7 +43,7 @@ from fleet.rebalance import RebalanceSettings
 from fleet.restart_hold import Restart
 from fleet.rollout import SlotState
 from gateway.background import BackgroundTask
-from gateway.config import ControllerSettingsFile, GatewayConfig
+from gateway.config import ControllerSettingsFile, GatewayConfig, PoolSpec
 from gateway.replicas import made_pool_adapters
 from kernels.compiler.worker import background_process_pool, terminate_process_pool
 from kernels.config import EngineConfig
@@ -67,12 +67,28 @@ def controller_settings(config: GatewayConfig, model: str, gpu_to_budget: dict[s
     """The controller's settings for ``config``'s tiers and a budget of replica slots per GPU kind; its
     starting plan is ``config``'s pools of ``model`` whose replicas the actuator starts (their slots
     already serve in them), which it keeps while they fit the mix; ``pool_prefix`` names the pools it makes."""
-    declared = tuple(DeclaredPool(p.name, p.gpu, p.shapes, EngineConfig.from_dict(p.engine), p.config_json)
-                     for p in config.pools if p.model == model and p.gpu in gpu_to_budget and not p.urls)
+    declared = tuple(declared_pool(p) for p in config.pools if p.model == model and p.gpu in gpu_to_budget and not p.urls)
     c = config.controller
     return ControllerSettings(model=model, gpu_to_budget=gpu_to_budget, tiers=dict(config.tiers), declared=declared, pool_prefix=pool_prefix,
                               drift=c.drift, verify_after_s=c.verify_after_s, backoff_s=c.backoff_s,
                               min_start_timeout_s=PROCESS_START_ALLOWANCE_S * config.emulator_speed)
+
+
+def declared_pool(spec: PoolSpec) -> DeclaredPool:
+    """A config pool as the planner takes it (its GPU kind set: the caller's filter)."""
+    assert spec.gpu is not None
+    return DeclaredPool(spec.name, spec.gpu, spec.shapes, EngineConfig.from_dict(spec.engine), spec.config_json)
+
+
+def model_pools(state: GatewayState, models: Mapping[str, PoolModel]) -> None:
+    """The router's view of each modelled pool (SLO-chance scoring, saturation, overflow cost), as the
+    simulator's router gets it after a plan; on the event loop."""
+    for pool in state.runtime.pools:
+        found = models.get(pool.name)
+        if found is not None:
+            found.apply(pool)
+    if state.proxy is not None:  # modelled pools queue, and one sized for more concurrency has room now
+        state.proxy.waits.attach(state.runtime, asyncio.get_running_loop().time())
 
 
 def new_pool(name: str, model: str, gpu: str, config_json: str, adapters: Collection[str] = ()) -> PoolState:
@@ -309,14 +325,8 @@ class LiveFleet:
         swap_pools(self.state, tuple(pools))
 
     def _model_pools(self, models: dict[str, PoolModel]) -> None:
-        """The router's view of each planned pool (SLO-chance scoring, saturation, overflow cost),
-        as the simulator's router gets it after a plan."""
         self.pool_to_model = models
-        for pool in self.state.runtime.pools:
-            if pool.name in models:
-                models[pool.name].apply(pool)
-        if self.state.proxy is not None:  # modelled pools queue, and one sized for more concurrency has room now
-            self.state.proxy.waits.attach(self.state.runtime, asyncio.get_running_loop().time())
+        model_pools(self.state, models)
 
     # -- the loop ---------------------------------------------------------------------------
 

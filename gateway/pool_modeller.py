@@ -34,9 +34,9 @@ from fleet.options import DeclaredPool, PoolModel, pool_models, pool_options
 from fleet.telemetry import TrafficMix
 from gateway.background import BackgroundTask
 from gateway.config import ControllerSettingsFile, GatewayConfig
+from gateway.live_fleet import declared_pool, model_pools
 from gateway.state import GatewayState
 from kernels.compiler.worker import background_process_pool, terminate_process_pool
-from kernels.config import EngineConfig
 from kernels.tiers import TierSlo
 
 
@@ -52,7 +52,7 @@ def modelled_pools(config: GatewayConfig) -> dict[str, tuple[DeclaredPool, ...]]
             get_gpu(spec.gpu), get_model(spec.model)
         except ValueError:
             continue
-        out.setdefault(spec.model, []).append(DeclaredPool(spec.name, spec.gpu, spec.shapes, EngineConfig.from_dict(spec.engine), spec.config_json))
+        out.setdefault(spec.model, []).append(declared_pool(spec))
     return {model: tuple(pools) for model, pools in sorted(out.items())}
 
 
@@ -131,11 +131,6 @@ class PoolModeller:
                 self._apply(models)
 
     def _apply(self, models: dict[str, PoolModel]) -> None:
-        self.pool_to_model.update(models)
-        for pool in self.state.runtime.pools:
-            found = self.pool_to_model.get(pool.name)
-            if found is not None:
-                found.apply(pool)
-        if self.state.proxy is not None:  # modelled pools queue, and one sized for more concurrency has room now
-            self.state.proxy.waits.attach(self.state.runtime, asyncio.get_running_loop().time())
+        self.pool_to_model.update(models)  # a pool this tick could not price (no load) keeps its last model
+        model_pools(self.state, self.pool_to_model)
 
