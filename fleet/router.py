@@ -65,6 +65,10 @@ class RouterSettings:
     # ``urgent_reserve`` > 0 each replica keeps that many slots (spread over its replicas), plus one,
     # from batch when that is more than the share (fleet.urgent_demand). 0: measure nothing (the share alone).
     urgent_window_s: float = 30.0
+    # Share of a modelled pool's running slots another shape's request (an overflow) may count on; the
+    # rest stays for the pool's own shape, whose next requests would otherwise find it full of heavier
+    # overflow and be shed (fleet.router_steps.request_slots). 1: overflow may fill the pool.
+    overflow_share: float = 0.5
     # The steps, by name (fleet.router_steps.STEPS lists each stage's; these are the defaults).
     pool_filter: str = "serves_model"
     pool_scorer: str = "slo_chance"
@@ -74,6 +78,8 @@ class RouterSettings:
     steps: Router = field(init=False, repr=False, compare=False)  # the named steps, composed once
 
     def __post_init__(self) -> None:
+        if not 0.0 < self.overflow_share <= 1.0:
+            raise ValueError(f"overflow_share must be in (0, 1], got {self.overflow_share}")
         object.__setattr__(self, "steps", compose(self))  # frozen: set once here, only read per request
 
 

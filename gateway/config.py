@@ -605,7 +605,7 @@ def _router(doc: YamlDoc) -> RouterSettings:
     d = RouterSettings()
     r = _Reader(doc, ("router",), doc.data.get("router"), {"affinity_slack", "shed_priority", "shed_load_fraction",
                                                             "shed_retry_after_s", "good_chance", "shed_chance", "wait_share", "urgent_reserve",
-                                                            "urgent_window_s", *STEPS})
+                                                            "urgent_window_s", "overflow_share", *STEPS})
 
     def step(stage: str, default: str) -> str:
         name = r.text(stage, default)
@@ -623,6 +623,7 @@ def _router(doc: YamlDoc) -> RouterSettings:
         wait_share=r.number("wait_share", d.wait_share, lo=0.01, hi=1.0),
         urgent_reserve=r.number("urgent_reserve", d.urgent_reserve, lo=0.0, hi=0.9),
         urgent_window_s=r.number("urgent_window_s", d.urgent_window_s, lo=0.0, hi=86400.0),
+        overflow_share=r.number("overflow_share", d.overflow_share, lo=0.05, hi=1.0),
         pool_filter=step("pool_filter", d.pool_filter),
         pool_scorer=step("pool_scorer", d.pool_scorer),
         admission=step("admission", d.admission),

@@ -229,19 +229,41 @@ def test_without_a_capacity_model_a_long_prompt_waits_in_its_own_pool_instead_of
 
 def test_a_tighter_tier_spills_into_a_pool_sized_for_a_looser_tpot_only_while_that_pool_keeps_its_tpot() -> None:
     # the chat pool is backed up; the code pool was sized for the standard tier's 100 ms TPOT, 8 slots:
-    # an interactive chat (50 ms) counts on the half of them that keeps its own TPOT
+    # an interactive chat (50 ms) counts on the half of them that keeps its own TPOT (overflow may
+    # otherwise fill the pool here: the TPOT rule alone)
+    settings = RouterSettings(overflow_share=1.0)
     interactive = replace(SHAPE, tier="interactive")
     chat = _modelled("chat", {"short-chat"}, in_flight=9, rate=1.0, queued=True)
     code = _modelled("code", {"code"}, in_flight=3, rate=1.0)
     code.tpot_objective_s, chat.tpot_objective_s = DEFAULT_TIERS["standard"].tpot_p99_s, DEFAULT_TIERS["interactive"].tpot_p99_s
-    decision = route(interactive, "m", [chat, code], 0.0, SETTINGS, tiers=DEFAULT_TIERS)
+    decision = route(interactive, "m", [chat, code], 0.0, settings, tiers=DEFAULT_TIERS)
     assert isinstance(decision, Route) and decision.pool == "code" and decision.overflow  # 3 of 4 slots: room
     code.replicas[0].num_in_flight = code.replicas[1].num_in_flight = 3  # room for standard work, not for a chat's TPOT
-    decision = route(interactive, "m", [chat, code], 0.0, SETTINGS, tiers=DEFAULT_TIERS)
+    decision = route(interactive, "m", [chat, code], 0.0, settings, tiers=DEFAULT_TIERS)
     assert isinstance(decision, Wait) and decision.pool == "chat"  # it waits at home, ahead of standard work
-    assert route(SHAPE, "m", [chat, code], 0.0, SETTINGS, tiers=DEFAULT_TIERS).pool == "code"  # type: ignore[union-attr]
+    assert route(SHAPE, "m", [chat, code], 0.0, settings, tiers=DEFAULT_TIERS).pool == "code"  # type: ignore[union-attr]
     code.tpot_objective_s = 0.0  # a pool of unknown TPOT: every slot counts, as before
-    assert route(interactive, "m", [chat, code], 0.0, SETTINGS, tiers=DEFAULT_TIERS).pool == "code"  # type: ignore[union-attr]
+    assert route(interactive, "m", [chat, code], 0.0, settings, tiers=DEFAULT_TIERS).pool == "code"  # type: ignore[union-attr]
+
+
+def test_overflow_counts_on_part_of_another_shapes_pool_and_leaves_the_rest_to_its_own_requests() -> None:
+    # the code pool is backed up; the chat pool (2 replicas x 4 slots, a capacity model) holds 3 chats:
+    # a code request counts on half its slots (4), so it overflows there while it has room; once chats and
+    # overflow hold 6 it waits at home (a better chance), and the chat pool's own requests still find their slots
+    code = _modelled("code", {"code"}, in_flight=9, rate=1.0, queued=True)
+    chat = _modelled("chat", {"short-chat"}, in_flight=3, rate=1.0)
+    work = replace(SHAPE, name="code")
+    decision = route(work, "m", [code, chat], 0.0, SETTINGS, tiers=DEFAULT_TIERS)
+    assert isinstance(decision, Route) and decision.pool == "chat" and decision.overflow
+    chat.replicas[0].num_in_flight = 5  # 6 in flight: three must leave before an overflow runs
+    decision = route(work, "m", [code, chat], 0.0, SETTINGS, tiers=DEFAULT_TIERS)
+    assert isinstance(decision, Wait) and decision.pool == "code"
+    assert route(work, "m", [code, chat], 0.0, RouterSettings(overflow_share=1.0), tiers=DEFAULT_TIERS).pool == "chat"  # type: ignore[union-attr]
+    own = route(SHAPE, "m", [code, chat], 0.0, SETTINGS, tiers=DEFAULT_TIERS)
+    assert isinstance(own, Route) and own.pool == "chat" and not own.overflow  # its own shape: every slot
+    with pytest.raises(ValueError, match="overflow_share"):
+        RouterSettings(overflow_share=0.0)
+
 
 
 def test_a_replica_another_client_loads_takes_new_requests_last() -> None:
