@@ -276,17 +276,17 @@ def slots_per_replica(pool: PoolState, priority: int, settings: RouterSettings, 
 
 def request_slots(pool: PoolState, shape: Shape, slo: TierSlo, settings: RouterSettings, now: float) -> float:
     """The running slots per replica a request of ``shape`` and tier ``slo`` counts on in ``pool``:
-    ``slots_per_replica`` in a pool of its own shape. In another shape's pool with a capacity model, an
-    overflow counts on ``settings.overflow_share`` of them: the rest stays for the pool's own requests.
-    Without it, heavy overflow filled a chat pool's slots in work units, and the chats that came next
-    met a full pool and were shed at once (their 1 s TTFT leaves no time to wait); stretched drift-ramp
-    at x1.19, adaptive, after the ramp: 1.56 of 7.2 chats/s shed by a pool with capacity for 70, and 2.2
-    of 11.7 code requests/s by a code pool that long documents had filled; with half the slots none and
-    0.5, and the standard tier's worst phase 89.7% -> 94.0% (fleet/README.md "Overflow keeps to part of
-    a pool"). In a pool sized for a looser TPOT than the request's tier's, it counts on that ratio of
-    them if smaller: the pool runs as many requests as keep its own TPOT; decode steps that slow break
-    a tighter objective (step time taken as growing with the batch). Stretched drift-ramp at x1.19:
-    chats that spilled into the code and long-context pools met 19% and 45% of their objectives."""
+    ``slots_per_replica`` in a pool of its own shape; in another shape's pool, the smaller of two shares.
+
+    - With a capacity model, ``settings.overflow_share``: the rest stays for the pool's own requests.
+      Heavy overflow counted in work units fills a pool, and its own requests that come next are shed
+      (a 1 s TTFT cannot wait for a document to finish). Stretched drift-ramp at x1.19 after the ramp:
+      1.56 of 7.2 chats/s shed by a pool rated for 70, 2.2 of 11.7 code requests/s by a code pool
+      documents had filled; with half, 0 and 0.5 (fleet/README.md "Overflow keeps to part of a pool").
+    - In a pool sized for a looser TPOT than the request's tier's, that ratio: the pool runs as many
+      requests as keep its own TPOT, and decode steps that slow break a tighter objective (step time
+      taken as growing with the batch). Chats that spilled into code and long-context pools met 19%
+      and 45% of their objectives without it."""
     slots = slots_per_replica(pool, slo.priority, settings, now)
     if shape.name in pool.shapes:
         return slots

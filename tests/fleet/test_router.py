@@ -265,7 +265,6 @@ def test_overflow_counts_on_part_of_another_shapes_pool_and_leaves_the_rest_to_i
         RouterSettings(overflow_share=0.0)
 
 
-
 def test_a_replica_another_client_loads_takes_new_requests_last() -> None:
     chat = _pool("chat", {"short-chat"})
     busy, idle = chat.replicas
