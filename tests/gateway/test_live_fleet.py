@@ -61,7 +61,9 @@ def test_controller_repartitions_under_load_without_failing_a_request(tmp_path: 
         "fleet": {
             "pools": [{"name": "mixed", "model": "llama-3.1-8b", "gpu": "H100-SXM", "shapes": ["short-chat"], "replicas": {"emulated": 2}}],
             "emulator_speed": SPEED,
-            "controller": {"enabled": True, "tick_s": 5.0, "decision_log": "decisions.jsonl"},
+            # the step's verification waits past the test (90 s real): judged on SLOs, which a busy machine misses at
+            # 20x speed, it rolled the move back on one CI run; verification has its own tests (test_real_drift)
+            "controller": {"enabled": True, "tick_s": 5.0, "decision_log": "decisions.jsonl", "verify_after_s": 1800},
         },
     }
     path = tmp_path / "config.yaml"
