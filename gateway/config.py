@@ -661,6 +661,7 @@ def _controller(doc: YamlDoc, base: Path, raw: object) -> ControllerSettingsFile
     renew_every_s = r.number("renew_every_s", 5.0, lo=0.1, hi=1800)
     if renew_every_s * 2 > lease_duration_s:  # the leader must get a second try at renewing before its lease can lapse
         raise r.error("renew_every_s", f"must be at most half of lease_duration_s ({lease_duration_s}), not {renew_every_s!r}")
+    window_s = r.number("window_s", 120.0, lo=5.0, hi=86400)  # at least one telemetry bucket (5 s)
     return ControllerSettingsFile(
         enabled=r.flag("enabled", False),
         tick_s=r.number("tick_s", 5.0, lo=0.1, hi=3600),
@@ -679,21 +680,26 @@ def _controller(doc: YamlDoc, base: Path, raw: object) -> ControllerSettingsFile
         rebalance_cooldown_s=r.number("rebalance_cooldown_s", 300.0, hi=86400),
         rebalance_min_gain=r.number("rebalance_min_gain", 0.05, hi=0.99),
         canary=_canary(doc, r.data.get("canary")),
-        window_s=r.number("window_s", 120.0, lo=5.0, hi=86400),  # at least one telemetry bucket (5 s)
-        drift=_drift(doc, r.data.get("drift")),
+        window_s=window_s,
+        drift=_drift(doc, r.data.get("drift"), window_s),
         verify_after_s=r.number("verify_after_s", 45.0, lo=0.0, hi=86400),
         backoff_s=r.number("backoff_s", 300.0, lo=0.0, hi=86400),
     )
 
 
-def _drift(doc: YamlDoc, raw: object) -> DriftSettings:
+def _drift(doc: YamlDoc, raw: object, window_s: float) -> DriftSettings:
     r = _Reader(doc, ("fleet", "controller", "drift"), raw, {"warmup_s", "dwell_s", "strong_dwell_s", "min_interval_s"})
     d = DriftSettings()
+    # the warm-up ends when the telemetry window holds that much traffic, and a window holds at most window_s:
+    # a longer warm-up never ends, and the controller would never plan nor the urls pools get a model
+    warmup_s = r.number("warmup_s", min(d.warmup_s, window_s), hi=86400)
+    if warmup_s > window_s:
+        raise r.error("warmup_s", f"must be at most fleet.controller.window_s ({window_s!r}): a longer warm-up never ends")
     dwell_s = r.number("dwell_s", d.dwell_s, hi=86400)
     strong_dwell_s = r.number("strong_dwell_s", min(d.strong_dwell_s, dwell_s), hi=86400)
     if strong_dwell_s > dwell_s:
         raise r.error("strong_dwell_s", f"must be at most dwell_s ({dwell_s!r}): a strong score fires sooner, not later")
-    return replace(d, warmup_s=r.number("warmup_s", d.warmup_s, hi=86400), dwell_s=dwell_s, strong_dwell_s=strong_dwell_s,
+    return replace(d, warmup_s=warmup_s, dwell_s=dwell_s, strong_dwell_s=strong_dwell_s,
                    min_interval_s=r.number("min_interval_s", d.min_interval_s, hi=86400))
 
 

@@ -157,7 +157,7 @@ def test_rebalance_min_gain_out_of_range_names_its_field(tmp_path: Path) -> None
     assert "0.99" in err.reason
 
 
-def test_the_controllers_timings_are_read_and_a_strong_dwell_longer_than_the_dwell_names_its_line(tmp_path: Path) -> None:
+def test_the_controllers_timings_are_read_and_a_strong_dwell_or_a_warmup_longer_than_the_window_names_its_line(tmp_path: Path) -> None:
     path = _copy_example(tmp_path / "ok")
     path.write_text(path.read_text().replace("    tick_s: 5.0\n", "    tick_s: 5.0\n    window_s: 30\n    verify_after_s: 10\n    backoff_s: 60\n"
                                              "    drift: {warmup_s: 10, dwell_s: 6, strong_dwell_s: 4, min_interval_s: 20}\n", 1))
@@ -171,3 +171,10 @@ def test_the_controllers_timings_are_read_and_a_strong_dwell_longer_than_the_dwe
     assert err.line == _line_of(Path(err.file), "strong_dwell_s: 8")
     err = _error_for(tmp_path / "window", "    tick_s: 5.0\n", "    tick_s: 5.0\n    window_s: 2\n")
     assert err.field == "fleet.controller.window_s" and "between 5 and" in err.reason
+    # a window holds at most window_s of traffic: a longer warm-up would never end, and nothing would be planned
+    err = _error_for(tmp_path / "warmup", "    tick_s: 5.0\n", "    tick_s: 5.0\n    window_s: 30\n    drift: {warmup_s: 45}\n")
+    assert err.field == "fleet.controller.drift.warmup_s" and "at most fleet.controller.window_s (30" in err.reason
+    assert err.line == _line_of(Path(err.file), "drift: {warmup_s: 45}")
+    short = _copy_example(tmp_path / "short")
+    short.write_text(short.read_text().replace("    tick_s: 5.0\n", "    tick_s: 5.0\n    window_s: 30\n", 1))
+    assert load_config(short).controller.drift.warmup_s == 30  # the default warm-up (60 s) shortened to the window
