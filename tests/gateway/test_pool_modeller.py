@@ -15,6 +15,7 @@ from tests.support.procs import running, start_emulator, start_gateway, write_te
 
 KEY, ADMIN = "sk-test-modeller", "admin-token-modeller"
 SPEED = 20.0
+WINDOW_S, WARMUP_S = 1200.0, 600.0  # fleet seconds of telemetry kept, and needed before the first model (30 s here)
 MIN_SHARED_RATE_RPS = 40.0  # ~2,100-token chats on an H100 with nothing cached: ~15 req/s
 SYSTEM = "You are the support assistant of a large retailer. Answer briefly and politely. " * 130  # ~2,100 shared tokens
 
@@ -55,21 +56,28 @@ def test_url_pools_get_capacity_models_from_measured_traffic(tmp_path: Path) -> 
                      "engine": {"kind": "emulated"}, "replicas": {"urls": [long.url]}},
                 ],
                 "emulator_speed": SPEED,
-                "controller": {"enabled": True, "tick_s": 5.0},
+                # the first model waits for the drift detector's warm-up, as the controller does before it plans
+                "controller": {"enabled": True, "tick_s": 5.0, "window_s": WINDOW_S, "drift": {"warmup_s": WARMUP_S}},
             },
         }
         (tmp_path / "config.yaml").write_text(json.dumps(config))
         gateway = start_gateway(tmp_path, ["--config", str(tmp_path / "config.yaml")])
         with running(gateway):
             assert _pools(gateway.url)["chat-h100"]["rate_per_replica_rps"] == 0  # nothing measured yet: no model
+            started = time.monotonic()
             statuses: list[int] = []
+            while time.monotonic() - started < 15.0:  # 300 fleet s: 60 ticks, time enough to price a window (a few s)
+                statuses += asyncio.run(_chats(gateway.url, 40))
+            young = _pools(gateway.url)["chat-h100"]["rate_per_replica_rps"]  # they priced nothing: the window is too young
+            young_s = (time.monotonic() - started) * SPEED
             rates: list[float] = []
-            deadline = time.monotonic() + 60.0
+            deadline = time.monotonic() + 90.0
             while (not rates or rates[-1] <= MIN_SHARED_RATE_RPS) and time.monotonic() < deadline:
                 statuses += asyncio.run(_chats(gateway.url, 40))  # each tick prices the window (5 fleet s: 0.25 s here)
                 rates.append(float(_pools(gateway.url)["chat-h100"]["rate_per_replica_rps"]))  # type: ignore[arg-type]
             pools = _pools(gateway.url)
     assert statuses and set(statuses) == {200}
+    assert young_s < WARMUP_S * 0.8 and young == 0, (young_s, young)
     assert "models the urls pools chat-h100, long-h200" in gateway.log()
     modelled = pools["chat-h100"]
     # the chats share a ~2,100-token system prompt, of which the engine caches four 512-token blocks: priced
