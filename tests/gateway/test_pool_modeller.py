@@ -66,7 +66,7 @@ def test_url_pools_get_capacity_models_from_measured_traffic(tmp_path: Path) -> 
             assert _pools(gateway.url)["chat-h100"]["rate_per_replica_rps"] == 0  # nothing measured yet: no model
             started = time.monotonic()
             statuses: list[int] = []
-            while time.monotonic() - started < 15.0:  # 300 fleet s: 60 ticks, time enough to price a window (a few s)
+            while time.monotonic() - started < 12.0:  # 240 fleet s: 48 ticks, time enough to price a window (a few s)
                 statuses += asyncio.run(_chats(gateway.url, 40))
             young = _pools(gateway.url)["chat-h100"]["rate_per_replica_rps"]  # they priced nothing: the window is too young
             young_s = (time.monotonic() - started) * SPEED
@@ -77,7 +77,7 @@ def test_url_pools_get_capacity_models_from_measured_traffic(tmp_path: Path) -> 
                 rates.append(float(_pools(gateway.url)["chat-h100"]["rate_per_replica_rps"]))  # type: ignore[arg-type]
             pools = _pools(gateway.url)
     assert statuses and set(statuses) == {200}
-    assert young_s < WARMUP_S * 0.8 and young == 0, (young_s, young)
+    assert young_s < WARMUP_S and young == 0, (young_s, young)  # read before the warm-up could end
     assert "models the urls pools chat-h100, long-h200" in gateway.log()
     modelled = pools["chat-h100"]
     # the chats share a ~2,100-token system prompt, of which the engine caches four 512-token blocks: priced
