@@ -49,6 +49,11 @@ class DriftSettings:
         if not 0 < self.rearm_below <= 1:
             raise ValueError("drift rearm_below must be in (0, 1]")
 
+    def warmed_up(self, covered_s: float) -> bool:
+        """The telemetry window holds enough traffic to act on (``covered_s`` of it): the detector's judgement,
+        and the gateway's first model of its ``urls`` pools (gateway.pool_modeller), wait for the same warm-up."""
+        return covered_s >= self.warmup_s
+
 
 @dataclass(frozen=True, slots=True)
 class DriftScore:
@@ -137,7 +142,7 @@ class DriftDetector:
             self.above_since = now
         ready = (
             self.armed
-            and covered_s >= s.warmup_s
+            and s.warmed_up(covered_s)
             and now - self.above_since >= (s.strong_dwell_s if current.score >= s.strong_score else s.dwell_s)
             and now - self.last_plan_at >= s.min_interval_s
         )

@@ -121,7 +121,7 @@ class PoolModeller:
         out: dict[str, PoolModel] = {}
         for model, pools in modelled_pools(config).items():
             telemetry = self.telemetry.of(model)
-            if model in self.capacity and telemetry.covered_s(now) >= self.settings.drift.warmup_s:
+            if model in self.capacity and self.settings.drift.warmed_up(telemetry.covered_s(now)):
                 out.update(price_pools(pools, telemetry.window(now), self.capacity[model], config.tiers))
         return out
 
