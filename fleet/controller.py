@@ -14,7 +14,8 @@ Those recompiles tune for the mix they were planned for: a drift found while onl
 rollout after its current step and is planned for at once.
 A step is planned by a ``Mover``, whose commands the edge applies; ``verify_after_s`` after its last move
 is routable, the observed goodput is compared with the plan's prediction and with the goodput before
-the step, and a step that is worse than both beyond ``verify_margin`` is rolled back (moves reversed)
+the step, and a step that is worse than both beyond ``verify_margin`` and the window's counting noise
+(``counting_noise_rps``) is rolled back (moves reversed)
 with an exponential back-off before the next plan. A step whose replica is not healthy within the
 start deadline is rolled back the same way ("replica never became healthy"). Slots whose replica is
 gone (``SlotState.alive`` false) leave the GPU budget the planner allocates: a ``capacity`` decision
@@ -417,15 +418,16 @@ class Controller:
         predicted = evaluate(problem_for(options, (live,), self.budget()), counts).predicted_goodput_rps
         observed = live.goodput_rps()
         floor = (1 - self.settings.verify_margin) * min(predicted, rollout.goodput_before_rps)
+        noise = counting_noise_rps(floor, live.window_s)
         # A fleet that was already missing its demand before the step carries a backlog that drags
         # the observed goodput down whatever the step did: rolling back would return to the failing
         # plan, so the step is judged inconclusive and the rollout goes on.
-        goodput_ok = bool(observed >= floor) or not rollout.healthy_before
+        goodput_ok = bool(observed >= floor - noise) or not rollout.healthy_before
         waiting, backlogged = self._engine_backlog(rollout)
         ok = goodput_ok and not backlogged
         out = [Decision(now, VerifyEvidence(ok=ok, observed_goodput_rps=round(observed, 3),
                         predicted_goodput_rps=round(predicted, 3), goodput_before_rps=round(rollout.goodput_before_rps, 3),
-                        healthy_before=rollout.healthy_before, margin=self.settings.verify_margin,
+                        healthy_before=rollout.healthy_before, margin=self.settings.verify_margin, noise_rps=round(noise, 3),
                         drain_deadline_stops=tuple(mover.forced_stops), engine_waiting=waiting or None,
                         engine_backlogged=backlogged or None))]
         if ok:
@@ -483,6 +485,23 @@ class Controller:
         self._commands += rollout.mover.advance(now, self._slots)  # the drains
         return [Decision(now, RollbackEvidence(reason=reason, backoff_s=backoff, plan_failed=True, never_healthy=never_healthy,
                                                start_timeout_s=start_timeout_s), undo)]
+
+
+# How many standard deviations of its count a verify window's goodput may read below the floor: a
+# one-sided test that rolls back about 2% of the steps whose goodput really sits at the floor.
+VERIFY_NOISE_SD = 2.0
+
+
+def counting_noise_rps(floor_rps: float, window_s: float) -> float:
+    """How far below ``floor_rps`` a goodput counted over ``window_s`` may read by chance alone:
+    ``VERIFY_NOISE_SD`` standard deviations of a Poisson count of ``floor_rps * window_s`` requests.
+    At a few requests a second one more or less moves a window's goodput by more than the margin: on
+    the CPU fleet of tests/gateway/test_real_drift.py 12 long prompts in a 12 s window read 1.0 req/s
+    against a floor of 1.02 and rolled back a step that served as well as the one before it. At a GPU
+    fleet's 25 req/s over 45 s it is 1.5 req/s (6% of the floor)."""
+    if window_s <= 0 or floor_rps <= 0:
+        return 0.0
+    return VERIFY_NOISE_SD * math.sqrt(floor_rps * window_s) / window_s
 
 
 def _rounded(pool_to_share: Mapping[str, float]) -> dict[str, float] | None:

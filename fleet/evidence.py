@@ -126,6 +126,7 @@ class VerifyEvidence(_Record):
     goodput_before_rps: float | None = None
     healthy_before: bool | None = None  # whether the fleet met its demand before the step (else it was not judged)
     margin: float | None = None
+    noise_rps: float | None = None  # how far below the margin's floor goodput may read before it fails (counting_noise_rps)
     healthy: bool | None = None
     warmed_up: bool | None = None
     drain_s: float | None = None

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import pytest
@@ -46,16 +47,22 @@ def test_event_loop_orders_same_instant_by_kind_then_seq() -> None:
     assert seen == ["tick0", "iteration1", "arrival1", "arrival2", "tick1"]
 
 
-def _feed(tel: Telemetry, start: float, end: float, shape: str, rate: float, met: bool) -> None:
+def _feed(tel: Telemetry, start: float, end: float, shape: str, rate: float, met: bool | float) -> None:
+    """``rate`` requests a second of ``shape``; ``met``: whether each met its SLO, or the share that did (spread evenly)."""
+    share = float(met)
     k = 0
     while start + k / rate < end:
         at = start + k / rate
         tel.record_arrival(at, shape, "standard", 1000)
-        tel.record_outcome(at, shape, f"{shape}@H100-SXM", met, 100)
+        tel.record_outcome(at, shape, f"{shape}@H100-SXM", math.floor((k + 1) * share) > math.floor(k * share), 100)
         k += 1
 
 
-def test_a_step_that_makes_things_worse_is_rolled_back_with_backoff() -> None:
+@pytest.mark.parametrize("met_after", [0.0, 0.6, 0.8])
+def test_a_step_that_makes_things_worse_is_rolled_back_with_backoff(met_after: float) -> None:
+    """10 req/s all met before the step, ``met_after`` of them after: the floor is 0.85 x 10 = 8.5 req/s
+    and a 30 s window's counting noise 1.06 req/s (fleet.controller.counting_noise_rps), so 8 req/s is
+    within it and the step stays, while 6 and 0 are rolled back."""
     tel = Telemetry()
     _feed(tel, 0.0, 200.0, "a", 10.0, True)
     reference = tel.window(200.0)
@@ -75,13 +82,19 @@ def test_a_step_that_makes_things_worse_is_rolled_back_with_backoff() -> None:
             break
     assert kinds[:3] == ["drift", "plan", "step"] and controller.busy
     step_at = float(now)
-    _feed(tel, 250.0, 400.0, "b", 10.0, False)  # after the step nothing meets its SLO
+    _feed(tel, 250.0, 400.0, "b", 10.0, met_after)
     decisions = []
     for later in range(int(step_at) + 5, int(step_at) + 90, 5):
         decisions += tick(controller, actuator, float(later), slots)
+    verify = decisions[0]
+    assert isinstance(verify.evidence, VerifyEvidence) and verify.evidence.noise_rps == pytest.approx(1.065, abs=0.01)
+    assert verify.evidence.observed_goodput_rps == pytest.approx(10 * met_after, abs=0.1)
+    if met_after == 0.8:
+        assert verify.evidence.ok is True and "rollback" not in [d.kind for d in decisions], decisions
+        return
     assert [d.kind for d in decisions] == ["verify", "rollback"]
-    verify, rollback = decisions
-    assert isinstance(verify.evidence, VerifyEvidence) and verify.evidence.ok is False
+    rollback = decisions[1]
+    assert verify.evidence.ok is False
     assert all(m.to_pool.startswith("a@") for m in rollback.moves) and rollback.evidence == RollbackEvidence(
         reason="observed goodput below prediction and below the goodput before the step", backoff_s=300.0, plan_failed=True)
 
