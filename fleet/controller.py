@@ -496,9 +496,10 @@ def counting_noise_rps(floor_rps: float, window_s: float) -> float:
     """How far below ``floor_rps`` a goodput counted over ``window_s`` may read by chance alone:
     ``VERIFY_NOISE_SD`` standard deviations of a Poisson count of ``floor_rps * window_s`` requests.
     At a few requests a second one more or less moves a window's goodput by more than the margin: on
-    the CPU fleet of tests/gateway/test_real_drift.py 12 long prompts in a 12 s window read 1.0 req/s
-    against a floor of 1.02 and rolled back a step that served as well as the one before it. At a GPU
-    fleet's 25 req/s over 45 s it is 1.5 req/s (6% of the floor)."""
+    the CPU fleet of tests/gateway/test_real_drift.py a 12 s window of 12 met long prompts read 1.0
+    req/s against a floor of 1.02 (12.2 requests) and rolled the step back; with 2 standard deviations
+    the floor gives way by 0.58 req/s there. At a GPU fleet's 25 req/s over 45 s it gives way by 1.5
+    req/s (6% of the floor)."""
     if window_s <= 0 or floor_rps <= 0:
         return 0.0
     return VERIFY_NOISE_SD * math.sqrt(floor_rps * window_s) / window_s
