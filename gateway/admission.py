@@ -40,9 +40,6 @@ class TokenBucket:
         self._refill(now)
         self.level -= amount
 
-    def put(self, amount: float) -> None:
-        self.level = min(self.burst, self.level + amount)
-
 
 @dataclass(frozen=True, slots=True)
 class Refusal:
@@ -115,22 +112,3 @@ class TenantLimiter:
 
     def release(self) -> None:
         self.num_in_flight -= 1
-
-
-class RetryBudget:
-    """Retries may add at most ``ratio`` of the request rate (plus a small floor), so they cannot amplify an outage."""
-
-    __slots__ = ("ratio", "bucket")
-
-    def __init__(self, ratio: float, now: float, floor_per_s: float = 5.0) -> None:
-        self.ratio = ratio
-        self.bucket = TokenBucket(floor_per_s, max(10.0, floor_per_s * 2), now)
-
-    def on_request(self) -> None:
-        self.bucket.put(self.ratio)
-
-    def try_spend(self, now: float) -> bool:
-        if self.bucket.wait_s(1.0, now) > 0:
-            return False
-        self.bucket.take(1.0, now)
-        return True

@@ -21,13 +21,13 @@ from fleet.pool import PoolState, ReplicaState
 from fleet.router import Reject, Route, RouterSettings, Wait, route
 from fleet.router_steps import work_units
 from gateway.adapters import engine_model, with_model
-from gateway.admission import RetryBudget
 from gateway.config import UpstreamSettings
 from gateway.engine_errors import context_exceeded
 from gateway.errors import ApiError, error_body, sse_error_event
 from gateway.metrics import GatewayMetrics
 from gateway.pool_wait import PoolWaits
 from gateway.restart_waits import RestartHolds
+from gateway.retry_budget import RetryBudget
 from gateway.runtime import Runtime
 from gateway.stream_usage import UsageChunkFilter, asked_for_usage, upstream_body
 from gateway.tracing import RequestTrace, UpstreamSpan, forwarded_trace_headers
@@ -180,12 +180,12 @@ def _responses_error_event(message: str, code: str) -> bytes:
 class Proxy:
     """Sends requests to replicas over one shared keep-alive connection pool."""
 
-    def __init__(self, pool: UpstreamPool, metrics: GatewayMetrics, settings: UpstreamSettings, now: float) -> None:
+    def __init__(self, pool: UpstreamPool, metrics: GatewayMetrics, settings: UpstreamSettings) -> None:
         self.pool = pool
         self.metrics = metrics
         self.waits = PoolWaits(metrics, RouterSettings())  # pools' queues; attached to each runtime as it goes live (with its router settings)
         self.holds = RestartHolds(metrics)  # requests held while every replica of their model restarts
-        self.retry_budget = RetryBudget(settings.retry_budget_ratio, now)
+        self.retry_budget = RetryBudget(settings.retry_budget_ratio)
 
     async def forward(
         self,
@@ -210,7 +210,7 @@ class Proxy:
         loop = asyncio.get_running_loop()
         tried: list[str] = []
         budget_tokens = shape.prompt_tokens + shape.predicted_output_p50
-        self.retry_budget.on_request()
+        self.retry_budget.on_request(loop.time())
         # A stream whose client did not ask for usage asks the engine anyway (and hides it again)
         strip_usage = stream and wire.ask_stream_usage and not asked_for_usage(body)
         tier = runtime.config.tiers.get(shape.tier)

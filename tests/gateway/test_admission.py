@@ -4,8 +4,9 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from gateway.admission import RetryBudget, TenantLimiter, TokenBucket
+from gateway.admission import TenantLimiter, TokenBucket
 from gateway.config import demo_tenant
+from gateway.retry_budget import RetryBudget
 from kernels.tiers import DEFAULT_TIERS
 
 TENANT = replace(demo_tenant(DEFAULT_TIERS), requests_per_min=60.0, tokens_per_min=600.0, max_concurrency=2)
@@ -52,9 +53,29 @@ def test_token_rate_limit_counts_prompt_and_output_tokens() -> None:
 
 
 def test_retry_budget_bounds_retries_to_a_share_of_requests() -> None:
-    budget = RetryBudget(ratio=0.1, now=0.0, floor_per_s=0.0001)
+    budget = RetryBudget(ratio=0.1, floor_per_s=0.0001)
     spent = 0
     for _ in range(1000):
-        budget.on_request()
+        budget.on_request(0.0)
         spent += budget.try_spend(0.0)
-    assert spent <= 10 + 100  # the initial burst plus 10% of the requests
+    assert spent == 100  # 10% of the requests; the floor adds 0.001 over the window
+
+
+def test_retry_budget_retries_a_burst_of_failures_the_recent_requests_pay_for() -> None:
+    # 10 s at 50 requests a second, then the replica taking half of them fails the 25 in flight at once
+    budget = RetryBudget(ratio=0.2)
+    for i in range(500):
+        budget.on_request(i / 50)
+    assert all(budget.try_spend(10.0) for _ in range(25))  # a bucket of 10 refused 15 of these
+
+
+def test_retry_budget_holds_an_outage_to_the_ratio_plus_the_floor() -> None:
+    budget = RetryBudget(ratio=0.2, floor_per_s=5.0, window_s=10.0)
+    spent = 0
+    for i in range(60 * 50):  # every request of a 60 s outage fails and asks for a retry
+        now = i / 50
+        budget.on_request(now)
+        spent += budget.try_spend(now) + budget.try_spend(now)
+    assert 0.2 * 3000 <= spent <= 0.2 * 3000 + 5.0 * (60 + 10)
+    # a window later, the outage's requests and retries have expired: the floor alone is left
+    assert sum(budget.try_spend(200.0) for _ in range(100)) == 50
