@@ -11,10 +11,12 @@ from __future__ import annotations
 import ctypes
 import json
 import os
+import secrets
 import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -32,10 +34,62 @@ def _die_with_parent() -> None:
         pass  # not Linux: the gateway's shutdown hook still stops its children
 
 
-def free_port(host: str = "127.0.0.1") -> int:
+# Ports a replica is started on come from below the kernel's ephemeral range (where client sockets
+# get their source ports) and above Ray's worker ports (10002-19999 by default). A port the kernel
+# hands out for bind(0) is in the ephemeral range, so an outgoing connection may take it as its
+# source port between the check and the child's own bind, and the child then cannot listen.
+_LOW_PORT = 20000
+
+
+def _ephemeral_low() -> int:
+    try:
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768  # Linux's default; elsewhere a port that fails to bind is skipped all the same
+
+
+def _binds(host: str, port: int) -> bool:
     with socket.socket() as sock:
-        sock.bind((host, 0))
-        return int(sock.getsockname()[1])
+        try:
+            sock.bind((host, port))
+        except OSError:
+            return False
+        return True
+
+
+class _PortWalk:
+    """This process's walk up the range from a random start, wrapping: it does not hand out one port
+    twice while the first taker is still starting, and two processes (pytest's workers) meet only
+    where their walks do. Locked: actuators start replicas from worker threads."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.next_port: int | None = None
+
+    def take(self, host: str, high: int) -> int:
+        with self.lock:
+            port = self.next_port if self.next_port is not None else _LOW_PORT + secrets.randbelow(high - _LOW_PORT)
+            for _ in range(high - _LOW_PORT):
+                if port >= high:
+                    port = _LOW_PORT
+                self.next_port = port + 1
+                if _binds(host, port):
+                    return port
+                port += 1
+        raise OSError(f"no free port on {host} in {_LOW_PORT}-{high - 1}")
+
+
+_WALK = _PortWalk()
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A port nothing is bound to now, from ``_PortWalk``; bind(0) where the range is too small."""
+    high = _ephemeral_low()
+    if high - _LOW_PORT < 1000:
+        with socket.socket() as sock:
+            sock.bind((host, 0))
+            return int(sock.getsockname()[1])
+    return _WALK.take(host, high)
 
 
 @dataclass(frozen=True, slots=True)
