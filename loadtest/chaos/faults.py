@@ -9,8 +9,10 @@ deployment as it found it: faults cleared, every replica back and readmitted.
 from __future__ import annotations
 
 import asyncio
+import os
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 
 from loadtest.chaos.load import (
     CLEAR,
@@ -41,6 +43,9 @@ DEADLINE_S = UPSTREAM["max_attempts"] * (UPSTREAM["connect_timeout_s"] + UPSTREA
 # A restarted replica is readmitted within a second here; a process start beside the test suite's first,
 # busiest minute once took over 15 s (the figure reports the actual time either way)
 READMIT_TIMEOUT_S = 45.0
+RELOADS = "polymorph_config_reloads_total"
+RELOAD_SEEN_TIMEOUT_S = 15.0  # a reload is seen within a poll (1 s) on a quiet machine
+RELOAD_MAX_S = 4 * RELOAD_SEEN_TIMEOUT_S  # the load runs until the restored files serve, at most this long
 
 
 def fault_plan() -> StackPlan:
@@ -175,27 +180,35 @@ class FaultRunner:
         return summarize("pool-down", answers, retried, self.baseline_s, checks, figures)
 
     async def invalid_reload(self) -> ScenarioResult:
-        """Tenant file, then config file, replaced by invalid ones under load: rejected, zero failed requests."""
+        """Tenant file, then config file, replaced by invalid ones under load: rejected, zero failed requests.
+
+        Each step waits for the gateway's reload counter instead of a fixed sleep: its watcher polls
+        every second, and on a loaded machine a poll can come late enough to miss a 1.6 s window."""
         stack = self.stack
         tenant_file = stack.tenants_dir / "load.yaml"
         good_tenant, good_config = tenant_file.read_text(), stack.config_path.read_text()
-        rejected_before = stack.metric("polymorph_config_reloads_total", 'result="rejected"')
-        applied_before = stack.metric("polymorph_config_reloads_total", 'result="applied"')
+        rejected_before = stack.metric(RELOADS, 'result="rejected"')
+        applied_before = stack.metric(RELOADS, 'result="applied"')
         version_before = stack.admin_state()["config"]["version"]
         s = self.settings
         async with ChaosClient(stack.url, DEADLINE_S) as client:
-            load = asyncio.create_task(open_loop(client, mixed_request, s.reload_rate_rps, max(s.duration_s * 2, 4.0)))
-            tenant_file.write_text("name: load\napi_key_sha256: [not-a-hash]\n")
-            await asyncio.sleep(1.6)  # the watcher polls every second
-            tenant_file.write_text(good_tenant)
-            stack.config_path.write_text("fleet: [unclosed\n")
-            await asyncio.sleep(1.6)
+            restored = asyncio.Event()
+            load = asyncio.create_task(open_loop(client, mixed_request, s.reload_rate_rps, RELOAD_MAX_S, until=restored))
+            await asyncio.sleep(s.duration_s / 2)
+            self._replace(tenant_file, "name: load\napi_key_sha256: [not-a-hash]\n")
+            await self._counter_reaches('result="rejected"', rejected_before + 1)
+            self._replace(tenant_file, good_tenant)
+            self._replace(stack.config_path, "fleet: [unclosed\n")
+            await self._counter_reaches('result="rejected"', rejected_before + 2)
             version_during = (await asyncio.to_thread(stack.admin_state))["config"]["version"]
-            stack.config_path.write_text(good_config)
+            applied_during = await asyncio.to_thread(stack.metric, RELOADS, 'result="applied"')
+            self._replace(stack.config_path, good_config)
+            await self._counter_reaches('result="applied"', applied_during + 1)
+            await asyncio.sleep(s.duration_s / 2)  # the restored version serves under load too
+            restored.set()
             answers = await load
-        await asyncio.sleep(1.5)
-        rejected = stack.metric("polymorph_config_reloads_total", 'result="rejected"') - rejected_before
-        applied = stack.metric("polymorph_config_reloads_total", 'result="applied"') - applied_before
+        rejected = stack.metric(RELOADS, 'result="rejected"') - rejected_before
+        applied = stack.metric(RELOADS, 'result="applied"') - applied_before
         failed = [a for a in answers if a.verdict != OK]
         checks = [
             Check("zero failed requests", not failed, f"{len(failed)} failed: {sorted({a.detail for a in failed})[:3]}"),
@@ -206,6 +219,20 @@ class FaultRunner:
         ok = [a.latency_s for a in answers if a.verdict == OK]
         return summarize("invalid-reload", answers, 0, self.baseline_s, checks,
                          {"rate_rps": s.reload_rate_rps, "rejected": rejected, "p99_ms": percentile(ok, 0.99) * 1000})
+
+    def _replace(self, path: Path, text: str) -> None:
+        """Swap the file whole (as an operator's tool or a ConfigMap does): a poll never reads half of it."""
+        staged = self.stack.config_path.parent / f".{path.name}.staged"
+        staged.write_text(text)
+        os.replace(staged, path)
+
+    async def _counter_reaches(self, labels: str, target: float) -> None:
+        """Wait until the reload counter with ``labels`` reaches ``target``, at most ``RELOAD_SEEN_TIMEOUT_S``
+        (the checks then say what did not happen)."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + RELOAD_SEEN_TIMEOUT_S
+        while loop.time() < deadline and await asyncio.to_thread(self.stack.metric, RELOADS, labels) < target:
+            await asyncio.sleep(0.1)
 
 
 FAULT_SCENARIOS: dict[str, Callable[[FaultRunner], object]] = {
