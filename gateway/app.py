@@ -437,7 +437,7 @@ async def _on_startup(app: web.Application) -> None:
     connector = aiohttp.TCPConnector(limit=0, ttl_dns_cache=300, keepalive_timeout=60, enable_cleanup_closed=True)
     state.session = aiohttp.ClientSession(connector=connector, auto_decompress=False, json_serialize=lambda o: orjson.dumps(o).decode())
     state.upstream_pool = UpstreamPool()
-    state.proxy = Proxy(state.upstream_pool, state.metrics, state.runtime.config.upstream)
+    state.proxy = Proxy(state.upstream_pool, state.metrics)
     state.proxy.waits.attach(state.runtime, loop.time())
     state.prober = HealthProber(state)
     await state.prober.discover_models()

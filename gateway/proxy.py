@@ -180,12 +180,12 @@ def _responses_error_event(message: str, code: str) -> bytes:
 class Proxy:
     """Sends requests to replicas over one shared keep-alive connection pool."""
 
-    def __init__(self, pool: UpstreamPool, metrics: GatewayMetrics, settings: UpstreamSettings) -> None:
+    def __init__(self, pool: UpstreamPool, metrics: GatewayMetrics) -> None:
         self.pool = pool
         self.metrics = metrics
         self.waits = PoolWaits(metrics, RouterSettings())  # pools' queues; attached to each runtime as it goes live (with its router settings)
         self.holds = RestartHolds(metrics)  # requests held while every replica of their model restarts
-        self.retry_budget = RetryBudget(settings.retry_budget_ratio)
+        self.retry_budget = RetryBudget()
 
     async def forward(
         self,
@@ -276,7 +276,7 @@ class Proxy:
                 last_error = err
                 if span is not None:
                     span.end(err.status, err.code)
-                if outcome.attempts >= settings.max_attempts or not self.retry_budget.try_spend(loop.time()):
+                if outcome.attempts >= settings.max_attempts or not self.retry_budget.try_spend(loop.time(), settings.retry_budget_ratio):
                     raise
                 self.metrics.child(self.metrics.retries, decision.pool).inc()
                 continue

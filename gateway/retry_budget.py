@@ -15,13 +15,13 @@ class RetryBudget:
     replica at once. A bucket of 10 refused 3 such retries while two healthy replicas of the same
     model were idle (the http-5xx chaos scenario, 14 failures at once); the window holds the ratio
     of every request of the last 10 s. Sustained, the rate stays bounded as before: over any window,
-    retries are at most ``floor_per_s * window_s + ratio * requests``.
+    retries are at most ``floor_per_s * window_s + ratio * requests``. ``ratio`` comes with each
+    spend, from the config that request runs on, so a reload changes it at once.
     """
 
-    __slots__ = ("ratio", "reserve", "slot_s", "num_slots", "_slots")
+    __slots__ = ("reserve", "slot_s", "num_slots", "_slots")
 
-    def __init__(self, ratio: float, floor_per_s: float = 5.0, window_s: float = 10.0, num_slots: int = 10) -> None:
-        self.ratio = ratio
+    def __init__(self, floor_per_s: float = 5.0, window_s: float = 10.0, num_slots: int = 10) -> None:
         self.reserve = floor_per_s * window_s
         self.slot_s = window_s / num_slots
         self.num_slots = num_slots
@@ -38,10 +38,10 @@ class RetryBudget:
     def on_request(self, now: float) -> None:
         self._slot(now)[1] += 1
 
-    def try_spend(self, now: float) -> bool:
+    def try_spend(self, now: float, ratio: float) -> bool:
         """Spend one retry if the window's balance holds one; False: the failure goes to the client."""
         slot = self._slot(now)
-        balance = self.reserve + sum(self.ratio * s[1] - s[2] for s in self._slots)
+        balance = self.reserve + sum(ratio * s[1] - s[2] for s in self._slots)
         if balance < 1.0:
             return False
         slot[2] += 1

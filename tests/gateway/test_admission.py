@@ -53,29 +53,37 @@ def test_token_rate_limit_counts_prompt_and_output_tokens() -> None:
 
 
 def test_retry_budget_bounds_retries_to_a_share_of_requests() -> None:
-    budget = RetryBudget(ratio=0.1, floor_per_s=0.0001)
+    budget = RetryBudget(floor_per_s=0.0001)
     spent = 0
     for _ in range(1000):
         budget.on_request(0.0)
-        spent += budget.try_spend(0.0)
+        spent += budget.try_spend(0.0, 0.1)
     assert spent == 100  # 10% of the requests; the floor adds 0.001 over the window
 
 
 def test_retry_budget_retries_a_burst_of_failures_the_recent_requests_pay_for() -> None:
     # 10 s at 50 requests a second, then the replica taking half of them fails the 25 in flight at once
-    budget = RetryBudget(ratio=0.2)
+    budget = RetryBudget()
     for i in range(500):
         budget.on_request(i / 50)
-    assert all(budget.try_spend(10.0) for _ in range(25))  # a bucket of 10 refused 15 of these
+    assert all(budget.try_spend(10.0, 0.2) for _ in range(25))  # a bucket of 10 refused 15 of these
 
 
 def test_retry_budget_holds_an_outage_to_the_ratio_plus_the_floor() -> None:
-    budget = RetryBudget(ratio=0.2, floor_per_s=5.0, window_s=10.0)
+    budget = RetryBudget(floor_per_s=5.0, window_s=10.0)
     spent = 0
     for i in range(60 * 50):  # every request of a 60 s outage fails and asks for a retry
         now = i / 50
         budget.on_request(now)
-        spent += budget.try_spend(now) + budget.try_spend(now)
+        spent += budget.try_spend(now, 0.2) + budget.try_spend(now, 0.2)
     assert 0.2 * 3000 <= spent <= 0.2 * 3000 + 5.0 * (60 + 10)
     # a window later, the outage's requests and retries have expired: the floor alone is left
-    assert sum(budget.try_spend(200.0) for _ in range(100)) == 50
+    assert sum(budget.try_spend(200.0, 0.2) for _ in range(100)) == 50
+
+
+def test_retry_budget_spends_at_the_ratio_of_the_config_each_retry_runs_on() -> None:
+    budget = RetryBudget(floor_per_s=0.0001)
+    for _ in range(100):
+        budget.on_request(0.0)
+    assert not budget.try_spend(0.0, 0.0)  # a reload set the ratio to 0: no retries
+    assert sum(budget.try_spend(0.0, 0.5) for _ in range(100)) == 50  # and back to 0.5: half the window's requests
