@@ -11,10 +11,11 @@ class RetryBudget:
     ``floor_per_s`` over that window (Finagle's RetryBudget: a 10 s ttl, a floor of retries per second).
 
     Counted over a window, not refilled into a small bucket, because retries come in bursts: a
-    replica that starts failing fails every request in flight to it, and each then wants another
-    replica at once. A bucket of 10 refused 3 such retries while two healthy replicas of the same
-    model were idle (the http-5xx chaos scenario, 14 failures at once); the window holds the ratio
-    of every request of the last 10 s. Sustained, the rate stays bounded as before: over any window,
+    replica that starts failing fails the requests sent to it before it is ejected, and each then
+    wants another replica at once. A bucket of 10 refused 3 of 14 such retries in a CI run of the
+    http-5xx chaos scenario while two healthy replicas of the same model were there to take them;
+    with the breaker held off at 150 req/s it refused 43 of 113 (none now). The window holds the
+    ratio of every request of the last 10 s. Sustained, the rate stays bounded as before: over any window,
     retries are at most ``floor_per_s * window_s + ratio * requests``. ``ratio`` comes with each
     spend, from the config that request runs on, so a reload changes it at once.
     """
