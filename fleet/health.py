@@ -25,6 +25,11 @@ class CircuitBreaker:
         self.num_ejections = 0
         self.num_trials = 0
 
+    def configure(self, eject_after: int, cooldown_s: float) -> None:
+        """New settings (a config reload) for the replica it guards; its state and count stay."""
+        self.eject_after = eject_after
+        self.cooldown_s = cooldown_s
+
     def available(self, now: float) -> bool:
         """May a request go here now? Once an ejection's cool-down is over, exactly one trial may."""
         if self.state is HealthState.HEALTHY:

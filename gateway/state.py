@@ -73,6 +73,10 @@ class GatewayState:
         runtime = build_runtime(config, self.urls_for(config), self.runtime, asyncio.get_running_loop().time())
         if self.live is not None and self.live.owns_pools:  # the controller owns the pools now; the config seeded them
             runtime = dataclasses.replace(runtime, pools=self.runtime.pools, replica_by_name=self.runtime.replica_by_name)
+        upstream = config.upstream
+        for pool in runtime.pools:  # replicas kept from the last version (all, when the controller owns them) guard by the new settings
+            for replica in pool.replicas:
+                replica.breaker.configure(upstream.eject_after_failures, upstream.eject_cooldown_s)
         self.runtime = runtime
         if self.proxy is not None:  # waiting requests move to the new pools' queues; new replicas may take some
             self.proxy.waits.attach(runtime, asyncio.get_running_loop().time())
