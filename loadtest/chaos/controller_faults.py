@@ -31,7 +31,7 @@ from fleet.evidence import PlanEvidence
 from loadtest.chaos.fleet_faults import DEADLINE_S, DRIFT_POOL, FleetFaultSettings, long_request, write_fleet_config
 from loadtest.chaos.load import OK, Answer, ChaosClient, open_loop, percentile
 from loadtest.chaos.report import Check, ScenarioResult, summarize
-from loadtest.chaos.stack import POLYMORPH, STARTUP_TIMEOUT_S, http_get, metric_sum
+from loadtest.chaos.stack import POLYMORPH, STARTUP_TIMEOUT_S, http_get, metric_sum, wait_until
 from loadtest.procs import ProcessRegistry, free_port, wait_http
 
 NUM_GATEWAYS = 2
@@ -132,16 +132,6 @@ class ExternalControllerDeployment:
 
     def retries(self) -> float:
         return sum(metric_sum(url, "polymorph_upstream_retries_total") for url in self.gateway_urls)
-
-
-def wait_until(what: str, check: Callable[[], bool], timeout_s: float = 60.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        with contextlib.suppress(OSError, RuntimeError):  # the controller between leaders
-            if check():
-                return
-        time.sleep(0.1)
-    raise TimeoutError(f"timed out waiting for {what}")
 
 
 def moves_repeated(decisions: list[LoggedDecision]) -> int:

@@ -9,6 +9,7 @@ deployment as it found it: faults cleared, every replica back and readmitted.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -24,7 +25,7 @@ from loadtest.chaos.load import (
     percentile,
 )
 from loadtest.chaos.report import Check, ScenarioResult, summarize
-from loadtest.chaos.stack import ChaosStack, PoolPlan, StackPlan, TenantPlan
+from loadtest.chaos.stack import ChaosStack, PoolPlan, StackPlan, TenantPlan, wait_until
 
 MODEL, SOLO_MODEL = "Llama-3.1-8B", "Qwen3-8B"
 LOAD_KEY = "sk-chaos-load"
@@ -196,14 +197,14 @@ class FaultRunner:
             load = asyncio.create_task(open_loop(client, mixed_request, s.reload_rate_rps, RELOAD_MAX_S, until=restored))
             await asyncio.sleep(s.duration_s / 2)
             self._replace(tenant_file, "name: load\napi_key_sha256: [not-a-hash]\n")
-            await self._counter_reaches('result="rejected"', rejected_before + 1)
+            await asyncio.to_thread(_reloads_reach, stack, 'result="rejected"', rejected_before + 1)
             self._replace(tenant_file, good_tenant)
             self._replace(stack.config_path, "fleet: [unclosed\n")
-            await self._counter_reaches('result="rejected"', rejected_before + 2)
+            await asyncio.to_thread(_reloads_reach, stack, 'result="rejected"', rejected_before + 2)
             version_during = (await asyncio.to_thread(stack.admin_state))["config"]["version"]
             applied_during = await asyncio.to_thread(stack.metric, RELOADS, 'result="applied"')
             self._replace(stack.config_path, good_config)
-            await self._counter_reaches('result="applied"', applied_during + 1)
+            await asyncio.to_thread(_reloads_reach, stack, 'result="applied"', applied_during + 1)
             await asyncio.sleep(s.duration_s / 2)  # the restored version serves under load too
             restored.set()
             answers = await load
@@ -226,13 +227,12 @@ class FaultRunner:
         staged.write_text(text)
         os.replace(staged, path)
 
-    async def _counter_reaches(self, labels: str, target: float) -> None:
-        """Wait until the reload counter with ``labels`` reaches ``target``, at most ``RELOAD_SEEN_TIMEOUT_S``
-        (the checks then say what did not happen)."""
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + RELOAD_SEEN_TIMEOUT_S
-        while loop.time() < deadline and await asyncio.to_thread(self.stack.metric, RELOADS, labels) < target:
-            await asyncio.sleep(0.1)
+
+def _reloads_reach(stack: ChaosStack, labels: str, target: float) -> None:
+    """Wait until the reload counter with ``labels`` reaches ``target``; after ``RELOAD_SEEN_TIMEOUT_S``
+    go on (the scenario's checks then say what did not happen)."""
+    with contextlib.suppress(TimeoutError):
+        wait_until(f"{RELOADS}{{{labels}}} >= {target:g}", lambda: stack.metric(RELOADS, labels) >= target, RELOAD_SEEN_TIMEOUT_S)
 
 
 FAULT_SCENARIOS: dict[str, Callable[[FaultRunner], object]] = {

@@ -7,6 +7,7 @@ scenario can replace them under load exactly as an operator would.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
@@ -17,7 +18,7 @@ import sys
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -256,3 +257,15 @@ def metric_sum(gateway_url: str, name: str, label_filter: str = "") -> float:
         if label_filter in (match.group(1) or ""):
             total += float(match.group(2))
     return total
+
+
+def wait_until(what: str, check: Callable[[], bool], timeout_s: float = 60.0) -> None:
+    """Poll ``check`` every 0.1 s until it holds; TimeoutError naming ``what`` after ``timeout_s``. A check
+    that cannot ask (a process between leaders or restarting: OSError, RuntimeError) counts as not yet."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        with contextlib.suppress(OSError, RuntimeError):
+            if check():
+                return
+        time.sleep(0.1)
+    raise TimeoutError(f"timed out waiting for {what}")
