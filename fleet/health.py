@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from enum import Enum
 
 
@@ -12,9 +13,19 @@ class HealthState(Enum):
 
 
 class CircuitBreaker:
-    """Ejects a replica after ``eject_after`` consecutive failures, for ``cooldown_s``, then probes it."""
+    """Ejects a replica after ``eject_after`` consecutive failures, for ``cooldown_s``, then probes it.
 
-    __slots__ = ("eject_after", "cooldown_s", "state", "consecutive_failures", "ejected_at", "num_ejections", "num_trials")
+    A request's success ends a run of failures; so does a quiet ``cooldown_s`` (a failure is held against
+    a replica as long as an ejection would keep it out). A health probe's 200 readmits an ejected replica
+    (it is the trial) but does not clear a healthy one's failures: /health answers for the process, not
+    for the generate path, and a model that fails every request keeps a healthy HTTP server. Before, each
+    probe cleared the count, so a replica sent fewer than ``eject_after`` requests per probe interval was
+    never ejected, and each of its requests paid a retry."""
+
+    __slots__ = (
+        "eject_after", "cooldown_s", "state", "consecutive_failures", "ejected_at", "num_ejections", "num_trials",
+        "last_failure_at",
+    )
 
     def __init__(self, eject_after: int, cooldown_s: float) -> None:
         self.eject_after = eject_after
@@ -24,6 +35,7 @@ class CircuitBreaker:
         self.ejected_at = 0.0
         self.num_ejections = 0
         self.num_trials = 0
+        self.last_failure_at = -math.inf
 
     def configure(self, eject_after: int, cooldown_s: float) -> None:
         """New settings (a config reload) for the replica it guards; its state and count stay."""
@@ -52,13 +64,27 @@ class CircuitBreaker:
         if trial is not None and trial == self.num_trials and self.state is HealthState.PROBING:
             self.state = HealthState.EJECTED
 
+    def failures(self, now: float) -> int:
+        """The failures held against the replica now: its current run's (0 once a quiet cool-down ended it)."""
+        if self.state is HealthState.HEALTHY and now - self.last_failure_at > self.cooldown_s:
+            return 0
+        return self.consecutive_failures
+
     def on_success(self) -> None:
+        """A request succeeded (or a probe readmits): the run of failures is over."""
         self.consecutive_failures = 0
         self.state = HealthState.HEALTHY
 
+    def on_probe_success(self) -> None:
+        """/health answered 200: the trial of an ejected replica, which readmits it; nothing for a healthy one."""
+        if self.state is not HealthState.HEALTHY:
+            self.on_success()
+
     def on_failure(self, now: float) -> bool:
         """Record a failure; True when this failure ejects the replica."""
-        self.consecutive_failures += 1
+        # A quiet cool-down ended the earlier run; an ejected replica's count goes on (live_fleet reads it).
+        self.consecutive_failures = self.failures(now) + 1
+        self.last_failure_at = now
         if self.state is HealthState.PROBING or (
             self.state is HealthState.HEALTHY and self.consecutive_failures >= self.eject_after
         ):

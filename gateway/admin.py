@@ -120,6 +120,7 @@ class AdminHandlers:
                         "draining": r.draining,
                         "in_flight": r.num_in_flight,
                         "outstanding_tokens": r.outstanding_tokens,
+                        "failures": r.breaker.failures(now),  # the current run's; eject_after_failures ejects
                         "ejections": r.breaker.num_ejections,
                         "models": sorted(r.models) if r.models is not None else None,
                         "engine_kind": pool.engine_kind,

@@ -308,10 +308,14 @@ class Proxy:
             self.metrics.child(self.metrics.ejections, replica.pool, replica.name).inc()
             self.metrics.child(self.metrics.replica_up, replica.pool, replica.name).set(0)
 
-    def mark_success(self, replica: ReplicaState) -> None:
+    def mark_success(self, replica: ReplicaState, probe: bool = False) -> None:
+        """A request served (``probe``: /health's 200, which readmits an ejected replica but clears no failures)."""
         if replica.breaker.state is not HealthState.HEALTHY:
             self.metrics.child(self.metrics.replica_up, replica.pool, replica.name).set(1)
-        replica.breaker.on_success()
+        if probe:
+            replica.breaker.on_probe_success()
+        else:
+            replica.breaker.on_success()
 
     async def _attempt(
         self,

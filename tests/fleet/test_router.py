@@ -108,6 +108,25 @@ def test_circuit_breaker_ejects_cools_down_and_probes_once() -> None:
     assert breaker.state is HealthState.HEALTHY and breaker.available(11.6) and breaker.num_ejections == 2
 
 
+def test_a_healthy_probe_does_not_clear_failures_and_a_quiet_cooldown_does() -> None:
+    """/health 200 between failed requests, each a second apart: before, each probe cleared the count and
+    the replica was never ejected. A run of failures ends with a request served or a quiet cool-down."""
+    breaker = CircuitBreaker(eject_after=3, cooldown_s=5.0)
+    ejected = []
+    for second in range(3):
+        breaker.on_probe_success()
+        ejected.append(breaker.on_failure(second + 0.5))
+    assert ejected == [False, False, True] and breaker.state is HealthState.EJECTED
+    breaker.on_dispatch()  # cool-down over: the probe is the trial, and its 200 readmits
+    breaker.on_probe_success()
+    assert breaker.state is HealthState.HEALTHY and breaker.consecutive_failures == 0
+
+    quiet = CircuitBreaker(eject_after=2, cooldown_s=5.0)
+    assert not quiet.on_failure(0.0)
+    assert not quiet.on_failure(5.5)  # 5.5 s after the last: a new run
+    assert quiet.on_failure(10.0)  # 4.5 s after: the same run
+
+
 def test_a_trial_that_decided_nothing_lets_the_next_request_or_probe_be_the_trial() -> None:
     breaker = CircuitBreaker(eject_after=1, cooldown_s=5.0)
     assert breaker.on_dispatch() is None and breaker.on_failure(0.0)  # not a trial: a healthy replica's request

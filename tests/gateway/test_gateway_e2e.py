@@ -26,6 +26,7 @@ from tests.support.procs import Proc, set_faults, start_emulator, start_gateway,
 
 MODEL = "llama-3.1-8b"
 KEY, LIMITED_KEY, ADMIN = "sk-test-main", "sk-test-limited", "admin-token-for-tests"
+EJECT_COOLDOWN_S = 1.0  # also how long a failure counts against a replica (fleet/health.py)
 
 
 @dataclass
@@ -49,9 +50,18 @@ class Deployment:
             emulator.stop()
 
     def reset_faults(self) -> None:
+        """Clear the replicas' faults, then wait until the gateway holds no failure against them: the tests
+        share one gateway, and a failure one test left would join the next test's into an ejection."""
         for emulator in self.emulators:
             if emulator.process.poll() is None:
                 set_faults(emulator.url, reset=True)
+        deadline = time.monotonic() + EJECT_COOLDOWN_S + 5.0
+        while time.monotonic() < deadline:
+            replicas = _admin_state(self)["pools"][0]["replicas"]  # type: ignore[index]
+            if all(r["health"] == "healthy" and r["failures"] == 0 for r in replicas):
+                return
+            time.sleep(0.1)
+        raise AssertionError(f"the replicas were not cleared of their failures: {replicas}")
 
 
 def _config(tmp: Path, urls: list[str], dead_port: int) -> Path:
@@ -67,7 +77,7 @@ def _config(tmp: Path, urls: list[str], dead_port: int) -> Path:
             "between_chunks_timeout_s": 1.0,
             "max_attempts": 2,
             "eject_after_failures": 2,
-            "eject_cooldown_s": 60,
+            "eject_cooldown_s": EJECT_COOLDOWN_S,
             "health_interval_s": 0.3,
         },
         "tenants_dir": "tenants",
