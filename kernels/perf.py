@@ -192,6 +192,13 @@ class PerfModel:
             done += size
         return total
 
+    def compute_floor_s(self, num_tokens: float, attention_pairs: float) -> float:
+        """The least time this replica can spend on ``num_tokens`` new tokens (prefill or decode) that attend
+        over ``attention_pairs`` (query, context) pairs in all: their FLOPs at the compute roofline, with no
+        memory stall, communication or per-step overhead. ``iteration_time`` never prices a batch below
+        it, so work over it bounds the throughput of any schedule of that work."""
+        return self._flops(num_tokens, attention_pairs, 0.0) / self._flops_per_s
+
     @property
     def request_overhead_s(self) -> float:
         """Fixed per-request latency outside the iterations (HTTP, tokenisation); added to TTFT."""

@@ -41,6 +41,7 @@ from loadtest.demo_credentials import DEMO_API_KEY
 from loadtest.procs import ProcessRegistry, free_port, wait_for_port
 
 if TYPE_CHECKING:
+    from kernels.perf import PerfModel
     from loadtest.spec import Workload
 
 SCENARIO_PATH = Path(__file__).with_name("data") / "peers-routing.yaml"
@@ -125,6 +126,17 @@ def start_fleet(registry: ProcessRegistry, speed: float) -> dict[str, list[str]]
     for child, port in pending:
         wait_for_port(port, child, _STARTUP_TIMEOUT_S)
     return pool_to_urls
+
+
+def fleet_perf_models() -> list[PerfModel]:
+    """The performance model each replica of the fleet emulates (fleet/emulator runs it)."""
+    from kernels.catalog import get_gpu, get_model
+    from kernels.config import EngineConfig
+    from kernels.perf import PerfModel
+
+    model = get_model(MODEL)
+    return [PerfModel(model, get_gpu(gpu), EngineConfig.from_dict(engine))
+            for _pool, gpu, engine, _shapes in _POOLS for _ in range(_REPLICAS_PER_POOL)]
 
 
 def start_router(

@@ -13,6 +13,7 @@ workload's hash ids by a salt of its own, as the goodput runs do. Rates are engi
 from __future__ import annotations
 
 import argparse
+import functools
 import math
 import time
 from collections.abc import Callable, Sequence
@@ -27,6 +28,7 @@ from loadtest.bench.peers_routing import (
     SCENARIO_PATH,
     TIERS,
     _wait_for_idle,
+    fleet_perf_models,
     kept_up,
     start_fleet,
     start_router,
@@ -61,9 +63,11 @@ def run_routing_capacity(
     routers = [name for name in ROUTERS if router_python is not None or not name.startswith("sglang")]
     settings = CapacitySettings(args.slo_threshold, args.resolution, args.max_points)
     source = routing_source(args)
+    load_at = functools.partial(routing_compute_load, args, source.nominal_rate_rps)
     say(f"routing capacity: {', '.join(routers)}; workload {SCENARIO_PATH.name} x multiplier of "
         f"{source.nominal_rate_rps:g} req/s, {args.routing_duration:g} engine s per point at speed {args.speed:g}; "
-        f"threshold {settings.threshold:g}, resolution {settings.resolution:g}, at most {settings.max_points} points per router")
+        f"threshold {settings.threshold:g}, resolution {settings.resolution:g}, at most {settings.max_points} points per router; "
+        f"at x1 its least work takes {load_at(1.0):.0%} of the GPUs' peak compute")
     figures: list[RouterCapacity] = []
     for name in routers:
         try:
@@ -73,8 +77,8 @@ def run_routing_capacity(
             result["routing_capacity"] = {"error": f"{name}: {problem}"}
             return ""
     wall_s = time.monotonic() - started_s
-    result["routing_capacity"] = capacity_summary(figures, args, settings, wall_s)
-    return format_capacity_table(figures, args, wall_s)
+    result["routing_capacity"] = capacity_summary(figures, args, settings, wall_s, load_at)
+    return format_capacity_table(figures, args, wall_s, load_at)
 
 
 def routing_source(args: argparse.Namespace) -> WorkloadSource:
@@ -89,6 +93,16 @@ def routing_source(args: argparse.Namespace) -> WorkloadSource:
         return speed_up(build_workload(scenario, args.routing_duration, nominal_rps * multiplier, seed), args.speed)
 
     return WorkloadSource(scenario.name, nominal_rps, args.seed, False, build)
+
+
+def routing_compute_load(args: argparse.Namespace, nominal_rps: float, multiplier: float) -> float:
+    """The share of the fleet's peak compute that the search's workload at ``multiplier`` (engine time, the
+    search's seed) needs at the least (loadtest/compute_bound.py): above 1, no router passes that point."""
+    from loadtest.compute_bound import compute_load, least_work
+    from loadtest.scenario import build_workload, load_scenario
+
+    workload = build_workload(load_scenario(SCENARIO_PATH), args.routing_duration, nominal_rps * multiplier, args.seed)
+    return compute_load(least_work(workload), fleet_perf_models())
 
 
 def _search_router(
@@ -135,8 +149,10 @@ def _ratio(a: float, b: float) -> float | None:
 
 
 def capacity_summary(figures: Sequence[RouterCapacity], args: argparse.Namespace, settings: CapacitySettings,
-                     wall_s: float) -> dict[str, object]:
-    """Per router: capacity (overall gate and per tier) and its curve; Polymorph with shapes over each other router."""
+                     wall_s: float, load_at: Callable[[float], float]) -> dict[str, object]:
+    """Per router: capacity (overall gate and per tier) and its curve; Polymorph with shapes over each other
+    router; and whether the target's multiplier is within what the fleet could compute at all
+    (``load_at``: a multiplier's least work over the fleet's peak compute)."""
     routers = {
         item.router: {
             "capacity_multiplier": round(item.result.multiplier, 4), "capacity_rps": round(item.result.rate_rps, 2),
@@ -162,6 +178,9 @@ def capacity_summary(figures: Sequence[RouterCapacity], args: argparse.Namespace
     ratio = over.get("sglang-cache-aware")
     # a capacity measured where the load generator fell behind is the CPU's, not the router's: not judged
     judged = ratio is not None and shapes is not None and cache_aware is not None and not shapes.behind_at and not cache_aware.behind_at
+    # the target asks Polymorph for this multiplier: past the fleet's peak compute, no router could pass it
+    needed = MIN_GOODPUT_RATIO_VS_CACHE_AWARE * cache_aware.result.multiplier if cache_aware is not None else None
+    needed_load = None if needed is None else load_at(needed)
     return {
         "routers": routers,
         "capacity_ratio_shapes_vs_cache_aware": ratio,
@@ -169,6 +188,10 @@ def capacity_summary(figures: Sequence[RouterCapacity], args: argparse.Namespace
         "tier_capacity_ratio_shapes_vs_cache_aware": over_by_tier,
         "targets": {f"capacity_ge_{MIN_GOODPUT_RATIO_VS_CACHE_AWARE}x_cache_aware":
                     ratio >= MIN_GOODPUT_RATIO_VS_CACHE_AWARE if judged and ratio is not None else None},
+        "compute_load_at_capacity": {item.router: round(load_at(item.result.multiplier), 3) for item in figures},
+        "target_multiplier": None if needed is None else round(needed, 4),
+        "target_compute_load": None if needed_load is None else round(needed_load, 3),
+        "target_within_compute": None if needed_load is None else needed_load <= 1.0,
         "search": {"slo_threshold": settings.threshold, "resolution": settings.resolution, "max_points": settings.max_points},
         "workload": {"scenario": SCENARIO_PATH.name, "engine_duration_s": args.routing_duration, "speed": args.speed,
                      "nominal_rate_rps": round(figures[0].result.nominal_rate_rps, 2) if figures else None, "seed": args.seed},
@@ -176,7 +199,9 @@ def capacity_summary(figures: Sequence[RouterCapacity], args: argparse.Namespace
     }
 
 
-def format_capacity_table(figures: Sequence[RouterCapacity], args: argparse.Namespace, wall_s: float) -> str:
+def format_capacity_table(
+    figures: Sequence[RouterCapacity], args: argparse.Namespace, wall_s: float, load_at: Callable[[float], float]
+) -> str:
     header = f"{'router':20s} {'capacity x':>10s} {'req/s':>7s} " + " ".join(f"{tier + ' x':>13s}" for tier in TIERS) + \
         f" {'points':>6s} {'wall s':>6s}  note"
     lines = [header, "-" * len(header)]
@@ -191,4 +216,12 @@ def format_capacity_table(figures: Sequence[RouterCapacity], args: argparse.Name
                  f"{args.slo_threshold:g} overall and per tier; a tier's column: the highest point of the same curve up to "
                  f"which that tier alone held it (>=: it held at every point run); {args.routing_duration:g} engine s per "
                  f"point at speed {args.speed:g}, seed {args.seed}; the whole part took {wall_s / 60:.1f} min")
+    loads = ", ".join(f"{item.router} {load_at(item.result.multiplier):.0%}" for item in figures)
+    lines.append(f"least work at each capacity, as a share of the four GPUs' peak compute (prompts less every prefix seen "
+                 f"before, plus outputs, at the compute roofline; loadtest/compute_bound.py): {loads}")
+    cache_aware = next((item for item in figures if item.router == "sglang-cache-aware"), None)
+    if cache_aware is not None:
+        needed = MIN_GOODPUT_RATIO_VS_CACHE_AWARE * cache_aware.result.multiplier
+        lines.append(f"{MIN_GOODPUT_RATIO_VS_CACHE_AWARE:g}x cache_aware's capacity is x{needed:.3f}, whose least work takes "
+                     f"{load_at(needed):.0%} of it{'' if load_at(needed) <= 1.0 else ': no router can pass it'}")
     return "\n".join(lines)

@@ -9,7 +9,13 @@ from typing import Any
 import pytest
 
 from loadtest.bench import cli
-from loadtest.bench.peers_routing_capacity import RouterCapacity, capacity_summary, format_capacity_table, routing_source
+from loadtest.bench.peers_routing_capacity import (
+    RouterCapacity,
+    capacity_summary,
+    format_capacity_table,
+    routing_compute_load,
+    routing_source,
+)
 from loadtest.capacity import Attainment, CapacityResult, Part, part_capacity, search_capacity
 from loadtest.simulate import CapacitySettings
 
@@ -63,6 +69,11 @@ def test_a_tier_failing_at_the_lowest_point_has_capacity_zero() -> None:
     assert interactive.multiplier == 0.0 and not interactive.at_least and interactive.attainment is None
 
 
+def _load_at(multiplier: float) -> float:
+    """A fleet that computes twice the workload's least work at x1."""
+    return multiplier / 2.0
+
+
 def router(name: str, result: CapacityResult, behind_at: tuple[float, ...] = ()) -> RouterCapacity:
     return RouterCapacity(name, result, {tier: part_capacity(result, "tier", tier) for tier in ("interactive", "standard")},
                           behind_at, 60.0)
@@ -72,7 +83,7 @@ def test_summary_gives_shape_routing_over_each_router_and_per_tier() -> None:
     args = argparse.Namespace(routing_duration=8.0, speed=0.5, seed=7, slo_threshold=0.9)
     figures = [router("sglang-cache-aware", tiered_curve(3.0, 0.5)), router("polymorph-shapes", tiered_curve(3.0, 0.8)),
                router("sglang-rr", tiered_curve(0.4, 0.6))]
-    summary: dict[str, Any] = capacity_summary(figures, args, SETTINGS, 900.0)
+    summary: dict[str, Any] = capacity_summary(figures, args, SETTINGS, 900.0, _load_at)
     shapes, cache_aware = summary["routers"]["polymorph-shapes"], summary["routers"]["sglang-cache-aware"]
     ratio = summary["capacity_ratio_shapes_vs_cache_aware"]
     assert ratio == pytest.approx(shapes["capacity_multiplier"] / cache_aware["capacity_multiplier"], rel=1e-2)
@@ -81,17 +92,31 @@ def test_summary_gives_shape_routing_over_each_router_and_per_tier() -> None:
     assert set(summary["capacity_ratio_shapes_vs"]) == {"sglang-cache-aware", "sglang-rr"}
     assert set(summary["tier_capacity_ratio_shapes_vs_cache_aware"]) == {"interactive", "standard"}
     assert shapes["by_tier"]["interactive"]["at_least"] and summary["wall_s"] == 900.0
-    table = format_capacity_table(figures, args, 900.0)
+    table = format_capacity_table(figures, args, 900.0, _load_at)
     assert "15.0 min" in table and ">=1.000" in table
+    # the fleet computes x2 at most (_load_at): 1.3x cache_aware's x0.5 fits
+    needed = summary["target_multiplier"]
+    assert needed == pytest.approx(1.3 * cache_aware["capacity_multiplier"])
+    assert summary["target_compute_load"] == pytest.approx(needed / 2, abs=1e-3) and summary["target_within_compute"]
+    assert summary["compute_load_at_capacity"]["polymorph-shapes"] == pytest.approx(shapes["capacity_multiplier"] / 2, abs=1e-3)
+    assert "no router can pass it" not in table
+
+
+def test_a_target_past_the_fleets_compute_is_said_to_be_out_of_reach() -> None:
+    args = argparse.Namespace(routing_duration=8.0, speed=0.5, seed=7, slo_threshold=0.9)
+    figures = [router("sglang-cache-aware", tiered_curve(3.0, 1.8)), router("polymorph-shapes", tiered_curve(3.0, 1.9))]
+    summary: dict[str, Any] = capacity_summary(figures, args, SETTINGS, 10.0, _load_at)
+    assert summary["target_compute_load"] > 1.0 and summary["target_within_compute"] is False
+    assert "no router can pass it" in format_capacity_table(figures, args, 10.0, _load_at)
 
 
 def test_a_capacity_measured_behind_the_load_generator_is_not_judged() -> None:
     args = argparse.Namespace(routing_duration=8.0, speed=0.5, seed=7, slo_threshold=0.9)
     figures = [router("sglang-cache-aware", tiered_curve(3.0, 0.5)), router("polymorph-shapes", tiered_curve(3.0, 0.8), (1.0,))]
-    summary: dict[str, Any] = capacity_summary(figures, args, SETTINGS, 10.0)
+    summary: dict[str, Any] = capacity_summary(figures, args, SETTINGS, 10.0, _load_at)
     assert summary["capacity_ratio_shapes_vs_cache_aware"] is not None
     assert summary["targets"] == {"capacity_ge_1.3x_cache_aware": None}
-    assert "fell behind at x1" in format_capacity_table(figures, args, 10.0)
+    assert "fell behind at x1" in format_capacity_table(figures, args, 10.0, _load_at)
 
 
 def test_the_routing_workload_scales_its_rate_and_runs_on_the_fleets_clock() -> None:
@@ -103,3 +128,10 @@ def test_the_routing_workload_scales_its_rate_and_runs_on_the_fleets_clock() -> 
     assert doubled.num_requests == pytest.approx(2 * base.num_requests, rel=0.25)
     assert source.build(2.0, 7) == doubled  # the same seed, the same requests
 
+
+
+def test_the_fleets_compute_load_grows_with_the_multiplier() -> None:
+    args = argparse.Namespace(routing_duration=8.0, seed=7)
+    loads = [routing_compute_load(args, 100.0, multiplier) for multiplier in (0.5, 1.0, 2.0)]
+    assert 0.0 < loads[0] < loads[1] < loads[2]
+    assert loads[2] == pytest.approx(2 * loads[1], rel=0.25)  # arrivals scale; lengths do not
