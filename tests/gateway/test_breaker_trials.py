@@ -14,57 +14,32 @@ from __future__ import annotations
 import json
 import socket
 import time
-import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
-from tests.support.procs import Proc, gateway_over, set_faults, start_emulator, write_tenant
+from tests.support.one_replica import KEY, MODEL, chat_status, one_replica, replica_state
+from tests.support.procs import Proc, set_faults
 
-MODEL, KEY, ADMIN = "llama-3.1-8b", "sk-test-trials", "admin-token-for-tests"
 COOLDOWN_S = 0.5
 
 
 @pytest.fixture
 def fleet(tmp_path: Path) -> Iterator[tuple[Proc, Proc]]:
-    emulator = start_emulator(tmp_path, "emu")
-    (tmp_path / "tenants").mkdir()
-    write_tenant(tmp_path / "tenants", "main", KEY, max_concurrency=100, rate_limits={"requests_per_min": 100000})
-    config = {
-        "server": {"admin_token": ADMIN, "access_log": False},
-        "upstream": {"connect_timeout_s": 0.5, "first_byte_timeout_s": 5.0, "max_attempts": 1, "eject_after_failures": 1,
-                     "eject_cooldown_s": COOLDOWN_S, "health_interval_s": 3600},
-        "tenants_dir": "tenants",
-        "fleet": {"pools": [{"name": "main", "model": MODEL, "shapes": ["short-chat", "long-context", "reasoning", "batch"],
-                             "replicas": {"urls": [emulator.url]}}]},
-    }
-    with gateway_over(tmp_path, emulator, config) as gateway:
-        yield gateway, emulator
-
-
-def _chat(gateway: Proc, stream: bool = False) -> int:
-    body = json.dumps({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4, "stream": stream}).encode()
-    request = urllib.request.Request(gateway.url + "/v1/chat/completions", data=body, method="POST",
-                                     headers={"Content-Type": "application/json", "Authorization": f"Bearer {KEY}"})
-    try:
-        with urllib.request.urlopen(request, timeout=30) as resp:
-            resp.read()
-            return int(resp.status)
-    except urllib.error.HTTPError as err:
-        err.close()
-        return err.code
+    upstream = {"connect_timeout_s": 0.5, "first_byte_timeout_s": 5.0, "max_attempts": 1, "eject_after_failures": 1,
+                "eject_cooldown_s": COOLDOWN_S, "health_interval_s": 3600}
+    with one_replica(tmp_path, upstream) as fleet:
+        yield fleet
 
 
 def _health(gateway: Proc) -> str:
-    request = urllib.request.Request(gateway.url + "/admin/state", headers={"Authorization": f"Bearer {ADMIN}"})
-    with urllib.request.urlopen(request, timeout=5) as resp:
-        return str(json.loads(resp.read())["pools"][0]["replicas"][0]["health"])
+    return str(replica_state(gateway)["health"])
 
 
 def _eject(gateway: Proc, emulator: Proc) -> None:
     set_faults(emulator.url, error_rate=1.0, error_status=503)
-    assert _chat(gateway) == 503 and _health(gateway) == "ejected"
+    assert chat_status(gateway) == 503 and _health(gateway) == "ejected"
     set_faults(emulator.url, reset=True)
     time.sleep(COOLDOWN_S + 0.2)
 
@@ -83,7 +58,7 @@ def _served_again(gateway: Proc) -> list[int]:
     """The statuses of up to 5 requests until one is served (each 0.2 s apart)."""
     statuses: list[int] = []
     while len(statuses) < 5 and 200 not in statuses:
-        statuses.append(_chat(gateway))
+        statuses.append(chat_status(gateway))
         time.sleep(0.2)
     return statuses
 
@@ -92,7 +67,7 @@ def test_a_trial_answered_429_lets_the_next_request_be_the_trial(fleet: tuple[Pr
     gateway, emulator = fleet
     _eject(gateway, emulator)
     set_faults(emulator.url, error_rate=1.0, error_status=429)
-    assert _chat(gateway) == 429  # the trial: the replica is busy, which says nothing of its health
+    assert chat_status(gateway) == 429  # the trial: the replica is busy, which says nothing of its health
     set_faults(emulator.url, reset=True)
     assert _served_again(gateway) == [200] and _health(gateway) == "healthy"
 

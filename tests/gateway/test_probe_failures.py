@@ -11,54 +11,24 @@ between any two failures)."""
 
 from __future__ import annotations
 
-import json
 import time
-import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
-from tests.support.procs import Proc, gateway_over, set_faults, start_emulator, write_tenant
+from tests.support.one_replica import chat_status, one_replica, replica_state
+from tests.support.procs import Proc, set_faults
 
-MODEL, KEY, ADMIN = "llama-3.1-8b", "sk-test-probes", "admin-token-for-tests"
 EJECT_AFTER = 3
 
 
 @pytest.fixture
 def fleet(tmp_path: Path) -> Iterator[tuple[Proc, Proc]]:
-    emulator = start_emulator(tmp_path, "emu")
-    (tmp_path / "tenants").mkdir()
-    write_tenant(tmp_path / "tenants", "main", KEY, max_concurrency=100, rate_limits={"requests_per_min": 100000})
-    config = {
-        "server": {"admin_token": ADMIN, "access_log": False},
-        "upstream": {"connect_timeout_s": 0.5, "first_byte_timeout_s": 5.0, "max_attempts": 1,
-                     "eject_after_failures": EJECT_AFTER, "eject_cooldown_s": 60, "health_interval_s": 0.1},
-        "tenants_dir": "tenants",
-        "fleet": {"pools": [{"name": "main", "model": MODEL, "shapes": ["short-chat", "long-context", "reasoning", "batch"],
-                             "replicas": {"urls": [emulator.url]}}]},
-    }
-    with gateway_over(tmp_path, emulator, config) as gateway:
-        yield gateway, emulator
-
-
-def _chat(gateway: Proc) -> int:
-    body = json.dumps({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}).encode()
-    request = urllib.request.Request(gateway.url + "/v1/chat/completions", data=body, method="POST",
-                                     headers={"Content-Type": "application/json", "Authorization": f"Bearer {KEY}"})
-    try:
-        with urllib.request.urlopen(request, timeout=30) as resp:
-            resp.read()
-            return int(resp.status)
-    except urllib.error.HTTPError as err:
-        err.close()
-        return err.code
-
-
-def _replica(gateway: Proc) -> dict[str, object]:
-    request = urllib.request.Request(gateway.url + "/admin/state", headers={"Authorization": f"Bearer {ADMIN}"})
-    with urllib.request.urlopen(request, timeout=5) as resp:
-        return json.loads(resp.read())["pools"][0]["replicas"][0]  # type: ignore[no-any-return]
+    upstream = {"connect_timeout_s": 0.5, "first_byte_timeout_s": 5.0, "max_attempts": 1,
+                "eject_after_failures": EJECT_AFTER, "eject_cooldown_s": 60, "health_interval_s": 0.1}
+    with one_replica(tmp_path, upstream) as fleet:
+        yield fleet
 
 
 def test_failing_requests_eject_a_replica_whose_health_probes_pass(fleet: tuple[Proc, Proc]) -> None:
@@ -67,8 +37,8 @@ def test_failing_requests_eject_a_replica_whose_health_probes_pass(fleet: tuple[
     statuses, health = [], []
     for _ in range(EJECT_AFTER):
         time.sleep(0.35)
-        statuses.append(_chat(gateway))
-        health.append(_replica(gateway)["health"])
+        statuses.append(chat_status(gateway))
+        health.append(replica_state(gateway)["health"])
     assert statuses == [500] * EJECT_AFTER
     assert health == ["healthy"] * (EJECT_AFTER - 1) + ["ejected"]
 
@@ -77,9 +47,9 @@ def test_a_request_served_ends_the_run_of_failures(fleet: tuple[Proc, Proc]) -> 
     gateway, emulator = fleet
     for _ in range(EJECT_AFTER - 1):
         set_faults(emulator.url, error_rate=1.0, error_status=500)
-        assert _chat(gateway) == 500
+        assert chat_status(gateway) == 500
         set_faults(emulator.url, reset=True)
-        assert _chat(gateway) == 200
+        assert chat_status(gateway) == 200
     set_faults(emulator.url, error_rate=1.0, error_status=500)
-    assert _chat(gateway) == 500
-    assert _replica(gateway)["health"] == "healthy"  # one failure in a row, not three
+    assert chat_status(gateway) == 500
+    assert replica_state(gateway)["health"] == "healthy"  # one failure in a row, not three
