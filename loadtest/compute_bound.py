@@ -41,12 +41,12 @@ def least_work(workload: Workload) -> LeastWork:
     for spec in workload.specs:
         prefix: tuple[int, ...] = ()
         cached_blocks = 0
-        for hash_id in spec.hash_ids:
+        for hash_id in spec.hash_ids:  # a block is cached only as part of a prefix seen whole
             prefix += (hash_id,)
-            if prefix not in seen:
-                seen.add(prefix)
-            elif cached_blocks == len(prefix) - 1:  # a block is reusable only after a cached one
+            if prefix in seen:
                 cached_blocks += 1
+            else:
+                seen.add(prefix)
         prompt, output = spec.input_tokens, spec.output_tokens
         cached = min(prompt, cached_blocks * HASH_BLOCK_TOKENS)
         new_tokens += prompt - cached + output

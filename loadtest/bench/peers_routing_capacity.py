@@ -222,6 +222,7 @@ def format_capacity_table(
     cache_aware = next((item for item in figures if item.router == "sglang-cache-aware"), None)
     if cache_aware is not None:
         needed = MIN_GOODPUT_RATIO_VS_CACHE_AWARE * cache_aware.result.multiplier
+        load = load_at(needed)
         lines.append(f"{MIN_GOODPUT_RATIO_VS_CACHE_AWARE:g}x cache_aware's capacity is x{needed:.3f}, whose least work takes "
-                     f"{load_at(needed):.0%} of it{'' if load_at(needed) <= 1.0 else ': no router can pass it'}")
+                     f"{load:.0%} of it{'' if load <= 1.0 else ': no router can pass it'}")
     return "\n".join(lines)
