@@ -74,6 +74,7 @@ def _models_status(url: str, key: str) -> int:
         with urllib.request.urlopen(request, timeout=5) as resp:
             return resp.status
     except urllib.error.HTTPError as exc:
+        exc.close()
         return exc.code
 
 

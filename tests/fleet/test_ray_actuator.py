@@ -122,6 +122,7 @@ def _status(url: str) -> int | str:
         with urllib.request.urlopen(url + "/health", timeout=2.0) as resp:
             return int(resp.status)
     except urllib.error.HTTPError as exc:
+        exc.close()
         return exc.code
     except (urllib.error.URLError, OSError) as exc:
         return f"refused: {exc}"

@@ -34,7 +34,8 @@ def _admin(url: str, path: str, body: dict[str, Any] | None = None) -> tuple[int
         with urllib.request.urlopen(request, timeout=10) as resp:
             return resp.status, json.loads(resp.read())
     except urllib.error.HTTPError as exc:
-        return exc.code, json.loads(exc.read())
+        with exc:
+            return exc.code, json.loads(exc.read())
 
 
 def _replica(state: dict[str, Any], name: str) -> tuple[str, dict[str, Any]]:
@@ -174,11 +175,12 @@ def test_requests_read_while_a_moved_replica_comes_back_are_routed_on_the_pools_
     head = (f"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nAuthorization: Bearer {KEY}\r\n"
             f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\nConnection: close\r\n\r\n").encode()
     port = int(gateway.url.rsplit(":", 1)[1])
+    clients: list[socket.socket] = []
     try:
         status, answer = _admin(gateway.url, "/admin/move", {"replica": "chat-0", "to_pool": "chat-next"})
         assert status == 202, answer
         _until(lambda: _replica(_admin(gateway.url, "/admin/state")[1], "chat-0")[0] == "", 60, "chat-0 stopped")
-        clients = [socket.create_connection(("127.0.0.1", port), timeout=30) for _ in range(12)]
+        clients.extend(socket.create_connection(("127.0.0.1", port), timeout=30) for _ in range(12))
         for client in clients:
             client.sendall(head + body[:8])  # the handler runs, holding this runtime, and waits for the rest
         _until(lambda: _replica(_admin(gateway.url, "/admin/state")[1], "chat-0")[0] == "chat-next", 60, "chat-0 back, in chat-next")
@@ -186,8 +188,9 @@ def test_requests_read_while_a_moved_replica_comes_back_are_routed_on_the_pools_
         for client in clients:
             client.sendall(body[8:])
             answers.append(b"".join(iter(lambda c=client: c.recv(65536), b"")).decode(errors="replace"))  # type: ignore[misc]
-            client.close()
     finally:
+        for client in clients:  # also when a wait above failed: an open socket fails a later test's GC
+            client.close()
         gateway.stop()
     statuses = [a.split(" ", 2)[1] for a in answers]
     assert statuses == ["200"] * len(clients), [a[:400] for a in answers if " 200 " not in a.split("\r\n", 1)[0]]

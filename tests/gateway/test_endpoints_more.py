@@ -45,7 +45,8 @@ class Stack:
             with urllib.request.urlopen(request, timeout=30) as resp:
                 return resp.status, dict(resp.headers), json.loads(resp.read())
         except urllib.error.HTTPError as err:
-            return err.code, dict(err.headers), json.loads(err.read())
+            with err:
+                return err.code, dict(err.headers), json.loads(err.read())
 
     def metrics(self) -> str:
         with urllib.request.urlopen(self.gateway.url + "/metrics", timeout=10) as resp:

@@ -138,7 +138,8 @@ def _move(url: str, replica: str, pool: str) -> tuple[int, dict[str, object]]:
         with urllib.request.urlopen(request, timeout=5) as resp:
             return resp.status, json.loads(resp.read())
     except urllib.error.HTTPError as err:
-        return err.code, json.loads(err.read())
+        with err:
+            return err.code, json.loads(err.read())
 
 
 def _plan(url: str) -> dict[str, Any]:
