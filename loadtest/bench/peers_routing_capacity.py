@@ -63,7 +63,8 @@ def run_routing_capacity(
     routers = [name for name in ROUTERS if router_python is not None or not name.startswith("sglang")]
     settings = CapacitySettings(args.slo_threshold, args.resolution, args.max_points)
     source = routing_source(args)
-    load_at = functools.partial(routing_compute_load, args, source.nominal_rate_rps)
+    # the summary and the table ask for the same multipliers: each workload is built and counted once
+    load_at = functools.cache(functools.partial(routing_compute_load, args, source.nominal_rate_rps))
     say(f"routing capacity: {', '.join(routers)}; workload {SCENARIO_PATH.name} x multiplier of "
         f"{source.nominal_rate_rps:g} req/s, {args.routing_duration:g} engine s per point at speed {args.speed:g}; "
         f"threshold {settings.threshold:g}, resolution {settings.resolution:g}, at most {settings.max_points} points per router; "
