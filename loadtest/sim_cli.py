@@ -106,6 +106,8 @@ def register_bench_adapt(benches: argparse._SubParsersAction) -> None:  # type: 
     p.add_argument("--no-fleet-search", action="store_true", help="capacity: skip the smallest-fleet search (GPUs saved)")
     p.add_argument("--json", action="store_true", help="capacity: print only the JSON object")
     p.add_argument("--no-progress", action="store_true", help="no progress line on stderr")
+    p.add_argument("--workers", type=int, default=2,
+                   help="runs (goodput) or searches (capacity) in this many processes at once; the figures do not depend on it")
     _add_capacity_args(p)
     _add_draws_arg(p)
     _add_sim_args(p, "H100-SXM:4,H200:4", 30.0, 2.0)

@@ -7,12 +7,14 @@ scenarios and traces (the arrow points from loadtest to fleet), picks the fleet 
 from __future__ import annotations
 
 import argparse
+import concurrent.futures
 import json
+import multiprocessing
 import sys
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import TextIO
+from typing import Any, TextIO, TypeVar
 
 import numpy as np
 
@@ -64,6 +66,31 @@ def scale_fleet(budget: Mapping[str, int], num_gpus: int) -> dict[str, int]:
 def budget_from_args(args: argparse.Namespace) -> dict[str, int]:
     budget = parse_fleet(args.fleet)
     return scale_fleet(budget, args.gpus) if args.gpus else budget
+
+
+def capacity_from_args(args: argparse.Namespace) -> PerfCapacity:
+    """The capacity model of ``--model``, over ``--capacity-cache`` unless ``--no-cache``."""
+    return PerfCapacity(args.model, None if args.no_cache else Path(args.capacity_cache))
+
+
+_Result = TypeVar("_Result")
+
+
+def in_processes(run: Callable[..., _Result], jobs: Sequence[tuple[Any, ...]], num_workers: int) -> Iterator[_Result]:
+    """``run(*job)`` for every job in ``num_workers`` processes, yielded in the jobs' order, each as soon as it
+    and those before it are done. Spawned (a fork would copy the caller's threads: the progress bar's);
+    an error or Ctrl-C kills the workers rather than waiting out their runs."""
+    from kernels.compiler.worker import terminate_process_pool
+
+    pool = concurrent.futures.ProcessPoolExecutor(max_workers=num_workers, mp_context=multiprocessing.get_context("spawn"))
+    try:
+        futures = [pool.submit(run, *job) for job in jobs]
+        for future in futures:
+            yield future.result()
+    except BaseException:
+        terminate_process_pool(pool)
+        raise
+    pool.shutdown()
 
 
 def stretched_workload(scenario: str, duration_s: float | None, rate_rps: float | None, stretch: float, seed: int | None) -> Workload:
@@ -255,7 +282,7 @@ def main_simulate(args: argparse.Namespace) -> int:
     except (ValueError, OSError) as exc:
         print(f"polymorph simulate: {exc}", file=sys.stderr)
         return 2
-    capacity = PerfCapacity(args.model, None if args.no_cache else Path(args.capacity_cache))
+    capacity = capacity_from_args(args)
     if workload is None:
         return _main_capacity(args, budget, capacity)
     log = DecisionLog(Path(args.decisions) if args.decisions else None)

@@ -1,7 +1,7 @@
 """``polymorph bench adapt``: every named scenario x every fleet policy in virtual time, one table, one JSON line.
 
-All runs share one capacity model (and its on-disk cache), so every policy is planned with the same
-predictions. The defaults (see fleet/README.md for why) size the fleet so that drift-step's
+Every run plans with the same capacity model, so every policy is planned with the same predictions (with
+``--workers`` above 1 each run has its own, over the shared on-disk cache: the same answers). The defaults (see fleet/README.md for why) size the fleet so that drift-step's
 post-drift mix needs most of it at its SLO: 4 H100 + 4 H200 for llama-3.1-8b, the scenarios' time
 stretched 2x (drift-step's change lands at 600 s, the end of static-initial's planning window) and
 run for 1800 s. ``--quick`` runs two scenarios for 240 s on a small fleet (for tests).
@@ -12,13 +12,12 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from pathlib import Path
+from collections.abc import Iterator
 
-from fleet.capacity import PerfCapacity
 from fleet.simulator.policies import POLICIES
 from fleet.simulator.run import SimResult, simulate
 from loadtest.scenario import builtin_names
-from loadtest.simulate import budget_from_args, stretched_workload
+from loadtest.simulate import budget_from_args, capacity_from_args, in_processes, stretched_workload
 
 NAMED = ("stationary", "drift-step", "drift-ramp", "diurnal", "flash-crowd", "tenant-mix")
 
@@ -36,6 +35,9 @@ def main_bench(args: argparse.Namespace) -> int:
     if not scenarios and not (args.metric == "capacity" and args.trace):
         print("polymorph bench adapt: --scenarios '' leaves nothing to run (with --metric capacity, give --trace)", file=sys.stderr)
         return 2
+    if args.workers < 1:
+        print(f"polymorph bench adapt: --workers must be >= 1, got {args.workers}", file=sys.stderr)
+        return 2
     if args.draws != 1 and args.metric != "capacity":
         print("polymorph bench adapt: --draws judges the points of --metric capacity; a goodput run is one draw", file=sys.stderr)
         return 2
@@ -47,18 +49,16 @@ def main_bench(args: argparse.Namespace) -> int:
     budget = budget_from_args(args)
     duration = 240.0 if args.quick else args.duration
     scenarios = scenarios[:2] if args.quick else scenarios
-    capacity = PerfCapacity(args.model, None if args.no_cache else Path(args.capacity_cache))
     results: dict[str, dict[str, SimResult]] = {}
     print(f"{'scenario':<12} {'policy':<17} {'goodput':>8} {'post-drift':>10} {'SLO%':>6} {'ttft p99':>9} {'tpot p99':>9} "
           f"{'moves':>5} {'recomp':>6} {'shed':>6} {'drop':>5} {'wall s':>7}")
-    for name in scenarios:
-        workload = stretched_workload(name, duration, args.rate, args.stretch, args.seed)
-        for policy in policies:
-            r = simulate(workload, policy, budget, capacity, args.model)
-            results.setdefault(name, {})[policy] = r
-            print(f"{name:<12} {policy:<17} {r.goodput_rps:8.2f} {r.post_drift_goodput_rps:10.2f} {100 * r.slo_attainment:6.1f} "
-                  f"{r.ttft_p99_s:9.2f} {r.tpot_p99_s:9.3f} {r.repartitions:5d} {r.recompiles:6d} {r.shed_requests:6d} {r.dropped_requests:5d} "
-                  f"{r.wall_s:7.1f}", flush=True)
+    num_evaluations = 0
+    for name, policy, r, evaluations in _runs(args, scenarios, policies, duration):
+        results.setdefault(name, {})[policy] = r
+        num_evaluations += evaluations
+        print(f"{name:<12} {policy:<17} {r.goodput_rps:8.2f} {r.post_drift_goodput_rps:10.2f} {100 * r.slo_attainment:6.1f} "
+              f"{r.ttft_p99_s:9.2f} {r.tpot_p99_s:9.3f} {r.repartitions:5d} {r.recompiles:6d} {r.shed_requests:6d} {r.dropped_requests:5d} "
+              f"{r.wall_s:7.1f}", flush=True)
     summary: dict[str, object] = {"fleet": budget, "rate_rps": args.rate, "duration_s": duration, "stretch": args.stretch, "model": args.model}
     for name, by_policy in results.items():
         entry: dict[str, object] = {"goodput_rps": {p: round(r.goodput_rps, 3) for p, r in by_policy.items()},
@@ -70,6 +70,30 @@ def main_bench(args: argparse.Namespace) -> int:
             entry["post_drift_adaptive_over"] = {p: _ratio(adaptive.post_drift_goodput_rps, r.post_drift_goodput_rps)
                                                  for p, r in by_policy.items() if p != "adaptive"}
         summary[name] = entry
-    summary["capacity_evaluations"] = capacity.num_evaluations
+    summary["capacity_evaluations"] = num_evaluations
     print(json.dumps(summary, sort_keys=True))
     return 0
+
+
+def _run_in_worker(args: argparse.Namespace, scenario: str, policy: str, duration_s: float) -> tuple[SimResult, int]:
+    """One run in a worker process: its result and its capacity model's evaluations."""
+    capacity = capacity_from_args(args)
+    workload = stretched_workload(scenario, duration_s, args.rate, args.stretch, args.seed)
+    return simulate(workload, policy, budget_from_args(args), capacity, args.model), capacity.num_evaluations
+
+
+def _runs(args: argparse.Namespace, scenarios: tuple[str, ...], policies: tuple[str, ...],
+          duration_s: float) -> Iterator[tuple[str, str, SimResult, int]]:
+    """Each (scenario, policy) run with the evaluations it cost, in table order, each as soon as it is done."""
+    if args.workers <= 1:
+        capacity, budget = capacity_from_args(args), budget_from_args(args)
+        for name in scenarios:
+            workload = stretched_workload(name, duration_s, args.rate, args.stretch, args.seed)
+            for policy in policies:
+                before = capacity.num_evaluations
+                result = simulate(workload, policy, budget, capacity, args.model)
+                yield name, policy, result, capacity.num_evaluations - before
+        return
+    jobs = [(args, name, policy, duration_s) for name in scenarios for policy in policies]
+    for (_, name, policy, _), (result, evaluations) in zip(jobs, in_processes(_run_in_worker, jobs, args.workers), strict=True):
+        yield name, policy, result, evaluations

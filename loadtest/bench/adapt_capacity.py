@@ -5,7 +5,9 @@ the SLO threshold overall, per tier and per phase/window (loadtest/capacity.py, 
 point, the same seed at every point), then the smallest fleet (the same GPU kinds in their
 proportions) with which the policy sustains the workload's nominal rate. The adaptive policy's
 capacity is given over each other policy's; "GPUs saved" is the other policy's smallest fleet minus
-adaptive's. One capacity model serves every run, as in the goodput bench.
+adaptive's. One capacity model serves every run, as in the goodput bench; with ``--workers`` above 1 the
+searches run in that many processes, each search with its own model over the shared on-disk cache (whose
+answers do not depend on who computed them, so the figures are the same as in one process).
 """
 
 from __future__ import annotations
@@ -14,19 +16,20 @@ import argparse
 import json
 import sys
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
-from pathlib import Path
 
 from tqdm import tqdm
 
-from fleet.capacity import CapacityModel, PerfCapacity
+from fleet.capacity import CapacityModel
 from loadtest.capacity import CapacityResult, CurvePoint, smallest_passing
 from loadtest.simulate import (
     CapacitySettings,
     WorkloadSource,
     budget_from_args,
+    capacity_from_args,
     capacity_of,
+    in_processes,
     judge,
     scale_fleet,
     scenario_source,
@@ -72,6 +75,51 @@ def _ratio(a: float, b: float) -> float | None:
     return round(a / b, 3) if b > 0 else None
 
 
+def _sources(args: argparse.Namespace, scenarios: tuple[str, ...], duration_s: float) -> list[WorkloadSource]:
+    sources = [scenario_source(name, duration_s, args.rate, args.stretch, args.seed) for name in scenarios]
+    return sources + [trace_source(path, args.format, args.speedup, None) for path in args.trace]
+
+
+def _search(args: argparse.Namespace, source: WorkloadSource, policy: str, capacity: CapacityModel,
+            on_point: Callable[[CurvePoint], None] = lambda point: None) -> PolicyCapacity:
+    """One policy's capacity on one workload, then (unless ``--no-fleet-search``) its smallest fleet."""
+    begun = time.perf_counter()
+    settings, budget = sim_capacity_settings(args), budget_from_args(args)
+    result = capacity_of(source, policy, budget, capacity, args.model, settings, on_point)
+    at_one = next((p for p in result.curve if p.multiplier == 1.0), None)
+    min_gpus = None if args.no_fleet_search else smallest_fleet(source, policy, budget, capacity, args.model, settings, at_one)
+    return PolicyCapacity(source.name, policy, result, min_gpus, time.perf_counter() - begun)
+
+
+def _search_in_worker(args: argparse.Namespace, scenarios: tuple[str, ...], duration_s: float, index: int,
+                      policy: str) -> tuple[PolicyCapacity, int]:
+    """``_search`` in a worker process (a workload source holds a closure, so the worker builds its own):
+    the row and its capacity model's evaluations."""
+    capacity = capacity_from_args(args)
+    return _search(args, _sources(args, scenarios, duration_s)[index], policy, capacity), capacity.num_evaluations
+
+
+def _rows(args: argparse.Namespace, scenarios: tuple[str, ...], duration_s: float, sources: list[WorkloadSource],
+          policies: tuple[str, ...], bar: tqdm) -> Iterator[tuple[PolicyCapacity, int]]:
+    """Each (workload, policy) search with the evaluations it cost, in table order, each as soon as it is done."""
+    jobs = [(index, source, policy) for index, source in enumerate(sources) for policy in policies]
+    if args.workers <= 1:
+        capacity = capacity_from_args(args)
+        for _, source, policy in jobs:
+            label = f"{source.name} {policy}"
+            bar.set_postfix_str(label)
+
+            def on_point(point: CurvePoint, label: str = label) -> None:
+                bar.set_postfix_str(f"{label} x{point.multiplier:.3g} {'pass' if point.passed else 'fail'}")
+
+            before = capacity.num_evaluations
+            row = _search(args, source, policy, capacity, on_point)
+            yield row, capacity.num_evaluations - before
+        return
+    yield from in_processes(_search_in_worker, [(args, scenarios, duration_s, index, policy) for index, _, policy in jobs],
+                            args.workers)
+
+
 def main_capacity(args: argparse.Namespace, scenarios: tuple[str, ...], policies: tuple[str, ...]) -> int:
     started = time.perf_counter()
     duration = 240.0 if args.quick else args.duration
@@ -79,41 +127,30 @@ def main_capacity(args: argparse.Namespace, scenarios: tuple[str, ...], policies
     try:
         settings = sim_capacity_settings(args)
         budget = budget_from_args(args)
-        sources = [scenario_source(name, duration, args.rate, args.stretch, args.seed) for name in scenarios]
-        sources += [trace_source(path, args.format, args.speedup, None) for path in args.trace]
+        sources = _sources(args, scenarios, duration)
     except (ValueError, OSError) as exc:
         print(f"polymorph bench adapt: {exc}", file=sys.stderr)
         return 2
-    capacity = PerfCapacity(args.model, None if args.no_cache else Path(args.capacity_cache))
     out = sys.stderr if args.json else sys.stdout
     print(f"{'workload':<14} {'policy':<17} {'capacity x':>10} {'req/s':>8} {'points':>6} {'min GPUs':>8} {'dropped':>7} "
           f"{'wall s':>7}  note", file=out, flush=True)
     bar = tqdm(total=len(sources) * len(policies), unit="search", desc="capacity", file=sys.stderr,
                disable=args.no_progress, leave=False)
     rows: list[PolicyCapacity] = []
-    for source in sources:
-        for policy in policies:
-            label = f"{source.name} {policy}"
-            bar.set_postfix_str(label)
-            begun = time.perf_counter()
-
-            def on_point(point: CurvePoint, label: str = label) -> None:
-                bar.set_postfix_str(f"{label} x{point.multiplier:.3g} {'pass' if point.passed else 'fail'}")
-
-            result = capacity_of(source, policy, budget, capacity, args.model, settings, on_point)
-            at_one = next((p for p in result.curve if p.multiplier == 1.0), None)
-            min_gpus = None if args.no_fleet_search else smallest_fleet(source, policy, budget, capacity, args.model, settings, at_one)
-            row = PolicyCapacity(source.name, policy, result, min_gpus, time.perf_counter() - begun)
-            rows.append(row)
-            bar.update(1)
-            gpus = "-" if min_gpus is None else str(min_gpus)
-            bar.clear()
-            print(f"{source.name:<14} {policy:<17} {result.multiplier:10.3f} {result.rate_rps:8.2f} {len(result.curve):6d} "
-                  f"{gpus:>8} {row.num_dropped:7d} {row.wall_s:7.1f}  {result.note}", file=out, flush=True)
+    num_evaluations = 0
+    for row, evaluations in _rows(args, scenarios, duration, sources, policies, bar):
+        rows.append(row)
+        num_evaluations += evaluations
+        bar.update(1)
+        gpus = "-" if row.min_gpus is None else str(row.min_gpus)
+        result = row.result
+        bar.clear()
+        print(f"{row.workload:<14} {row.policy:<17} {result.multiplier:10.3f} {result.rate_rps:8.2f} {len(result.curve):6d} "
+              f"{gpus:>8} {row.num_dropped:7d} {row.wall_s:7.1f}  {result.note}", file=out, flush=True)
     bar.close()
     summary = _summary(args, budget, duration, settings, sources, rows)
     summary["wall_s"] = round(time.perf_counter() - started, 1)
-    summary["capacity_evaluations"] = capacity.num_evaluations
+    summary["capacity_evaluations"] = num_evaluations
     print(json.dumps(summary, sort_keys=True))
     return 0
 

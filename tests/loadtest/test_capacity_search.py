@@ -1,11 +1,12 @@
 """Capacity at SLO: the bracketing + bisection search, its per-window minimum, trace speed-up for the
-simulator, and one small `polymorph simulate --capacity --json` end to end."""
+simulator, one small `polymorph simulate --capacity --json` end to end, and `bench adapt` in worker processes."""
 
 from __future__ import annotations
 
 import json
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -251,3 +252,39 @@ def test_bench_adapt_capacity_on_a_trace_alone_reports_gpus_saved(bursty_trace: 
 def test_bench_adapt_with_no_scenario_and_no_trace_is_refused(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["bench", "adapt", "--metric", "capacity", "--scenarios", "", "--json"]) == 2
     assert "nothing to run" in capsys.readouterr().err
+
+
+def test_bench_adapt_capacity_in_worker_processes_gives_each_policy_the_figures_of_one_process(
+        bursty_trace: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    def run(workers: int) -> dict[str, Any]:  # the second run's workers read the capacity answers the first one cached
+        code = main(["bench", "adapt", "--metric", "capacity", "--scenarios", "", "--trace", str(bursty_trace), "--format",
+                     "native", "--fleet", "H100-SXM:1", "--policies", "round-robin,static-initial,adaptive", "--json",
+                     "--resolution", "0.5", "--max-points", "3", "--capacity-cache", str(tmp_path / "capacity.json"),
+                     "--no-progress", "--no-fleet-search", "--workers", str(workers)])
+        assert code == 0
+        entry: dict[str, Any] = json.loads(capsys.readouterr().out)["bursty.jsonl"]
+        return entry
+
+    alone, spread = run(1), run(2)
+    assert spread["capacity_multiplier"] == alone["capacity_multiplier"]
+    assert spread["capacity_rps"] == alone["capacity_rps"] and spread["adaptive_over"] == alone["adaptive_over"]
+    assert len(set(alone["capacity_multiplier"].values())) > 1  # the policies differ, so a mix-up would show
+
+
+def test_bench_adapt_goodput_in_worker_processes_matches_one_process(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    def run(workers: int) -> dict[str, Any]:  # the drift at 60 s: static-initial sheds what round-robin queues
+        code = main(["bench", "adapt", "--scenarios", "drift-step", "--policies", "round-robin,static-initial", "--duration",
+                     "120", "--stretch", "0.2", "--fleet", "H100-SXM:1,H200:1", "--rate", "8", "--capacity-cache",
+                     str(tmp_path / "capacity.json"), "--workers", str(workers)])
+        assert code == 0
+        entry: dict[str, Any] = json.loads(capsys.readouterr().out.splitlines()[-1])["drift-step"]
+        return entry
+
+    alone, spread = run(1), run(2)
+    assert spread["goodput_rps"] == alone["goodput_rps"] and spread["shed"] == alone["shed"]
+    assert alone["goodput_rps"]["round-robin"] != alone["goodput_rps"]["static-initial"]
+
+
+def test_bench_adapt_refuses_no_workers(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["bench", "adapt", "--workers", "0"]) == 2
+    assert "--workers must be >= 1" in capsys.readouterr().err
