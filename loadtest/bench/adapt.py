@@ -1,7 +1,8 @@
 """``polymorph bench adapt``: every named scenario x every fleet policy in virtual time, one table, one JSON line.
 
 Every run plans with the same capacity model, so every policy is planned with the same predictions (with
-``--workers`` above 1 each run has its own, over the shared on-disk cache: the same answers). The defaults (see fleet/README.md for why) size the fleet so that drift-step's
+``--workers`` above 1 each run has its own, over the shared on-disk cache: the same answers). The
+defaults (see fleet/README.md for why) size the fleet so that drift-step's
 post-drift mix needs most of it at its SLO: 4 H100 + 4 H200 for llama-3.1-8b, the scenarios' time
 stretched 2x (drift-step's change lands at 600 s, the end of static-initial's planning window) and
 run for 1800 s. ``--quick`` runs two scenarios for 240 s on a small fleet (for tests).
