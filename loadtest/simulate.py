@@ -10,6 +10,7 @@ import argparse
 import concurrent.futures
 import json
 import multiprocessing
+import queue
 import sys
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, replace
@@ -74,22 +75,48 @@ def capacity_from_args(args: argparse.Namespace) -> PerfCapacity:
 
 
 _Result = TypeVar("_Result")
+_PROGRESS_POLL_S = 0.5  # how long in_processes waits for a worker's progress before it looks at the job again
 
 
-def in_processes(run: Callable[..., _Result], jobs: Sequence[tuple[Any, ...]], num_workers: int) -> Iterator[_Result]:
+def in_processes(run: Callable[..., _Result], jobs: Sequence[tuple[Any, ...]], num_workers: int,
+                 on_progress: Callable[[Any], None] | None = None) -> Iterator[_Result]:
     """``run(*job)`` for every job in ``num_workers`` processes, yielded in the jobs' order, each as soon as it
     and those before it are done. Spawned (a fork would copy the caller's threads: the progress bar's);
-    an error or Ctrl-C kills the workers rather than waiting out their runs."""
+    an error or Ctrl-C kills the workers rather than waiting out their runs.
+
+    With ``on_progress``, each run gets one more argument, a queue: what a worker puts there (anything
+    picklable) reaches ``on_progress`` in this thread while it waits, so a long job shows its steps, not
+    only its end."""
     from kernels.compiler.worker import terminate_process_pool
 
     pool = concurrent.futures.ProcessPoolExecutor(max_workers=num_workers, mp_context=multiprocessing.get_context("spawn"))
+    manager = multiprocessing.get_context("spawn").Manager() if on_progress is not None else None
+    progress = manager.Queue() if manager is not None else None
+
+    def relay(wait_s: float) -> None:  # hand on what has arrived, waiting up to wait_s for the first
+        assert progress is not None and on_progress is not None
+        try:
+            on_progress(progress.get(timeout=wait_s))
+            while True:
+                on_progress(progress.get_nowait())
+        except queue.Empty:
+            pass
+
     try:
-        futures = [pool.submit(run, *job) for job in jobs]
+        futures = [pool.submit(run, *job, *(() if progress is None else (progress,))) for job in jobs]
         for future in futures:
-            yield future.result()
+            while progress is not None and not future.done():
+                relay(_PROGRESS_POLL_S)
+            result = future.result()
+            if progress is not None:
+                relay(0.0)
+            yield result
     except BaseException:
         terminate_process_pool(pool)
         raise
+    finally:
+        if manager is not None:
+            manager.shutdown()
     pool.shutdown()
 
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import queue
 import sys
 import time
 from collections.abc import Callable, Iterator, Mapping
@@ -92,32 +93,35 @@ def _search(args: argparse.Namespace, source: WorkloadSource, policy: str, capac
 
 
 def _search_in_worker(args: argparse.Namespace, scenarios: tuple[str, ...], duration_s: float, index: int,
-                      policy: str) -> tuple[PolicyCapacity, int]:
+                      policy: str, progress: queue.Queue[str]) -> tuple[PolicyCapacity, int]:
     """``_search`` in a worker process (a workload source holds a closure, so the worker builds its own):
-    the row and its capacity model's evaluations."""
+    the row and its capacity model's evaluations; each point's verdict goes to ``progress``."""
     capacity = capacity_from_args(args)
-    return _search(args, _sources(args, scenarios, duration_s)[index], policy, capacity), capacity.num_evaluations
+    source = _sources(args, scenarios, duration_s)[index]
+    label = f"{source.name} {policy}"
+    return _search(args, source, policy, capacity, lambda point: progress.put(_verdict(label, point))), capacity.num_evaluations
+
+
+def _verdict(label: str, point: CurvePoint) -> str:
+    return f"{label} x{point.multiplier:.3g} {'pass' if point.passed else 'fail'}"
 
 
 def _rows(args: argparse.Namespace, scenarios: tuple[str, ...], duration_s: float, sources: list[WorkloadSource],
           policies: tuple[str, ...], bar: tqdm) -> Iterator[tuple[PolicyCapacity, int]]:
-    """Each (workload, policy) search with the evaluations it cost, in table order, each as soon as it is done."""
+    """Each (workload, policy) search with the evaluations it cost, in table order, each as soon as it is
+    done; the progress bar names the last point judged."""
     jobs = [(index, source, policy) for index, source in enumerate(sources) for policy in policies]
     if args.workers <= 1:
         capacity = capacity_from_args(args)
         for _, source, policy in jobs:
             label = f"{source.name} {policy}"
             bar.set_postfix_str(label)
-
-            def on_point(point: CurvePoint, label: str = label) -> None:
-                bar.set_postfix_str(f"{label} x{point.multiplier:.3g} {'pass' if point.passed else 'fail'}")
-
             before = capacity.num_evaluations
-            row = _search(args, source, policy, capacity, on_point)
+            row = _search(args, source, policy, capacity, lambda point, label=label: bar.set_postfix_str(_verdict(label, point)))
             yield row, capacity.num_evaluations - before
         return
     yield from in_processes(_search_in_worker, [(args, scenarios, duration_s, index, policy) for index, _, policy in jobs],
-                            args.workers)
+                            args.workers, bar.set_postfix_str)
 
 
 def main_capacity(args: argparse.Namespace, scenarios: tuple[str, ...], policies: tuple[str, ...]) -> int:

@@ -4,6 +4,8 @@ simulator, one small `polymorph simulate --capacity --json` end to end, and `ben
 from __future__ import annotations
 
 import json
+import queue
+import re
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -23,7 +25,7 @@ from loadtest.capacity import (
     smallest_passing,
     window_bounds_s,
 )
-from loadtest.simulate import trace_source, trace_workload
+from loadtest.simulate import in_processes, trace_source, trace_workload
 from loadtest.spec import RequestSpec, Workload, make_workload
 from loadtest.traces import write_native
 
@@ -256,13 +258,18 @@ def test_bench_adapt_with_no_scenario_and_no_trace_is_refused(capsys: pytest.Cap
 
 def test_bench_adapt_capacity_in_worker_processes_gives_each_policy_the_figures_of_one_process(
         bursty_trace: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    policies = ("round-robin", "static-initial", "adaptive")
+
     def run(workers: int) -> dict[str, Any]:  # the second run's workers read the capacity answers the first one cached
         code = main(["bench", "adapt", "--metric", "capacity", "--scenarios", "", "--trace", str(bursty_trace), "--format",
-                     "native", "--fleet", "H100-SXM:1", "--policies", "round-robin,static-initial,adaptive", "--json",
+                     "native", "--fleet", "H100-SXM:1", "--policies", ",".join(policies), "--json",
                      "--resolution", "0.5", "--max-points", "3", "--capacity-cache", str(tmp_path / "capacity.json"),
-                     "--no-progress", "--no-fleet-search", "--workers", str(workers)])
+                     "--no-fleet-search", "--workers", str(workers)])
         assert code == 0
-        entry: dict[str, Any] = json.loads(capsys.readouterr().out)["bursty.jsonl"]
+        captured = capsys.readouterr()
+        for policy in policies:  # the progress bar names each search's points as they are judged, from a worker too
+            assert re.search(rf"bursty\.jsonl {policy} x1 (pass|fail)", captured.err), (policy, captured.err[-2000:])
+        entry: dict[str, Any] = json.loads(captured.out)["bursty.jsonl"]
         return entry
 
     alone, spread = run(1), run(2)
@@ -283,6 +290,22 @@ def test_bench_adapt_goodput_in_worker_processes_matches_one_process(tmp_path: P
     alone, spread = run(1), run(2)
     assert spread["goodput_rps"] == alone["goodput_rps"] and spread["shed"] == alone["shed"]
     assert alone["goodput_rps"]["round-robin"] != alone["goodput_rps"]["static-initial"]
+
+
+def _square_in_steps(n: int, progress: queue.Queue[str]) -> int:  # a worker's job (spawned: defined at module level)
+    for step in range(3):
+        progress.put(f"{n}:{step}")
+    return n * n
+
+
+def test_in_processes_hands_on_each_jobs_progress_before_its_result() -> None:
+    events: list[str] = []
+    for result in in_processes(_square_in_steps, [(1,), (2,), (3,)], 2, events.append):
+        events.append(f"= {result}")
+    assert [e for e in events if e.startswith("=")] == ["= 1", "= 4", "= 9"]  # results in the jobs' order
+    for n in (1, 2, 3):
+        mine = [events.index(f"{n}:{step}") for step in range(3)]
+        assert mine == sorted(mine) and mine[-1] < events.index(f"= {n * n}")
 
 
 def test_bench_adapt_refuses_no_workers(capsys: pytest.CaptureFixture[str]) -> None:
