@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import argparse
 import sys
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import TYPE_CHECKING
 
 from classifiers import cli as classifiers_cli
@@ -24,6 +24,25 @@ if TYPE_CHECKING:
     from loadtest.probe import LlamacppProbe, SglangProbe, VllmProbe
 
 _PACKAGES = (serve_cli, deploy_cli, classifiers_cli, kernels_cli, fleet_cli, engines_cli, loadtest_cli)
+
+
+class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Shows an option's default unless its help already speaks of it ("default: the scenario's") or
+    there is none to show (None, an off switch, an empty list): never "(default: None)"."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        if "default" in (action.help or "") or action.default is None or action.default is False or action.default == []:
+            return action.help
+        return super()._get_help_string(action)
+
+
+def _parsers(parser: argparse.ArgumentParser) -> Iterator[argparse.ArgumentParser]:
+    """``parser`` and every subcommand's parser under it."""
+    yield parser
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for sub in action.choices.values():
+                yield from _parsers(sub)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -52,6 +71,10 @@ def build_parser() -> argparse.ArgumentParser:
     run_compile = compile_.get_default("handler")
     compile_.set_defaults(prober=_engine_prober, handler=lambda args: run_compile(compile_pool.resolve(args)))
     benches.choices["compile"].set_defaults(prober=_engine_prober)
+    # Each package asks for its defaults shown; how they are shown is decided once, here.
+    for sub in _parsers(parser):
+        if sub.formatter_class is argparse.ArgumentDefaultsHelpFormatter:
+            sub.formatter_class = _HelpFormatter
     return parser
 
 

@@ -12,7 +12,8 @@ def _add_sim_args(p: argparse.ArgumentParser, fleet: str, rate: float | None, st
     p.add_argument("--model", default="llama-3.1-8b", help="catalogue model every pool serves")
     p.add_argument("--fleet", default=fleet, help="GPU budget per kind, GPU:COUNT pairs")
     p.add_argument("--gpus", type=int, default=None, help="total GPUs, spread over --fleet's kinds in its proportions")
-    p.add_argument("--rate", type=float, default=rate, help="scale the scenario to this mean request rate (req/s; default: the scenario's)")
+    p.add_argument("--rate", type=float, default=rate,
+                   help="scale the scenario to this mean request rate (req/s" + ("; default: the scenario's)" if rate is None else ")"))
     p.add_argument("--stretch", type=float, default=stretch,
                    help="stretch the scenario's time axis this many times (phase onsets, periods, bursts), keeping --rate")
     p.add_argument("--seed", type=int, default=None, help="workload seed (default: the scenario's)")
@@ -92,9 +93,9 @@ def register_bench_adapt(benches: argparse._SubParsersAction) -> None:  # type: 
         ),
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
-    p.add_argument("--scenarios", default=None, help="comma-separated subset of the named scenarios; '' for none "
-                   "(with --metric capacity and --trace: the traces alone)")
-    p.add_argument("--policies", default=None, help="comma-separated subset of the policies")
+    p.add_argument("--scenarios", default=None, help="comma-separated subset of the named scenarios (default: all); '' for "
+                   "none (with --metric capacity and --trace: the traces alone)")
+    p.add_argument("--policies", default=None, help=f"comma-separated subset of {', '.join(POLICY_NAMES)} (default: all)")
     p.add_argument("--duration", type=float, default=1800.0, help="seconds of traffic per scenario")
     p.add_argument("--quick", action="store_true", help="two scenarios, 240 s each (for tests)")
     p.add_argument("--metric", default="goodput", choices=("goodput", "capacity"),
