@@ -60,6 +60,9 @@ class ControllerSettings:
     drift: DriftSettings = field(default_factory=DriftSettings)
     move_cost: MoveCost = field(default_factory=MoveCost)
     plan_horizon_s: float = 900.0  # how long a plan is expected to hold (amortises move cost)
+    # A plan serves the demand of each span of this length in its sample, not the sample's mean: capacity
+    # that only a burst uses counts for that burst's span.
+    plan_span_s: float = 30.0
     max_step_fraction: float = 0.25
     # the bound for moves between pools while the fleet misses its demand (see _replan)
     failing_step_fraction: float = 0.5
@@ -195,14 +198,15 @@ class Controller:
         live = self.telemetry.window(now)
         if self._refine_at is not None and now >= self._refine_at:
             self._refine_at = None
-            return out + self._replan(now, live, slots, trigger="refine")
+            return out + self._replan(now, live, slots, trigger="refine", windows=self._spans(now, live))
         current, verdict = self.detector.observe(now, live, self.reference_mix, self.telemetry.covered_s(now))
         if verdict is None:
             # same traffic, fewer (or more) GPUs: plan again for what is left (once there is traffic to plan for)
+            spans = self._spans(now, live) if live.shapes else None
             if self._capacity_changed and (live.shapes or self.reference_mix.shapes):
-                return out + self._replan(now, live if live.shapes else self.reference_mix, slots)
+                return out + self._replan(now, live if live.shapes else self.reference_mix, slots, windows=spans)
             if self._foreign_changed(now) and (live.shapes or self.reference_mix.shapes):
-                return out + self._replan(now, live if live.shapes else self.reference_mix, slots, trigger="foreign load")
+                return out + self._replan(now, live if live.shapes else self.reference_mix, slots, trigger="foreign load", windows=spans)
             return out
         return out + self._on_drift(now, live, verdict, slots)
 
@@ -218,7 +222,8 @@ class Controller:
         recent = self.telemetry.window(now, max(self.telemetry.bucket_s, now - verdict.above_since))
         refine_at = verdict.above_since + self.telemetry.window_s
         short_sample = refine_at > now  # the window still holds some of the old mix
-        out += self._replan(now, recent if recent.shapes else live, slots, tune=not short_sample)
+        sample = recent if recent.shapes else live
+        out += self._replan(now, sample, slots, tune=not short_sample, windows=self._spans(now, sample))
         self._refine_at = refine_at if short_sample else None
         return out
 
@@ -270,11 +275,16 @@ class Controller:
         return any(abs(shares.get(pool, 0.0) - planned.get(pool, 0.0)) >= self.settings.foreign_replan_change
                    for pool in shares.keys() | planned.keys())
 
+    def _spans(self, now: float, sample: TrafficMix) -> tuple[TrafficMix, ...]:
+        """``sample`` (the telemetry's last ``sample.window_s``) as its consecutive ``plan_span_s`` spans."""
+        return self.telemetry.windows(now, sample.window_s, self.settings.plan_span_s)
+
     def _replan(self, now: float, live: TrafficMix, slots: list[SlotState], trigger: str | None = None,
-                tune: bool = True) -> list[Decision]:
-        """Plan for ``live`` and start the rollout. ``tune=False`` (a plan from a short sample) moves
-        replicas between pools but restarts none in place for a faster configuration: that waits for the
-        refined plan, whose sample shows the new lengths."""
+                tune: bool = True, windows: tuple[TrafficMix, ...] | None = None) -> list[Decision]:
+        """Plan for ``live`` and start the rollout: its lengths size the pools, and the demand the plan
+        serves is ``windows``' (``live``'s spans, so that a burst counts as a burst), else ``live``'s mean.
+        ``tune=False`` (a plan from a short sample) moves replicas between pools but restarts none in place
+        for a faster configuration: that waits for the refined plan, whose sample shows the new lengths."""
         s = self.settings
         self._capacity_changed = False
         slots = [slot for slot in slots if slot.alive]  # a dead slot can neither serve nor move
@@ -293,7 +303,7 @@ class Controller:
         shares = foreign_shares(options, self.foreign.per_replica(now))
         planned = discounted(options, shares)
         self._planned_shares = shares
-        problem = problem_for(planned, (live,), budget, counts, move_s, s.plan_horizon_s)
+        problem = problem_for(planned, windows or (live,), budget, counts, move_s, s.plan_horizon_s)
         new_plan = plan(problem)
         self.reference_mix = live
         self.detector.on_plan(now)

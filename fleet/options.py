@@ -257,7 +257,7 @@ def problem_for(
     move_cost_s: float = 0.0,
     horizon_s: float = 600.0,
 ) -> PlanProblem:
-    """A planning problem over ``mixes`` (equally weighted); a replica change costs its pool's
+    """A planning problem over ``mixes`` (their mean goodput); a replica change costs its pool's
     weighted capacity (for a pool of several shapes: under their mix) for ``move_cost_s`` out of
     ``horizon_s`` (halved: each move changes two pools). Capping that at the demand of the pool's
     shapes (a replica restarting while less than its capacity arrives loses only that) was tried:
@@ -275,7 +275,7 @@ def problem_for(
         rate = mix_capacity([(share, Capacity(s.rate_per_replica_rps, 0.0)) for share, s in shares]).rate_rps
         costs.append((option.name, sum(share * s.weight for share, s in shares) * rate * move_cost_s / horizon_s / 2))
     return PlanProblem(
-        options.pools, tuple(sorted(gpu_to_budget.items())), demands, tuple(1.0 for _ in mixes),
+        options.pools, tuple(sorted(gpu_to_budget.items())), demands, tuple(1.0 / len(mixes) for _ in mixes),
         tuple(sorted((current or {}).items())), tuple(costs),
     )
 

@@ -175,23 +175,36 @@ class Telemetry:
         pool_entry[0] += 1
         pool_entry[1] += 1 if met_slo else 0
 
+    def windows(self, now: float, span_s: float, sub_s: float) -> tuple[TrafficMix, ...]:
+        """The last ``span_s`` (as ``window`` counts it) cut into consecutive mixes of about ``sub_s`` each,
+        oldest first: what a plan weighs when bursts matter, not only the mean. A span shorter than 1.5
+        of them is one mix."""
+        self._bucket(now)
+        available = min(self._num_buckets - 1, self._current - (self._first or 0))
+        total = min(available, max(1, int(span_s // self.bucket_s)))
+        num = max(1, round(total * self.bucket_s / sub_s))
+        edges = [round(k * total / num) for k in range(num + 1)]  # complete buckets back from the newest
+        return tuple(self.window(now, (edges[k + 1] - edges[k]) * self.bucket_s, before_s=edges[k] * self.bucket_s)
+                     for k in reversed(range(num)))
+
     def covered_s(self, now: float) -> float:
         """How much of the window holds data (less than window_s during warm-up)."""
         if self._first is None:
             return 0.0
         return min(self.window_s, now - self._first * self.bucket_s)
 
-    def window(self, now: float, span_s: float | None = None) -> TrafficMix:
+    def window(self, now: float, span_s: float | None = None, before_s: float = 0.0) -> TrafficMix:
         """The mix over the last window, or its last ``span_s`` (complete buckets only, so the newest
-        partial bucket cannot bias rates)."""
+        partial bucket cannot bias rates); with ``before_s``, the span that ended that long before."""
         self._bucket(now)
-        num_full = min(self._num_buckets - 1, self._current - (self._first or 0))
+        skip = int(before_s // self.bucket_s)
+        num_full = min(self._num_buckets - 1, self._current - (self._first or 0)) - skip
         if span_s is not None:
             num_full = min(num_full, max(1, int(span_s // self.bucket_s)))
         counts: dict[str, tuple[int, float, float, int, dict[str, int], float, float]] = {}
         pools: dict[str, list[int]] = {}
         bins: dict[str, tuple[dict[int, int], dict[int, int]]] = {}
-        for back in range(1, num_full + 1):
+        for back in range(skip + 1, skip + num_full + 1):
             bucket = self._ring[(self._current - back) % self._num_buckets]
             for shape, (num, prompt, tiers, prompt_bins) in bucket.shape_to_arrivals.items():
                 n0, p0, o0, no0, t0, c0, of0 = counts.get(shape, (0, 0.0, 0.0, 0, {}, 0.0, 0.0))
@@ -211,6 +224,6 @@ class Telemetry:
         window_s = num_full * self.bucket_s
         if window_s <= 0:
             return TrafficMix(now, 0.0, ())
-        mix = mix_from_counts(self._current * self.bucket_s, window_s, counts, bins)
+        mix = mix_from_counts((self._current - skip) * self.bucket_s, window_s, counts, bins)
         slos = tuple(PoolSlo(name, n, m) for name, (n, m) in sorted(pools.items()))
         return TrafficMix(mix.ended_at, window_s, mix.shapes, slos)

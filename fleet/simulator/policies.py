@@ -2,8 +2,10 @@
 
 * ``round-robin``: one pool of every GPU with sglang's default configuration, least-load routing
   straight into the engines (no tier queues or shedding: what most deployments run today).
-* ``static-initial``: the best partition and configurations for the first 10 minutes' mix (the first
-  half of runs shorter than 20 minutes), then frozen.
+* ``static-initial``: the best partition and configurations for every minute of the first 10 minutes
+  (the first half of runs shorter than 20 minutes), then frozen. Planned for each minute's demand, not
+  the 10 minutes' mean, as every plan is: on tenant-mix the mean calls for a reasoning replica, the
+  minutes for two more batch replicas, which is static-hindsight's partition.
 * ``static-hindsight``: the best single partition for every minute of the run at once (it knows the
   future; the planner maximises the goodput summed over all windows).
 * ``adaptive``: starts like static-initial, then Polymorph's controller (drift, plan, rollout, verify).
@@ -62,6 +64,11 @@ def true_mix(sim: FleetSim, start_s: float, end_s: float) -> TrafficMix:
     return mix_from_counts(end_s, end_s - start_s, {k: tuple(v) for k, v in counts.items()}, bins)
 
 
+def minutes(sim: FleetSim, start_s: float, end_s: float) -> tuple[TrafficMix, ...]:
+    """The true mix of every ``WINDOW_S`` of ``[start_s, end_s)``: the demand a plan made for that span serves."""
+    return tuple(true_mix(sim, t, min(end_s, t + WINDOW_S)) for t in np.arange(start_s, end_s, WINDOW_S))
+
+
 def initial_window_s(duration_s: float) -> float:
     return min(INITIAL_WINDOW_S, duration_s / 2)
 
@@ -101,12 +108,11 @@ def setup(
         return None
     first = true_mix(sim, 0.0, initial_window_s(duration))
     if policy == "static-hindsight":
-        windows = tuple(true_mix(sim, t, min(duration, t + WINDOW_S)) for t in np.arange(0.0, duration, WINDOW_S))
         whole = true_mix(sim, 0.0, duration)
-        options, counts = _plan_for(windows, whole, budget, capacity, tiers, offline)
+        options, counts = _plan_for(minutes(sim, 0.0, duration), whole, budget, capacity, tiers, offline)
         _deploy(sim, options, whole, counts)
         return None
-    options, counts = _plan_for((first,), first, budget, capacity, tiers, offline)
+    options, counts = _plan_for(minutes(sim, 0.0, initial_window_s(duration)), first, budget, capacity, tiers, offline)
     _deploy(sim, options, first, counts)
     if policy == "static-initial":
         return None

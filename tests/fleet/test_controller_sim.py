@@ -10,7 +10,7 @@ import pytest
 from fleet.capacity import Capacity
 from fleet.controller import Controller, ControllerSettings
 from fleet.drift import DriftSettings
-from fleet.evidence import RollbackEvidence, VerifyEvidence
+from fleet.evidence import PlanEvidence, RollbackEvidence, VerifyEvidence
 from fleet.rollout import SlotState
 from fleet.simulator.events import EventLoop
 from fleet.simulator.run import simulate
@@ -211,3 +211,23 @@ def test_engine_cut_ends_a_fast_forwarded_stretch_at_the_next_step_boundary() ->
     assert set(outputs.num_new_tokens) == {shorter.num_steps}
     rest = cut.schedule(shorter.ended_at, horizon_s=1e9)
     assert rest is not None and rest.ended_at == pytest.approx(stretch.ended_at, rel=1e-9)  # the same finish as uncut
+
+
+@pytest.mark.parametrize(("span_s", "b_replicas"), [(30.0, 2), (math.inf, 1)])
+def test_a_burst_in_the_sample_earns_its_shape_capacity_the_mean_would_not(span_s: float, b_replicas: int) -> None:
+    """Shape a steady at 10 req/s, shape b 40 req/s for 30 s of the 115 s sample (10.4 on average), 10 req/s
+    per replica of either. One of four GPUs dies and the controller plans the three left. By the mean one
+    replica of each serves everything and the spare one stays in a. By 30 s spans b's burst span is
+    served 20 instead of 10 req/s by a second replica, more than a's spare serves (nothing)."""
+    tel = Telemetry()
+    _feed(tel, 0.0, 240.0, "a", 10.0, True)
+    _feed(tel, 150.0, 180.0, "b", 40.0, True)
+    settings = ControllerSettings("llama-3.1-8b", {"H100-SXM": 4}, plan_span_s=span_s)
+    controller = Controller(settings, tel, TableCapacity({"a": 10.0, "b": 10.0}), tel.window(240.0))
+    slots = [SlotState(f"G/{k}", pool, "H100-SXM", "{}", alive=k != 3)
+             for k, pool in enumerate(("a@H100-SXM", "a@H100-SXM", "b@H100-SXM", "b@H100-SXM"))]
+    made = controller.tick(240.0, slots).decisions
+    (planned,) = [d.evidence for d in made if isinstance(d.evidence, PlanEvidence)]
+    after = {pool: counts[1] for pool, counts in (planned.diff or {}).items()}
+    assert [d.kind for d in made][0] == "capacity"
+    assert after.get("b@H100-SXM", 1) == b_replicas and after.get("a@H100-SXM", 2) == 3 - b_replicas, planned

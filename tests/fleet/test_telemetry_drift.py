@@ -25,6 +25,21 @@ def test_window_counts_complete_buckets_only() -> None:
     assert tel.window(100.0).shapes == ()  # everything aged out
 
 
+def test_windows_split_the_sample_into_its_spans_oldest_first() -> None:
+    tel = Telemetry(window_s=125.0, bucket_s=5.0)
+    for second in range(120):  # chat at 1 request/s throughout, a 30 s burst of 4 documents/s at 60-90 s
+        tel.record_arrival(second + 0.5, "chat", "interactive", 100)
+        for k in range(4 if 60 <= second < 90 else 0):
+            tel.record_arrival(second + 0.1 * k, "docs", "batch", 5000)
+    spans = tel.windows(120.0, 120.0, 30.0)
+    assert [m.window_s for m in spans] == [30.0] * 4 and [m.ended_at for m in spans] == [30.0, 60.0, 90.0, 120.0]
+    assert [{s.name: s.rate_rps for s in m.shapes} for m in spans] == [{"chat": 1.0}, {"chat": 1.0}, {"chat": 1.0, "docs": 4.0}, {"chat": 1.0}]
+    assert {s.name: s.rate_rps for s in tel.window(120.0).shapes} == {"chat": 1.0, "docs": 1.0}  # the mean hides the burst
+    assert [m.window_s for m in tel.windows(120.0, 40.0, 30.0)] == [40.0]  # shorter than 1.5 spans: the sample
+    cut = [m.window_s for m in tel.windows(120.0, 115.0, 30.0)]
+    assert sum(cut) == 115.0 and sorted(cut) == [25.0, 30.0, 30.0, 30.0]  # the whole sample, in spans near 30 s
+
+
 def test_divergence_bounds() -> None:
     assert js_divergence({"a": 1.0}, {"a": 1.0}) == 0.0
     assert abs(js_divergence({"a": 1.0}, {"b": 1.0}) - 1.0) < 1e-12
