@@ -202,12 +202,12 @@ class Controller:
         current, verdict = self.detector.observe(now, live, self.reference_mix, self.telemetry.covered_s(now))
         if verdict is None:
             # same traffic, fewer (or more) GPUs: plan again for what is left (once there is traffic to plan for)
-            spans = self._spans(now, live) if live.shapes else None
-            if self._capacity_changed and (live.shapes or self.reference_mix.shapes):
-                return out + self._replan(now, live if live.shapes else self.reference_mix, slots, windows=spans)
-            if self._foreign_changed(now) and (live.shapes or self.reference_mix.shapes):
-                return out + self._replan(now, live if live.shapes else self.reference_mix, slots, trigger="foreign load", windows=spans)
-            return out
+            if not (live.shapes or self.reference_mix.shapes) or not (self._capacity_changed or self._foreign_changed(now)):
+                return out
+            trigger = None if self._capacity_changed else "foreign load"
+            if live.shapes:
+                return out + self._replan(now, live, slots, trigger=trigger, windows=self._spans(now, live))
+            return out + self._replan(now, self.reference_mix, slots, trigger=trigger)
         return out + self._on_drift(now, live, verdict, slots)
 
     def _on_drift(self, now: float, live: TrafficMix, verdict: DriftVerdict, slots: list[SlotState],
