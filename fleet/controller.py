@@ -10,6 +10,7 @@ the capacity model for the live mix: the operator's declared pools under their o
 move cost) and turns the diff into steps, so a mix the declared pools fit keeps them. That plan comes from
 the short sample since the change began, so it only moves replicas between pools; once the window holds only
 the new mix it plans again (``refine``), and only then restarts replicas in place for faster configurations.
+A plan from a full sample whose predicted gain is within that sample's counting noise keeps the fleet.
 Those recompiles tune for the mix they were planned for: a drift found while only they are left ends the
 rollout after its current step and is planned for at once.
 A step is planned by a ``Mover``, whose commands the edge applies; ``verify_after_s`` after its last move
@@ -39,7 +40,7 @@ from fleet.evidence import CapacityEvidence, DriftEvidence, PlanEvidence, Recomp
 from fleet.foreign_load import ForeignLoad, discounted, foreign_shares
 from fleet.incumbents import restart_margin, running_configs
 from fleet.options import DeclaredPool, MoveCost, Options, pool_options, problem_for
-from fleet.planner import Plan, evaluate, fill_budget, plan
+from fleet.planner import Plan, allows, evaluate, fill_budget, plan
 from fleet.rollout import Mover, SlotState, batch_moves, diff_moves, rolling_batches
 from fleet.telemetry import Telemetry, TrafficMix
 from kernels.config import EngineConfig
@@ -309,19 +310,27 @@ class Controller:
         self.detector.on_plan(now)
         if new_plan is None:
             return asked + [Decision(now, PlanEvidence(outcome="infeasible", budget=budget, foreign_share=_rounded(shares), trigger=trigger))]
-        new_plan = fill_budget(problem, new_plan)
+        found = fill_budget(problem, new_plan)
         before = evaluate(problem, counts)
+        diff = {p: (counts.get(p, 0), n) for p, n in found.pool_to_num_replicas if counts.get(p, 0) != n}
+        # A gain the sample's counting noise could fake is no evidence of a gain, and the moves cost drains and
+        # restarts: tenant-mix's bursty batch tenant gave each 120 s sample another mix, and its refine moved
+        # a batch H100 for a predicted 0.135 req/s (noise about 1 req/s); keeping such plans took its x1 worst
+        # gate from 80.9% to 96.2% (fleet/README.md "Capacity at SLO"). A short drift sample (tune=False) is
+        # exempt: its noise is large and the drift detector has already judged that the mix moved.
+        noise = counting_noise_rps(before.predicted_goodput_rps, live.window_s) if tune else 0.0
+        declined = bool(diff) and allows(problem, counts) and found.predicted_goodput_rps - before.predicted_goodput_rps < noise
+        new_plan = before if declined else found
         pool_to_gpu = {p.name: p.gpu for p in options.pools}
         moves = diff_moves(slots, new_plan.replicas(), pool_to_gpu, options.configs_json())
         # capacity goes where the demand moved first; in-place recompiles (a tuning) come last
         moves.sort(key=lambda m: m.from_pool == m.to_pool)
-        diff = {p: (counts.get(p, 0), n) for p, n in new_plan.pool_to_num_replicas if counts.get(p, 0) != n}
-        out = asked + [Decision(now, PlanEvidence(outcome="apply" if moves else "keep", diff=diff, budget=budget,
-                        predicted_goodput_before_rps=round(before.predicted_goodput_rps, 3),
-                        predicted_goodput_after_rps=round(new_plan.predicted_goodput_rps, 3),
-                        objective_before=round(before.objective, 4), objective_after=round(new_plan.objective, 4),
+        out = asked + [Decision(now, PlanEvidence(outcome="apply" if moves else "keep", diff=None if declined else diff,
+                        budget=budget, predicted_goodput_before_rps=round(before.predicted_goodput_rps, 3),
+                        predicted_goodput_after_rps=round(found.predicted_goodput_rps, 3),
+                        objective_before=round(before.objective, 4), objective_after=round(found.objective, 4),
                         configs=options.configs_json(), num_moves=len(moves), foreign_share=_rounded(shares),
-                        trigger=trigger))]
+                        trigger=trigger, declined=diff if declined else None, noise_rps=round(noise, 3) if declined else None))]
         recompiled = [m for m in moves if m.from_pool == m.to_pool]
         if recompiled:
             out.append(Decision(now, RecompileEvidence(reason="the shape's length profile changed its best configuration"), tuple(recompiled)))

@@ -88,6 +88,10 @@ class PlanEvidence(_Record):
     # "foreign load": the foreign shares moved with the mix steady; "refine": the drift plan again, from a window
     # of only the new mix; absent: drift, capacity, a compile
     trigger: str | None = None
+    # outcome keep because the plan's predicted gain (predicted_goodput_after - before) was under noise_rps, the
+    # counting noise of the sample it was planned from (counting_noise_rps): the changes it would have made
+    declined: dict[str, tuple[int, int]] | None = None
+    noise_rps: float | None = None
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -224,6 +224,21 @@ def evaluate(problem: PlanProblem, pool_to_num: Mapping[str, int]) -> Plan:
     return Plan(tuple(sorted(pool_to_num.items())), goodput / total_weight, objective - moved + headroom)
 
 
+def allows(problem: PlanProblem, pool_to_num: Mapping[str, int]) -> bool:
+    """Whether ``pool_to_num`` is an allocation of ``problem``: its pools only, within their bounds and the budgets."""
+    bounds = {p.name: p for p in problem.pools}
+    if not pool_to_num.keys() <= bounds.keys():
+        return False
+    used: dict[str, int] = {}
+    for pool in problem.pools:
+        n = pool_to_num.get(pool.name, 0)
+        if n < pool.min_replicas or (pool.max_replicas is not None and n > pool.max_replicas):
+            return False
+        used[pool.gpu] = used.get(pool.gpu, 0) + n * pool.gpus_per_replica
+    budget = dict(problem.gpu_to_budget)
+    return all(n <= budget.get(gpu, 0) for gpu, n in used.items())
+
+
 def brute_force(problem: PlanProblem) -> Plan | None:
     """Enumerate every allocation (small instances only): the reference the tests hold ``plan`` to."""
     budget = dict(problem.gpu_to_budget)
@@ -234,12 +249,10 @@ def brute_force(problem: PlanProblem) -> Plan | None:
         ranges.append(range(pool.min_replicas, high + 1))
     best: Plan | None = None
     for counts in itertools.product(*ranges):
-        used: dict[str, int] = {}
-        for pool, n in zip(problem.pools, counts, strict=True):
-            used[pool.gpu] = used.get(pool.gpu, 0) + n * pool.gpus_per_replica
-        if any(n > budget.get(gpu, 0) for gpu, n in used.items()):
+        pool_to_num = {p.name: n for p, n in zip(problem.pools, counts, strict=True)}
+        if not allows(problem, pool_to_num):
             continue
-        candidate = evaluate(problem, {p.name: n for p, n in zip(problem.pools, counts, strict=True)})
+        candidate = evaluate(problem, pool_to_num)
         if best is None or candidate.objective > best.objective + 1e-9:
             best = candidate
     return best
