@@ -231,3 +231,29 @@ def test_a_burst_in_the_sample_earns_its_shape_capacity_the_mean_would_not(span_
     after = {pool: counts[1] for pool, counts in (planned.diff or {}).items()}
     assert [d.kind for d in made][0] == "capacity"
     assert after.get("b@H100-SXM", 1) == b_replicas and after.get("a@H100-SXM", 2) == 3 - b_replicas, planned
+
+
+@pytest.mark.parametrize(("a_rps", "applied"), [(10.65, False), (11.5, True)])
+def test_a_plan_whose_gain_is_within_the_samples_counting_noise_keeps_the_fleet(a_rps: float, applied: bool) -> None:
+    """Shapes a at ``a_rps`` and b at 5 req/s, 10 req/s per replica; one a and three b replicas are left
+    when a GPU dies. Moving a b replica to a gains min(a_rps, 20) - 10 req/s. The move cost alone
+    declines gains under about 0.47 req/s; the 115 s sample's counting noise at the 15 req/s served now
+    is 0.72 req/s (fleet.controller.counting_noise_rps), so a 0.65 req/s gain keeps the fleet and says
+    why, while 1.5 req/s moves the replica."""
+    tel = Telemetry()
+    _feed(tel, 0.0, 240.0, "a", a_rps, True)
+    _feed(tel, 120.0, 240.0, "b", 5.0, True)
+    settings = ControllerSettings("llama-3.1-8b", {"H100-SXM": 5})
+    controller = Controller(settings, tel, TableCapacity({"a": 10.0, "b": 10.0}), tel.window(240.0))
+    slots = [SlotState(f"G/{k}", pool, "H100-SXM", "{}", alive=k != 4)
+             for k, pool in enumerate(("a@H100-SXM", *["b@H100-SXM"] * 4))]
+    made = controller.tick(240.0, slots)
+    (planned,) = [d.evidence for d in made.decisions if isinstance(d.evidence, PlanEvidence)]
+    change = {"a@H100-SXM": (1, 2), "b@H100-SXM": (3, 2)}
+    gain = planned.predicted_goodput_after_rps - planned.predicted_goodput_before_rps  # type: ignore[operator]
+    assert gain == pytest.approx(min(a_rps, 20.0) - 10.0, abs=0.01)
+    if applied:
+        assert planned.outcome == "apply" and planned.diff == change and planned.declined is None and made.commands
+    else:
+        assert planned.outcome == "keep" and not planned.diff and planned.declined == change and not made.commands
+        assert planned.noise_rps == pytest.approx(0.72, abs=0.01)

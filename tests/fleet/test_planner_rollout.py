@@ -11,7 +11,7 @@ from fleet.commands import Activate, Drain, Start, Stop, apply
 from fleet.controller import Controller
 from fleet.decisions import Decision, DecisionLog, Move
 from fleet.evidence import DriftEvidence, RecompileEvidence, StepEvidence
-from fleet.planner import PlanProblem, PoolOption, brute_force, plan
+from fleet.planner import PlanProblem, PoolOption, allows, brute_force, plan
 from fleet.rollout import Mover, SlotState, batch_moves, diff_moves, rolling_batches
 
 
@@ -46,6 +46,16 @@ def test_move_cost_keeps_a_plan_whose_gain_is_small() -> None:
     costly = PlanProblem(pools, (("G", 2),), (((("a", 1.0), ("b", 9.5))),), (1.0,),
                          current=(("a@G", 0), ("b@G", 2)), move_cost=(("a@G", 2.0), ("b@G", 2.0)))
     assert plan(costly).replicas() == {"a@G": 0, "b@G": 2}  # 1 req/s gained does not pay 4 of cost
+
+
+def test_allows_only_the_problems_pools_within_their_bounds_and_the_budget() -> None:
+    pools = (PoolOption.one("a@G", "G", "a", 1, 10.0, 1.0, min_replicas=1), PoolOption.one("b@G", "G", "b", 2, 10.0, 1.0, max_replicas=1))
+    problem = PlanProblem(pools, (("G", 5),), ((("a", 1.0),),), (1.0,))
+    assert allows(problem, {"a@G": 1, "b@G": 1})
+    assert not allows(problem, {"a@G": 4, "b@G": 1})  # 6 GPUs of 5
+    assert not allows(problem, {"a@G": 1, "b@G": 2})  # b's maximum
+    assert not allows(problem, {"b@G": 1})  # a's minimum
+    assert not allows(problem, {"a@G": 1, "c@G": 1})  # a pool the problem does not have
 
 
 def test_diff_moves_within_gpu_kind_and_recompiles_in_place() -> None:
