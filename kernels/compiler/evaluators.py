@@ -24,7 +24,7 @@ from kernels.config import EngineConfig
 from kernels.engine import Engine
 from kernels.engine_types import EngineRequest
 from kernels.perf import IterationShape, PerfModel
-from kernels.predict import RATE_BRACKET, Prediction, Workload, offline_rate_rps, simulate
+from kernels.predict import RATE_BRACKET, Prediction, Workload, saturated_rate_rps, simulate
 
 BOTTLENECKS = ("memory-bound", "compute-bound", "kv-capacity", "queueing")
 _SIM_REQUESTS = 240  # simulated requests per bisection step: p99 over 240 is the 3rd-worst request
@@ -128,9 +128,9 @@ class PerfModelEvaluator:
 @dataclass(slots=True)
 class _RateLadder:
     """One configuration's simulations on the rate grid, each run at most once. `low` (a trickle) and
-    `high` (1.2x the closed-form offline throughput, as `kernels.predict.max_rate_under_slo` brackets
-    it) bound the search: past the throughput a queue grows without end, which a finite simulation
-    hides, so `high` is never run and counts as missing the SLOs."""
+    `high` (the saturated throughput, as `kernels.predict.max_rate_under_slo` brackets it) bound the
+    search: past the throughput a queue grows without end, which a finite simulation hides, so `high`
+    is never run and counts as missing the SLOs."""
 
     perf: PerfModel
     workloads: list[Workload]
@@ -145,7 +145,7 @@ class _RateLadder:
     def for_config(cls, model: ModelSpec, gpu: GpuSpec, config: EngineConfig, shape: TrafficShape, seed: int) -> _RateLadder:
         perf = PerfModel(model, gpu, config)
         workloads, weights = shape_workloads(shape, perf.config)
-        ceiling = offline_rate_rps(perf, workloads, weights)
+        ceiling = saturated_rate_rps(perf, workloads, weights, seed)
         low = math.ceil(math.log(RATE_BRACKET[0] * ceiling, _RATE_STEP))
         high = max(low + 1, math.floor(math.log(RATE_BRACKET[1] * ceiling, _RATE_STEP)))
         return cls(perf, workloads, weights, shape, seed, low, high)
@@ -184,7 +184,7 @@ class _RateLadder:
         step = math.floor(math.log(goodput_rps, _RATE_STEP) + 1e-9) + 1  # the first grid rate above goodput_rps
         if step >= self.high:
             return (f"cannot exceed {goodput_rps:.3g} req/s: rates are searched up to {_RATE_STEP ** (self.high - 1):.3g} "
-                    f"req/s, {RATE_BRACKET[1]}x its offline throughput (a finite simulation past it hides the growing queue)")
+                    f"req/s, below its saturated throughput (a finite simulation past it hides the growing queue)")
         if step < self.low or self.meets(step):
             return None
         at = self.run(step)

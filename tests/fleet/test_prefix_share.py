@@ -14,7 +14,7 @@ from fleet.telemetry import ShapeLoad, Telemetry
 from kernels.catalog import get_gpu, get_model
 from kernels.config import MAX_PREFIX_SHARE, EngineConfig
 from kernels.perf import PerfModel
-from kernels.predict import Workload, max_rate_under_slo, simulate
+from kernels.predict import Workload, max_rate_under_slo, saturated_rate_rps, simulate
 from kernels.tiers import DEFAULT_TIERS
 from loadtest.spec import RequestSpec
 
@@ -52,10 +52,12 @@ def test_a_shared_prefix_is_prefilled_once_and_short_prompts_are_not_starved_by_
     alone = simulate(perf, [Workload(2048, 100, rate=8.0, num_requests=200)], [1.0])
     shared = simulate(perf, [Workload(2048, 100, rate=8.0, num_requests=200, shared_prefix_tokens=1536)], [1.0])
     assert shared.ttft_p50_s < 0.6 * alone.ttft_p50_s  # a quarter of each prompt is prefilled
-    # 1,060-token prompts behind a 1,024-token prefix: the search is bracketed above what the engine sustains
+    # 1,060-token prompts behind a 1,024-token prefix: the search reaches what the engine sustains (38 req/s
+    # saturated), not the 2.5 req/s of a closed form whose decode batch fills the chunk
     slo = DEFAULT_TIERS["interactive"]
     chat = [Workload(1060, 200, num_requests=200, shared_prefix_tokens=1024)]
-    assert max_rate_under_slo(perf, chat, ttft_p99_s=slo.ttft_p99_s, tpot_p99_s=slo.tpot_p99_s, rel_tol=0.1) > 50.0
+    found = max_rate_under_slo(perf, chat, ttft_p99_s=slo.ttft_p99_s, tpot_p99_s=slo.tpot_p99_s, rel_tol=0.1)
+    assert 0.85 * saturated_rate_rps(perf, chat, [1.0]) < found <= saturated_rate_rps(perf, chat, [1.0])
     with pytest.raises(ValueError, match="shared_prefix_tokens"):
         Workload(100, 10, shared_prefix_tokens=100)
 
