@@ -316,7 +316,7 @@ class Controller:
         # A gain the sample's counting noise could fake is no evidence of a gain, and the moves cost drains and
         # restarts: tenant-mix's bursty batch tenant gave each 120 s sample another mix, and its refine moved
         # a batch H100 for a predicted 0.135 req/s (noise about 1 req/s); keeping such plans took its x1 worst
-        # gate from 80.9% to 96.2% (fleet/README.md "Capacity at SLO"). A short drift sample (tune=False) is
+        # gate from 80.9% to 96.2% (fleet/README.md "Gains inside the noise keep the fleet"). A short drift sample (tune=False) is
         # exempt: its noise is large and the drift detector has already judged that the mix moved.
         noise = counting_noise_rps(before.predicted_goodput_rps, live.window_s) if tune else 0.0
         declined = bool(diff) and allows(problem, counts) and found.predicted_goodput_rps - before.predicted_goodput_rps < noise
