@@ -318,14 +318,16 @@ class Controller:
         # a batch H100 for a predicted 0.135 req/s (noise about 1 req/s); keeping such plans took its x1 worst
         # gate from 80.9% to 96.2% (fleet/README.md "Gains inside the noise keep the fleet"). A short drift sample (tune=False) is
         # exempt: its noise is large and the drift detector has already judged that the mix moved.
-        noise = counting_noise_rps(before.predicted_goodput_rps, live.window_s) if tune else 0.0
-        declined = bool(diff) and allows(problem, counts) and found.predicted_goodput_rps - before.predicted_goodput_rps < noise
+        # The exemption is explicit, not a noise of 0: the objective weighs headroom too, so a drift plan may
+        # trade the sample's last few requests of the old mix for headroom, a goodput gain below 0.
+        noise = counting_noise_rps(before.predicted_goodput_rps, live.window_s)
+        declined = tune and bool(diff) and allows(problem, counts) and found.predicted_goodput_rps - before.predicted_goodput_rps < noise
         new_plan = before if declined else found
         pool_to_gpu = {p.name: p.gpu for p in options.pools}
         moves = diff_moves(slots, new_plan.replicas(), pool_to_gpu, options.configs_json())
         # capacity goes where the demand moved first; in-place recompiles (a tuning) come last
         moves.sort(key=lambda m: m.from_pool == m.to_pool)
-        out = asked + [Decision(now, PlanEvidence(outcome="apply" if moves else "keep", diff=None if declined else diff,
+        out = asked + [Decision(now, PlanEvidence(outcome="apply" if moves else "keep", diff={} if declined else diff,
                         budget=budget, predicted_goodput_before_rps=round(before.predicted_goodput_rps, 3),
                         predicted_goodput_after_rps=round(found.predicted_goodput_rps, 3),
                         objective_before=round(before.objective, 4), objective_after=round(found.objective, 4),

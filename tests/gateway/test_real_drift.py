@@ -115,7 +115,7 @@ def test_the_controller_detects_a_played_drift_and_moves_a_real_llamacpp_replica
     # the drift's own plan (from the few seconds since the change) or its refine (once the window holds only the
     # long prompts) moves the chat replica: which one depends on how many long prompts the first sample held
     after = decisions[drifts[0]:]
-    at = next((i for i, d in enumerate(after) if d["kind"] == "plan" and d["evidence"]["diff"]), None)
+    at = next((i for i, d in enumerate(after) if d["kind"] == "plan" and d["evidence"].get("diff")), None)
     assert at is not None, kinds
     assert after[at]["evidence"]["diff"] == {"chat-cpu": [1, 0], "long-cpu": [1, 2]}, (after[at], kinds)
     found = _move_verified(after)
