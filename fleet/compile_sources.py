@@ -63,7 +63,7 @@ class _Sources:
     def lookup(self, store: TrialStore, gpu: str, envelope: Envelope, shape: str, now: float) -> CompiledConfig | None:
         """A stored artefact for exactly this envelope (warm: a lookup, no search)."""
         s = self.settings
-        fingerprints = fingerprints_for(get_model(s.model), get_gpu(gpu), s.num_gpus, s.engine_version)
+        fingerprints = fingerprints_for(get_model(s.model), get_gpu(gpu), s.num_gpus, s.engine_version, evaluator_by_name(s.evaluator).version)
         stored = store.find_artefact(get_model(s.model).name, get_gpu(gpu).name, s.num_gpus, fingerprints,
                                      shape_fingerprint(envelope.traffic_shape(shape)), s.evaluator, s.objective)
         if stored is None:

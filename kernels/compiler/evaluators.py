@@ -60,6 +60,10 @@ class Evaluator(Protocol):
     incumbents scored by the same evaluator."""
 
     name: str
+    # Bumped when the same configuration on the same shape would score differently (a change of the
+    # performance model, say): it is part of a trial's hardware fingerprint, so a store's older trials
+    # seed a search but are evaluated again, and older artefacts are not found.
+    version: int
     noise_margin: float  # relative gain below which a challenger does not replace the incumbent
 
     def evaluate(self, model: ModelSpec, gpu: GpuSpec, config: EngineConfig, shape: TrafficShape) -> Metrics: ...
@@ -99,6 +103,7 @@ class PerfModelEvaluator:
     their simulations and agree: a screened-out candidate would have scored no higher."""
 
     name = "perf-model"
+    version = 1
     noise_margin = 0.03  # the rate grid has 2% steps
 
     def __init__(self, seed: int = 0) -> None:
@@ -234,6 +239,7 @@ class AnalyticEvaluator:
     Blind to queueing and tails, so it ranks configurations more than it predicts rates."""
 
     name = "analytic"
+    version = 1
     noise_margin = 0.01
 
     def evaluate(self, model: ModelSpec, gpu: GpuSpec, config: EngineConfig, shape: TrafficShape) -> Metrics:
@@ -280,6 +286,7 @@ class ReplayEvaluator:
     increasing time compression; goodput is the fastest replay whose p99s meet the SLOs."""
 
     name = "replay"
+    version = 1
     noise_margin = 0.05
 
     def __init__(self, requests: Sequence[ReplayRequest], speedups: Sequence[float] = (0.25, 0.5, 1, 2, 4, 8, 16)) -> None:
@@ -349,6 +356,7 @@ class ProbeEvaluator:
     fleet actuators and load-test runner implement it; kernels only defines the contract."""
 
     name = "live-probe"
+    version = 1
     noise_margin = 0.08  # measured runs are noisy; demand a clear win
 
     def __init__(self, probe: ProbeFn) -> None:

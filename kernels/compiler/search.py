@@ -161,11 +161,12 @@ def compile_config(
     model_spec = get_model(model) if isinstance(model, str) else model
     gpu_spec = get_gpu(gpu) if isinstance(gpu, str) else gpu
     gate = parser_gate or ParserGate.from_environment()
+    scorer = evaluator or PerfModelEvaluator()
     run = _Run(
         model=model_spec, gpu=gpu_spec, num_gpus=num_gpus, shape=get_shape(shape), objective=objective, budget=budget,
         store=store, proposer=proposer or AgentProposer.from_environment() or CoordinateProposer(),
-        evaluator=evaluator or PerfModelEvaluator(), space=space or default_space(model_spec, gpu_spec, num_gpus),
-        parser_gate=gate, fingerprints=fingerprints_for(model_spec, gpu_spec, num_gpus, engine_version),
+        evaluator=scorer, space=space or default_space(model_spec, gpu_spec, num_gpus),
+        parser_gate=gate, fingerprints=fingerprints_for(model_spec, gpu_spec, num_gpus, engine_version, scorer.version),
         clock=clock, wall_clock=wall_clock,
     )
     try:

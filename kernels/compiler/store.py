@@ -87,13 +87,15 @@ def model_fingerprint(model: ModelSpec) -> str:
     return hashlib.sha256(json.dumps(values, sort_keys=True).encode()).hexdigest()[:16]
 
 
-def hardware_fingerprint(gpu: GpuSpec, num_gpus: int, engine_version: str = "unknown", driver_version: str = "unknown") -> str:
-    text = json.dumps([gpu.name, num_gpus, engine_version, driver_version])
+def hardware_fingerprint(gpu: GpuSpec, num_gpus: int, engine_version: str, evaluator_version: int, driver_version: str = "unknown") -> str:
+    """What a trial's scores were measured on: the GPUs, the engine, and the evaluator's version (a
+    simulated engine is the evaluator's). Trials written before evaluators had versions match none."""
+    text = json.dumps([gpu.name, num_gpus, engine_version, driver_version, evaluator_version])
     return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
-def fingerprints_for(model: ModelSpec, gpu: GpuSpec, num_gpus: int, engine_version: str = "unknown") -> Fingerprints:
-    return Fingerprints(model_fingerprint(model), hardware_fingerprint(gpu, num_gpus, engine_version), engine_version)
+def fingerprints_for(model: ModelSpec, gpu: GpuSpec, num_gpus: int, engine_version: str, evaluator_version: int) -> Fingerprints:
+    return Fingerprints(model_fingerprint(model), hardware_fingerprint(gpu, num_gpus, engine_version, evaluator_version), engine_version)
 
 
 def config_key(config: EngineConfig) -> str:

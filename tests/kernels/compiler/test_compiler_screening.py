@@ -17,6 +17,7 @@ class _FullOnly:
     """The performance model without its screen: every candidate is bisected in full."""
 
     name = "perf-model"
+    version = PerfModelEvaluator.version
     noise_margin = PerfModelEvaluator.noise_margin
 
     def __init__(self) -> None:

@@ -8,7 +8,7 @@ from kernels.catalog import get_gpu, get_model
 from kernels.compiler import Budget, StoreError, TrialStore, compile_config
 from kernels.compiler.evaluators import AnalyticEvaluator, Metrics
 from kernels.compiler.shape import get_shape
-from kernels.compiler.store import Fingerprints
+from kernels.compiler.store import Fingerprints, fingerprints_for
 from kernels.config import EngineConfig
 
 MODEL, GPU, SHAPE = get_model("llama-3.1-8b"), get_gpu("H100"), get_shape("reasoning")
@@ -92,6 +92,28 @@ def test_stale_fingerprints_seed_the_search_but_are_evaluated_again(tmp_path: Pa
     seeds = [t for t in upgraded.history if t.proposer == "store-seed"]
     assert first.config in [t.config for t in seeds] and all(t.metrics is not None for t in seeds)
     assert upgraded.trials < first.trials
+
+
+class _RevisedAnalytic(AnalyticEvaluator):
+    """The analytic evaluator after a change that scores configurations differently."""
+
+    version = AnalyticEvaluator.version + 1
+
+
+def test_a_new_evaluator_version_makes_stored_trials_and_artefacts_stale(tmp_path: Path) -> None:
+    with TrialStore(tmp_path / "v.sqlite3") as store:
+        first = compile_config(MODEL, GPU, 1, SHAPE, store=store, evaluator=AnalyticEvaluator())
+        revised = compile_config(MODEL, GPU, 1, SHAPE, store=store, evaluator=_RevisedAnalytic(), budget=Budget(warm_patience_rounds=1))
+        shape_fp = store.artefacts(MODEL.name, GPU.name)[0].shape_fp
+        found = {version: store.find_artefact(MODEL.name, GPU.name, 1, fingerprints_for(MODEL, GPU, 1, "unknown", version),
+                                              shape_fp, "analytic", "goodput") for version in (1, 2)}
+    assert first is not None and revised is not None
+    # the old version's trials seed the search but none is trusted: each is evaluated again
+    assert revised.warm_start and not any(t.reused for t in revised.history)
+    assert first.config in [t.config for t in revised.history if t.proposer == "store-seed"]
+    # each version finds only its own artefact
+    assert found[1] is not None and found[1].run_id == first.run_id
+    assert found[2] is not None and found[2].run_id == revised.run_id
 
 
 def test_artefacts_record_versions_and_pools(tmp_path: Path) -> None:
