@@ -200,7 +200,7 @@ class Controller:
         if self._refine_at is not None and now >= self._refine_at:
             self._refine_at = None
             return out + self._replan(now, live, slots, trigger="refine", windows=self._spans(now, live))
-        current, verdict = self.detector.observe(now, live, self.reference_mix, self.telemetry.covered_s(now))
+        current, verdict = self.detector.observe(now, live, self.reference_mix, self.telemetry.covered_s(now), self._surge_span(now))
         if verdict is None:
             # same traffic, fewer (or more) GPUs: plan again for what is left (once there is traffic to plan for)
             if not (live.shapes or self.reference_mix.shapes) or not (self._capacity_changed or self._foreign_changed(now)):
@@ -228,6 +228,10 @@ class Controller:
         self._refine_at = refine_at if short_sample else None
         return out
 
+    def _surge_span(self, now: float) -> TrafficMix:
+        """The last ``strong_dwell_s`` (at least one telemetry bucket), where a surge of the rate shows first."""
+        return self.telemetry.window(now, max(self.telemetry.bucket_s, self.detector.settings.strong_dwell_s))
+
     def _observe_while_tuning(self, now: float, rollout: _Rollout) -> None:
         """While the rollout has only in-place recompiles left (tuning, not capacity), the drift detector
         keeps watching; a drift it finds ends the rollout after the current step (``_advance``). Stretched
@@ -240,7 +244,7 @@ class Controller:
         if any(m.from_pool != m.to_pool for step in (rollout.current, *rollout.steps) for m in step):
             return
         live = self.telemetry.window(now)
-        rollout.drift = self.detector.observe(now, live, self.reference_mix, self.telemetry.covered_s(now))[1]
+        rollout.drift = self.detector.observe(now, live, self.reference_mix, self.telemetry.covered_s(now), self._surge_span(now))[1]
 
     def _adopt_compiled(self, now: float, slots: list[SlotState]) -> list[Decision]:
         """Log the compiles finished since the last tick for the pools they serve; when the current

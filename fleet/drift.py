@@ -9,6 +9,10 @@ Three signals, each divided by its threshold so that 1.0 means "changed enough":
 * profile change: the largest ``|log|`` ratio of a shape's mean prompt or output length (a shape
   whose requests got longer needs more capacity even at the same rate), for shapes with a real share.
 
+A surge is also judged on the last ``strong_dwell_s`` alone: when that span's total rate (of at least
+``SURGE_MIN_REQUESTS`` requests) scores ``strong_score`` against the plan's, it is the score. A flash crowd
+of 7x the rate moves a 120 s window's mean far enough only after about 40 s, most of a two-minute burst.
+
 Drift fires only when the score (the largest of the three) has stayed at or above 1 for ``dwell_s``
 (``strong_dwell_s`` once it reaches ``strong_score``),
 at least ``min_interval_s`` after the last plan and once the window is warm. It re-arms only after the
@@ -22,6 +26,10 @@ import math
 from dataclasses import dataclass
 
 from fleet.telemetry import TrafficMix
+
+# A rate read from n requests is off by about 1/sqrt(n) by chance: from 50, a strong score (2.86x or
+# 0.35x the plan's rate) is more than 10 standard deviations away, so a surge of noise cannot fire.
+SURGE_MIN_REQUESTS = 50
 
 
 @dataclass(frozen=True, slots=True)
@@ -115,6 +123,19 @@ def score(live: TrafficMix, planned: TrafficMix, settings: DriftSettings) -> Dri
     return DriftScore(divergence, rate_change, profile_change, parts[reason], reason)
 
 
+def with_surge(current: DriftScore, recent: TrafficMix | None, planned: TrafficMix, settings: DriftSettings) -> DriftScore:
+    """``current``, or the rate change over ``recent`` (the last ``strong_dwell_s``) when that alone is a
+    strong score above it: a flash crowd is acted on after the strong dwell, not once the window's mean moves.
+    Only the total rate: shares and lengths of a few seconds' requests are too noisy to act on."""
+    if recent is None or recent.total_rate_rps * recent.window_s < SURGE_MIN_REQUESTS or planned.total_rate_rps <= 0:
+        return current
+    rate_change = abs(math.log(recent.total_rate_rps / planned.total_rate_rps))
+    surge = rate_change / settings.rate_change_threshold
+    if surge < settings.strong_score or surge <= current.score:
+        return current
+    return DriftScore(current.divergence, rate_change, current.profile_change, surge, "rate change")
+
+
 class DriftDetector:
     """Hysteresis and dwell around ``score``; one instance per controller."""
 
@@ -130,9 +151,11 @@ class DriftDetector:
         self.above_since = None
         self.armed = True
 
-    def observe(self, now: float, live: TrafficMix, planned: TrafficMix, covered_s: float) -> tuple[DriftScore, DriftVerdict | None]:
+    def observe(self, now: float, live: TrafficMix, planned: TrafficMix, covered_s: float,
+                recent: TrafficMix | None = None) -> tuple[DriftScore, DriftVerdict | None]:
+        """``recent``: the last ``strong_dwell_s`` of ``live``, where a surge shows first (``with_surge``)."""
         s = self.settings
-        current = score(live, planned, s)
+        current = with_surge(score(live, planned, s), recent, planned, s)
         if current.score < s.rearm_below:
             self.armed = True
         if current.score < 1.0:

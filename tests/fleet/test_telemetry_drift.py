@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from classifiers.shape import default_shape_rules
-from fleet.drift import DriftDetector, DriftSettings, js_divergence, score
+from fleet.drift import SURGE_MIN_REQUESTS, DriftDetector, DriftSettings, js_divergence, score
 from fleet.simulator.world import classify
 from fleet.telemetry import Telemetry
 from loadtest.scenario import build_workload, load_scenario
@@ -112,3 +112,34 @@ def test_score_names_the_signal_that_moved() -> None:
         tel_b.record_arrival(k * 0.05 + 0.01, "chat", "standard", 500)
     result = score(tel_b.window(60.0), tel_a.window(60.0), DriftSettings())
     assert result.reason == "rate change" and result.divergence == 0.0 and result.score > 1
+
+
+def _surge_fires_at(settings: DriftSettings, base_rps: float, surge_rps: float, with_recent: bool) -> float | None:
+    """A one-shape load at ``base_rps`` for 120 s (the plan's), then ``surge_rps`` from t = 120 s: when drift fires."""
+    tel, det = Telemetry(), DriftDetector(settings)
+    arrivals = [k / base_rps for k in range(int(120 * base_rps))] + [120.0 + k / surge_rps for k in range(int(60 * surge_rps))]
+    reference, i = None, 0
+    for now in range(5, 181, 5):
+        while i < len(arrivals) and arrivals[i] < now:
+            tel.record_arrival(arrivals[i], "a", "interactive", 100)
+            i += 1
+        if now == 120:
+            reference = tel.window(120.0)  # the plan made before the surge
+        if reference is None:
+            continue
+        recent = tel.window(float(now), settings.strong_dwell_s) if with_recent else None
+        _, verdict = det.observe(float(now), tel.window(float(now)), reference, 120.0, recent)
+        if verdict is not None:
+            return verdict.at
+    return None
+
+
+def test_a_surge_fires_after_the_strong_dwell_not_once_the_windows_mean_moves() -> None:
+    settings = DriftSettings(min_interval_s=0.0)
+    # 10 -> 70 req/s: the last 10 s score ~7.4 at once; the 120 s mean reaches a strong score only after ~40 s
+    fast, slow = (_surge_fires_at(settings, 10.0, 70.0, recent) for recent in (True, False))
+    assert fast is not None and slow is not None
+    assert fast <= 120 + settings.strong_dwell_s + 2 * 5.0 and slow >= fast + 20, (fast, slow)
+    # a sparse load's few seconds are noise, not a surge: 0.5 -> 4 req/s holds fewer than SURGE_MIN_REQUESTS in 10 s
+    assert _surge_fires_at(settings, 0.5, 4.0, True) == _surge_fires_at(settings, 0.5, 4.0, False)
+    assert 4.0 * settings.strong_dwell_s < SURGE_MIN_REQUESTS
