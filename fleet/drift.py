@@ -98,14 +98,16 @@ def js_divergence(p: dict[str, float], q: dict[str, float]) -> float:
     return max(0.0, total)
 
 
+def rate_change(live: TrafficMix, planned: TrafficMix) -> float:
+    """``|log(live rate / planned rate)|`` of the total arrival rate (inf when only one of them is 0)."""
+    if live.total_rate_rps > 0 and planned.total_rate_rps > 0:
+        return abs(math.log(live.total_rate_rps / planned.total_rate_rps))
+    return 0.0 if live.total_rate_rps == planned.total_rate_rps else math.inf
+
+
 def score(live: TrafficMix, planned: TrafficMix, settings: DriftSettings) -> DriftScore:
     live_shares, planned_shares = work_shares(live), work_shares(planned)
     divergence = js_divergence(live_shares, planned_shares)
-    rate_change = 0.0
-    if live.total_rate_rps > 0 and planned.total_rate_rps > 0:
-        rate_change = abs(math.log(live.total_rate_rps / planned.total_rate_rps))
-    elif live.total_rate_rps != planned.total_rate_rps:
-        rate_change = math.inf
     profile_change = 0.0
     for load in live.shapes:
         before = planned.shape(load.name)
@@ -114,13 +116,14 @@ def score(live: TrafficMix, planned: TrafficMix, settings: DriftSettings) -> Dri
         for now_v, then_v in ((load.mean_prompt_tokens, before.mean_prompt_tokens), (load.mean_output_tokens, before.mean_output_tokens)):
             if now_v > 0 and then_v > 0:
                 profile_change = max(profile_change, abs(math.log(now_v / then_v)))
+    rate = rate_change(live, planned)
     parts = {
         "mix divergence": divergence / settings.divergence_threshold,
-        "rate change": rate_change / settings.rate_change_threshold,
+        "rate change": rate / settings.rate_change_threshold,
         "length profile change": profile_change / settings.profile_change_threshold,
     }
     reason = max(parts, key=lambda k: parts[k])
-    return DriftScore(divergence, rate_change, profile_change, parts[reason], reason)
+    return DriftScore(divergence, rate, profile_change, parts[reason], reason)
 
 
 def with_surge(current: DriftScore, recent: TrafficMix | None, planned: TrafficMix, settings: DriftSettings) -> DriftScore:
@@ -129,11 +132,11 @@ def with_surge(current: DriftScore, recent: TrafficMix | None, planned: TrafficM
     Only the total rate: shares and lengths of a few seconds' requests are too noisy to act on."""
     if recent is None or recent.total_rate_rps * recent.window_s < SURGE_MIN_REQUESTS or planned.total_rate_rps <= 0:
         return current
-    rate_change = abs(math.log(recent.total_rate_rps / planned.total_rate_rps))
-    surge = rate_change / settings.rate_change_threshold
+    rate = rate_change(recent, planned)
+    surge = rate / settings.rate_change_threshold
     if surge < settings.strong_score or surge <= current.score:
         return current
-    return DriftScore(current.divergence, rate_change, current.profile_change, surge, "rate change")
+    return DriftScore(current.divergence, rate, current.profile_change, surge, "rate change")
 
 
 class DriftDetector:
