@@ -87,10 +87,12 @@ def model_fingerprint(model: ModelSpec) -> str:
     return hashlib.sha256(json.dumps(values, sort_keys=True).encode()).hexdigest()[:16]
 
 
-def hardware_fingerprint(gpu: GpuSpec, num_gpus: int, engine_version: str, evaluator_version: int, driver_version: str = "unknown") -> str:
+def hardware_fingerprint(gpu: GpuSpec, num_gpus: int, engine_version: str, evaluator_version: int) -> str:
     """What a trial's scores were measured on: the GPUs, the engine, and the evaluator's version (a
-    simulated engine is the evaluator's). Trials written before evaluators had versions match none."""
-    text = json.dumps([gpu.name, num_gpus, engine_version, driver_version, evaluator_version])
+    simulated engine is the evaluator's). Trials written before evaluators had versions match none.
+    The fourth field held a driver version that no caller ever gave ("unknown"); it stays in the digest
+    so that stored fingerprints keep matching (a driver that matters belongs in ``engine_version``)."""
+    text = json.dumps([gpu.name, num_gpus, engine_version, "unknown", evaluator_version])
     return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
