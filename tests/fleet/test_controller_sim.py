@@ -130,6 +130,15 @@ def test_oracle_swaps_lose_no_request_and_no_goodput() -> None:
         assert oracle.goodput_rps >= simulate(workload, policy, budget, capacity).goodput_rps
 
 
+def test_the_oracle_sizes_pools_from_the_phase_it_plans_in() -> None:
+    from fleet.simulator.policies import profile_span_s
+
+    assert profile_span_s(60.0, ()) == (0.0, 240.0)  # 5 minutes around the window, from the run's start
+    assert profile_span_s(240.0, (400.0,)) == (120.0, 400.0)  # not into the burst that starts at 400 s
+    assert profile_span_s(600.0, (600.0,)) == (600.0, 780.0)  # a plan at the change reads the new mix only
+    assert profile_span_s(660.0, (300.0, 600.0)) == (600.0, 840.0)
+
+
 def test_simulator_takes_plain_request_objects_and_keeps_the_json_keys() -> None:
     from fleet.simulator.traffic import SimTraffic
 
