@@ -80,6 +80,23 @@ def _move_verified(decisions: list[dict[str, Any]]) -> tuple[dict[str, Any], dic
     return None
 
 
+def _story(decisions: list[dict[str, Any]]) -> str:
+    """The decision log as one line a decision, what a failed run's message needs to tell why: a drift's
+    sample (per shape: rate, mean prompt and output tokens), a plan's diff and the goodputs it weighed."""
+    lines = []
+    for d in decisions:
+        e = d["evidence"]
+        if d["kind"] == "drift":
+            what = {s: (v["rate_rps"], v["prompt_tokens"], v["output_tokens"]) for s, v in e["mix_after"]["shapes"].items()}
+        elif d["kind"] == "plan":
+            what = {k: e.get(k) for k in ("trigger", "outcome", "diff", "declined", "predicted_goodput_before_rps",
+                                          "predicted_goodput_after_rps", "configs")}
+        else:
+            what = {k: e.get(k) for k in ("moves", "ok", "reason") if k in e}
+        lines.append(f"{d['at_unix_s'] - decisions[0]['at_unix_s']:6.1f} s {d['kind']} {what}")
+    return "\n".join(lines)
+
+
 @pytest.mark.slow
 def test_the_controller_detects_a_played_drift_and_moves_a_real_llamacpp_replica(
         tmp_path: Path, llama_server_bin: Path, tiny_gguf: Path) -> None:
@@ -109,20 +126,20 @@ def test_the_controller_detects_a_played_drift_and_moves_a_real_llamacpp_replica
     finally:
         gateway.stop()
     assert played.returncode == 0, stderr[-3000:]
-    kinds = [(d["kind"], d["evidence"].get("trigger"), d["evidence"].get("outcome")) for d in decisions]
+    story = _story(decisions)
     drifts = [i for i, d in enumerate(decisions) if d["kind"] == "drift" and "long-context" in d["evidence"]["mix_after"]["shapes"]]
-    assert drifts, kinds
+    assert drifts, story
     # the drift's own plan (from the few seconds since the change) or its refine (once the window holds only the
     # long prompts) moves the chat replica: which one depends on how many long prompts the first sample held
     after = decisions[drifts[0]:]
     at = next((i for i, d in enumerate(after) if d["kind"] == "plan" and d["evidence"].get("diff")), None)
-    assert at is not None, kinds
-    assert after[at]["evidence"]["diff"] == {"chat-cpu": [1, 0], "long-cpu": [1, 2]}, (after[at], kinds)
+    assert at is not None, story
+    assert after[at]["evidence"]["diff"] == {"chat-cpu": [1, 0], "long-cpu": [1, 2]}, story
     found = _move_verified(after)
-    assert found is not None, kinds
+    assert found is not None, story
     step, verify = found
     assert verify["evidence"]["ok"] is True, verify
-    assert not any(d["kind"] == "rollback" for d in after[after.index(step):after.index(verify)]), kinds
+    assert not any(d["kind"] == "rollback" for d in after[after.index(step):after.index(verify)]), story
     # the moved replica ran the long pool's configuration as that plan chose it, rendered as a long-cpu replica's
     # arguments (the gateway adds --host and --port), on its own CPU slot
     assert state is not None
