@@ -33,7 +33,7 @@ from typing import Protocol
 from fleet.lengths import snap_tokens
 from fleet.telemetry import ShapeLoad
 from kernels.catalog import get_gpu, get_model
-from kernels.config import EngineConfig
+from kernels.config import EngineConfig, LlamacppServer
 from kernels.perf import PerfModel
 from kernels.predict import Workload, max_rate_under_slo, simulate
 from kernels.tiers import TierSlo
@@ -171,6 +171,18 @@ def config_candidates(compiled: EngineConfig | None = None, incumbent: EngineCon
     return candidates
 
 
+def runnable_candidates(loads: Sequence[ShapeLoad], compiled: EngineConfig | None = None, incumbent: EngineConfig | None = None,
+                        llamacpp: LlamacppServer | None = None) -> list[EngineConfig]:
+    """``config_candidates`` for a pool serving ``loads``; on llama-server (``llamacpp``) only those whose
+    slots can all hold the loads' longest requests (their top length points) at once, while one can."""
+    candidates = config_candidates(compiled, incumbent)
+    if llamacpp is None:
+        return candidates
+    longest = max((max(load.prompt_points, default=round(load.mean_prompt_tokens))
+                   + max(load.output_points, default=round(load.mean_output_tokens))) for load in loads)
+    return [config for config in candidates if llamacpp.holds(config, longest)] or candidates
+
+
 def mix_capacity(parts: Sequence[tuple[float, Capacity]]) -> Capacity:
     """One replica time-sharing shapes, ``share`` of its requests each (shares sum to 1): a request of
     shape s takes 1 / rate_s of a replica-second, so it serves 1 / sum_s(share_s / rate_s) requests a
@@ -203,15 +215,19 @@ def choose_config(
 
 def choose_mix_config(
     capacity: CapacityModel, gpu: str, mix: Sequence[tuple[ShapeLoad, TierSlo, float]], compiled: EngineConfig | None = None,
-    incumbent: EngineConfig | None = None, incumbent_margin: float = 0.02,
+    incumbent: EngineConfig | None = None, incumbent_margin: float = 0.02, llamacpp: LlamacppServer | None = None,
 ) -> tuple[EngineConfig, tuple[Capacity, ...]]:
     """``choose_config`` for a pool that serves several shapes, ``(load, its strictest tier's SLO, share
     of the pool's requests)`` each: candidates are judged by the mix's rate (``mix_capacity``), with the
-    same order and 2% margin. Returns the configuration and each shape's capacity under it alone."""
-    candidates = config_candidates(compiled, incumbent)
+    same order and 2% margin. Returns the configuration and each shape's capacity under it alone.
+    ``llamacpp``: the pool runs llama-server. A candidate is judged as it runs it, and one whose slots
+    cannot all hold the mix's longest requests at once is left out (``runnable_candidates``): llama-server
+    would fail requests where the capacity model, like sglang, has them wait."""
+    candidates = runnable_candidates([load for load, _, _ in mix], compiled, incumbent, llamacpp)
 
     def judged(config: EngineConfig) -> tuple[tuple[Capacity, ...], float]:
-        found = tuple(capacity.estimate(gpu, config, load, slo) for load, slo, _ in mix)
+        runs = config if llamacpp is None else llamacpp.runs(config)
+        found = tuple(capacity.estimate(gpu, runs, load, slo) for load, slo, _ in mix)
         return found, mix_capacity([(share, f) for (_, _, share), f in zip(mix, found, strict=True)]).rate_rps
 
     best_config, (best, best_rate) = candidates[0], judged(candidates[0])

@@ -21,14 +21,14 @@ import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from fleet.capacity import Capacity, CapacityModel, PerfCapacity, choose_config, choose_mix_config, config_candidates, mix_capacity
+from fleet.capacity import Capacity, CapacityModel, PerfCapacity, choose_config, choose_mix_config, config_candidates, mix_capacity, runnable_candidates
 from fleet.compiled import CompiledConfig, ConfigSource, Envelope, config_changes, envelope_for, tier_name
 from fleet.planner import PlanProblem, PoolOption, ShapeRate
 from fleet.pool import PoolState
 from fleet.telemetry import ShapeLoad, TrafficMix
 from fleet.tiers import strictest, tier_weight
 from kernels.catalog import get_gpu, get_model
-from kernels.config import EngineConfig
+from kernels.config import EngineConfig, LlamacppServer
 from kernels.perf import PerfModel
 from kernels.tiers import TierSlo
 
@@ -86,6 +86,7 @@ class DeclaredPool:
     shapes: tuple[str, ...]
     config: EngineConfig
     config_json: str
+    llamacpp: LlamacppServer | None = None  # its engine is llama-server: its candidates are judged as that runs them
 
 
 @dataclass(frozen=True, slots=True)
@@ -167,9 +168,9 @@ def pool_options(
     if isinstance(capacity, PerfCapacity):  # the fixed candidates of every pool at once (most of a re-plan's work)
         capacity.prefetch([(gpu, config, load, strictest(load.tier_shares(), tiers))
                            for load in loads for gpu in gpus if (load.name, gpu) not in covered for config in config_candidates()]
-                          + [(d.gpu, config, load, strictest(load.tier_shares(), tiers))
+                          + [(d.gpu, config if d.llamacpp is None else d.llamacpp.runs(config), load, strictest(load.tier_shares(), tiers))
                              for d in declared for load in loads if load.name in d.shapes
-                             for config in config_candidates(None, incumbents[d.name])])
+                             for config in runnable_candidates([m for m in loads if m.name in d.shapes], None, incumbents[d.name], d.llamacpp)])
 
     def compiled_config(name: str, gpu: str, load: ShapeLoad, slo: TierSlo) -> CompiledConfig | None:
         """The compiler's configuration for the pool's envelope (submitting it when unknown)."""
@@ -199,7 +200,7 @@ def pool_options(
         # its replicas would restart in place for a new configuration: the same margin as a pool the controller made
         margin = restart_margin if running is not None and pool.name in running else 0.02
         config, caps = (choose_mix_config(capacity, pool.gpu, mix, None if compiled is None else compiled.config,
-                                          incumbents[pool.name], margin) if mine else (incumbents[pool.name], ()))
+                                          incumbents[pool.name], margin, pool.llamacpp) if mine else (incumbents[pool.name], ()))
         served = [(load, cap) for load, cap in zip(mine, caps, strict=True) if cap.rate_rps > 0]
         served_rps = sum(load.rate_rps for load, _ in served)
         pools.append(PoolOption(pool.name, pool.gpu, config.num_gpus,

@@ -45,8 +45,9 @@ from fleet.rollout import SlotState
 from gateway.background import BackgroundTask
 from gateway.config import ControllerSettingsFile, GatewayConfig, PoolSpec
 from gateway.replicas import made_pool_adapters
+from kernels.catalog.models import get_model
 from kernels.compiler.worker import background_process_pool, terminate_process_pool
-from kernels.config import EngineConfig
+from kernels.config import EngineConfig, LlamacppServer
 
 if TYPE_CHECKING:
     from fleet.compile_sources import WorkerConfigSource
@@ -77,7 +78,8 @@ def controller_settings(config: GatewayConfig, model: str, gpu_to_budget: dict[s
 def declared_pool(spec: PoolSpec) -> DeclaredPool:
     """A config pool as the planner takes it (its GPU kind set: the caller's filter)."""
     assert spec.gpu is not None
-    return DeclaredPool(spec.name, spec.gpu, spec.shapes, EngineConfig.from_dict(spec.engine), spec.config_json)
+    llamacpp = LlamacppServer(get_model(spec.model).max_context) if spec.engine_kind == "llamacpp" else None
+    return DeclaredPool(spec.name, spec.gpu, spec.shapes, EngineConfig.from_dict(spec.engine), spec.config_json, llamacpp)
 
 
 def model_pools(state: GatewayState, models: Mapping[str, PoolModel]) -> None:

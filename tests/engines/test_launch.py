@@ -13,8 +13,9 @@ import pytest
 
 from fleet.engines import install
 from fleet.engines.launch import EngineLaunch, argument_problems, launch_argv, launch_env
+from kernels.catalog.models import get_model
 from kernels.compiler.gates import LlamacppFlagGate
-from kernels.config import EngineConfig
+from kernels.config import EngineConfig, LlamacppServer
 from tests.conftest import free_port
 from tests.support.engines import LLAMA_START_TIMEOUT_S, VLLM_START_TIMEOUT_S, chat_both_ways
 from tests.support.procs import start, start_gateway, write_tenant
@@ -104,26 +105,40 @@ def test_llamacpp_command_line_passes_only_flags_llama_server_lists(llama_server
     assert len(problems) == 1 and "--no-such-flag" in problems[0] and "--flash-attn" not in problems[0]
 
 
-def test_llama_server_runs_the_rendered_command_line(llama_server_bin: Path, tiny_gguf: Path, tmp_path: Path) -> None:
+def _llama_server_answers(config: EngineConfig, tmp_path: Path, paths: tuple[str, ...]) -> list[bytes]:
+    """What a llama-server started with ``config``'s rendered command line answers on ``paths``."""
     launch = EngineLaunch("llamacpp", served_model_name="tiny-llama")
-    config = EngineConfig(max_running_requests=2, max_total_tokens=1024, chunked_prefill_size=128)
     argv = launch_argv(launch, config, "cpu")
     port = free_port()
     proc = start([*argv[1:], "--host", "127.0.0.1", "--port", str(port)], port, tmp_path / "llama.log", "/health",
                  command=argv[:1], timeout_s=LLAMA_START_TIMEOUT_S, env=launch_env(launch, "cpu", ("0",)))
     try:
-        with urllib.request.urlopen(proc.url + "/props", timeout=10) as resp:
-            props = json.load(resp)
-        with urllib.request.urlopen(proc.url + "/v1/models", timeout=10) as resp:
-            models = json.load(resp)
-        with urllib.request.urlopen(proc.url + "/metrics", timeout=10) as resp:
-            metrics = resp.read().decode()
+        answers = []
+        for path in paths:
+            with urllib.request.urlopen(proc.url + path, timeout=10) as resp:
+                answers.append(resp.read())
+        return answers
     finally:
         proc.stop()
+
+
+def test_llama_server_runs_the_rendered_command_line(llama_server_bin: Path, tiny_gguf: Path, tmp_path: Path) -> None:
+    config = EngineConfig(max_running_requests=2, max_total_tokens=1024, chunked_prefill_size=128)
+    props_json, models_json, metrics_text = _llama_server_answers(config, tmp_path, ("/props", "/v1/models", "/metrics"))
+    props, models, metrics = json.loads(props_json), json.loads(models_json), metrics_text.decode()
     assert props["total_slots"] == 2
     assert props["default_generation_settings"]["n_ctx"] == 1024  # one pool: each slot may use all of it
     assert [m["id"] for m in models["data"]] == ["tiny-llama"]
     assert "llamacpp:requests_processing" in metrics
+
+
+def test_llama_server_runs_an_unset_configuration_as_llamacppserver_says(
+        llama_server_bin: Path, tiny_gguf: Path, tmp_path: Path) -> None:
+    # the capacity model judges a llama.cpp pool's candidates as this (fleet.capacity), not as sglang runs them
+    defaults = LlamacppServer(get_model("tiny-llama").max_context).runs(EngineConfig())
+    props = json.loads(_llama_server_answers(EngineConfig(), tmp_path, ("/props",))[0])
+    assert props["total_slots"] == defaults.max_running_requests
+    assert props["default_generation_settings"]["n_ctx"] == defaults.max_total_tokens
 
 
 def test_vllm_pool_arguments_pass_vllms_own_parser(vllm_python: Path, tiny_hf: Path) -> None:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 
-from fleet.capacity import Capacity
+from fleet.capacity import Capacity, PerfCapacity
 from fleet.controller import Controller, ControllerSettings
 from fleet.decisions import Decision
 from fleet.drift import DriftSettings
@@ -13,7 +13,8 @@ from fleet.incumbents import restart_margin, running_configs
 from fleet.options import DeclaredPool, config_json, pool_models, pool_options
 from fleet.rollout import SlotState
 from fleet.telemetry import ShapeLoad, Telemetry, TrafficMix
-from kernels.config import EngineConfig
+from kernels.catalog.models import get_model
+from kernels.config import EngineConfig, LlamacppServer
 from kernels.tiers import DEFAULT_TIERS
 from tests.fleet.test_declared_pools import _feed, _run
 from tests.fleet.test_planner_rollout import FakeActuator, tick
@@ -202,3 +203,24 @@ def test_each_pool_model_carries_the_tpot_its_shapes_strictest_tier_sized_it_for
     shared = pool_models(pool_options(loads, (GPU,), DefaultsFaster(0.0), DEFAULT_TIERS, declared=mixed), TrafficMix(0.0, 60.0, loads),
                          DEFAULT_TIERS)
     assert shared["shared"].tpot_objective_s == DEFAULT_TIERS["interactive"].tpot_p99_s  # its chats set it
+
+
+def test_a_declared_llamacpp_pool_judges_each_candidate_as_llama_server_runs_it() -> None:
+    """A llama.cpp pool of one slot serving 1,080-token prompts on a CPU slot: judged as sglang would run
+    them, llama-server's defaults (a candidate that leaves its slots and KV pool unset) look 1.7x faster and
+    the pool restarts with them; llama-server then runs 4 slots in the model's 2,048-token context, where
+    two such prompts do not fit at once (tests/gateway/test_real_drift.py: 43 streams ended in "Context
+    size has been exceeded"). Judged as it runs, the declared configuration stays."""
+    long = ShapeLoad("long-context", 3.5, 1086.0, 96.0, (("standard", 1.0),))
+    one_slot = EngineConfig(max_running_requests=1)
+
+    def chosen(llamacpp: LlamacppServer | None) -> tuple[EngineConfig, float]:
+        declared = (DeclaredPool("long-cpu", "cpu", ("long-context",), one_slot, config_json(one_slot), llamacpp),)
+        options = pool_options((long,), ("cpu",), PerfCapacity("tiny-llama"), DEFAULT_TIERS, declared=declared,
+                               running={"long-cpu": one_slot}, restart_margin=restart_margin(48.0, 900.0))
+        return dict(options.pool_to_config)["long-cpu"], options.pools[0].serves[0].rate_per_replica_rps
+
+    as_sglang, sglang_rate = chosen(None)
+    assert as_sglang == EngineConfig() and sglang_rate > 2.0  # 2.37 req/s
+    as_run, rate = chosen(LlamacppServer(get_model("tiny-llama").max_context))
+    assert as_run == one_slot and rate < 1.5  # 1.16 req/s
