@@ -171,6 +171,12 @@ def config_candidates(compiled: EngineConfig | None = None, incumbent: EngineCon
     return candidates
 
 
+def as_run(config: EngineConfig, llamacpp: LlamacppServer | None) -> EngineConfig:
+    """``config`` as the pool's engine runs it: llama-server's way (``llamacpp``), else sglang's, which the
+    capacity model follows. The prefetch and the choice ask the capacity model for the same configurations."""
+    return config if llamacpp is None else llamacpp.runs(config)
+
+
 def runnable_candidates(loads: Sequence[ShapeLoad], compiled: EngineConfig | None = None, incumbent: EngineConfig | None = None,
                         llamacpp: LlamacppServer | None = None) -> list[EngineConfig]:
     """``config_candidates`` for a pool serving ``loads``; on llama-server (``llamacpp``) only those whose
@@ -226,8 +232,7 @@ def choose_mix_config(
     candidates = runnable_candidates([load for load, _, _ in mix], compiled, incumbent, llamacpp)
 
     def judged(config: EngineConfig) -> tuple[tuple[Capacity, ...], float]:
-        runs = config if llamacpp is None else llamacpp.runs(config)
-        found = tuple(capacity.estimate(gpu, runs, load, slo) for load, slo, _ in mix)
+        found = tuple(capacity.estimate(gpu, as_run(config, llamacpp), load, slo) for load, slo, _ in mix)
         return found, mix_capacity([(share, f) for (_, _, share), f in zip(mix, found, strict=True)]).rate_rps
 
     best_config, (best, best_rate) = candidates[0], judged(candidates[0])

@@ -21,7 +21,7 @@ import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from fleet.capacity import Capacity, CapacityModel, PerfCapacity, choose_config, choose_mix_config, config_candidates, mix_capacity, runnable_candidates
+from fleet.capacity import Capacity, CapacityModel, PerfCapacity, as_run, choose_config, choose_mix_config, config_candidates, mix_capacity, runnable_candidates
 from fleet.compiled import CompiledConfig, ConfigSource, Envelope, config_changes, envelope_for, tier_name
 from fleet.planner import PlanProblem, PoolOption, ShapeRate
 from fleet.pool import PoolState
@@ -165,12 +165,14 @@ def pool_options(
     # what a declared pool's replicas run is its incumbent: after an operator's canary adopted another
     # configuration, a plan that went back to the previous plan's (or the declared) one would undo it
     incumbents = {d.name: (running or {}).get(d.name) or ran.get(d.name, d.config) for d in declared}
+    pool_to_loads = {d.name: [load for load in loads if load.name in d.shapes] for d in declared}
     if isinstance(capacity, PerfCapacity):  # the fixed candidates of every pool at once (most of a re-plan's work)
         capacity.prefetch([(gpu, config, load, strictest(load.tier_shares(), tiers))
                            for load in loads for gpu in gpus if (load.name, gpu) not in covered for config in config_candidates()]
-                          + [(d.gpu, config if d.llamacpp is None else d.llamacpp.runs(config), load, strictest(load.tier_shares(), tiers))
-                             for d in declared for load in loads if load.name in d.shapes
-                             for config in runnable_candidates([m for m in loads if m.name in d.shapes], None, incumbents[d.name], d.llamacpp)])
+                          + [(d.gpu, as_run(config, d.llamacpp), load, strictest(load.tier_shares(), tiers))
+                             for d in declared if pool_to_loads[d.name]
+                             for config in runnable_candidates(pool_to_loads[d.name], None, incumbents[d.name], d.llamacpp)
+                             for load in pool_to_loads[d.name]])
 
     def compiled_config(name: str, gpu: str, load: ShapeLoad, slo: TierSlo) -> CompiledConfig | None:
         """The compiler's configuration for the pool's envelope (submitting it when unknown)."""
@@ -191,7 +193,7 @@ def pool_options(
         return compiled
 
     for pool in declared:
-        mine = [load for load in loads if load.name in pool.shapes]
+        mine = pool_to_loads[pool.name]
         slos = [strictest(load.tier_shares(), tiers) for load in mine]
         # the compiler tunes one shape's envelope: a pool that serves several gets the fixed candidates
         compiled = compiled_config(pool.name, pool.gpu, mine[0], slos[0]) if len(mine) == 1 else None
