@@ -180,13 +180,16 @@ def as_run(config: EngineConfig, llamacpp: LlamacppServer | None) -> EngineConfi
 def runnable_candidates(loads: Sequence[ShapeLoad], compiled: EngineConfig | None = None, incumbent: EngineConfig | None = None,
                         llamacpp: LlamacppServer | None = None) -> list[EngineConfig]:
     """``config_candidates`` for a pool serving ``loads``; on llama-server (``llamacpp``) only those whose
-    slots can all hold the loads' longest requests (their top length points) at once, while one can."""
+    slots can all hold the loads' longest requests (their top length points) at once; where none can, the
+    one sized to hold them (``LlamacppServer.sized_for``), and where not even one slot can, all of them."""
     candidates = config_candidates(compiled, incumbent)
     if llamacpp is None:
         return candidates
     longest = max((max(load.prompt_points, default=round(load.mean_prompt_tokens))
                    + max(load.output_points, default=round(load.mean_output_tokens))) for load in loads)
-    return [config for config in candidates if llamacpp.holds(config, longest)] or candidates
+    held = [config for config in candidates if llamacpp.holds(config, longest)]
+    sized = llamacpp.sized_for(longest)
+    return held or ([sized] if sized is not None else candidates)
 
 
 def mix_capacity(parts: Sequence[tuple[float, Capacity]]) -> Capacity:
@@ -203,7 +206,7 @@ def mix_capacity(parts: Sequence[tuple[float, Capacity]]) -> Capacity:
 
 def choose_config(
     capacity: CapacityModel, gpu: str, load: ShapeLoad, slo: TierSlo, compiled: EngineConfig | None = None,
-    incumbent: EngineConfig | None = None, incumbent_margin: float = 0.02,
+    incumbent: EngineConfig | None = None, incumbent_margin: float = 0.02, llamacpp: LlamacppServer | None = None,
 ) -> tuple[EngineConfig, Capacity]:
     """The engine configuration that serves ``load`` fastest within ``slo`` on one ``gpu`` replica.
 
@@ -213,9 +216,10 @@ def choose_config(
     tie, and a compile judged on a cruder evaluator (the simulator's analytic screen) cannot cost
     capacity. Without either, sglang's defaults win unless another config really helps. A candidate
     must beat the incumbent by ``incumbent_margin`` (at least 2%): what restarting its replicas costs
-    (``math.inf``: the incumbent stays unless it cannot serve the load at all).
+    (``math.inf``: the incumbent stays unless it cannot serve the load at all). ``llamacpp``: the pool
+    runs llama-server (``choose_mix_config``).
     """
-    config, (found,) = choose_mix_config(capacity, gpu, ((load, slo, 1.0),), compiled, incumbent, incumbent_margin)
+    config, (found,) = choose_mix_config(capacity, gpu, ((load, slo, 1.0),), compiled, incumbent, incumbent_margin, llamacpp)
     return config, found
 
 

@@ -21,7 +21,7 @@ import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from fleet.capacity import Capacity, CapacityModel, PerfCapacity, as_run, choose_config, choose_mix_config, config_candidates, mix_capacity, runnable_candidates
+from fleet.capacity import Capacity, CapacityModel, PerfCapacity, as_run, choose_config, choose_mix_config, mix_capacity, runnable_candidates
 from fleet.compiled import CompiledConfig, ConfigSource, Envelope, config_changes, envelope_for, tier_name
 from fleet.planner import PlanProblem, PoolOption, ShapeRate
 from fleet.pool import PoolState
@@ -143,6 +143,7 @@ def pool_options(
     model_prefix: str = "",
     running: Mapping[str, EngineConfig] | None = None,
     restart_margin: float = 0.02,
+    made_llamacpp: Mapping[str, LlamacppServer] | None = None,
 ) -> Options:
     """Pool options for ``loads``. With ``configs``, a pool keeps its envelope of ``previous`` while
     its traffic stays inside it (so a wobble neither recompiles nor changes the configuration).
@@ -152,7 +153,9 @@ def pool_options(
     as the incumbent (its replicas' in ``running``, else the previous plan's, else the declared one). A (shape, GPU kind) pair no declared
     pool covers gets a pool of its own, ``<shape>@<gpu>``. A pool of either kind with replicas in ``running``
     keeps the configuration they run unless a candidate is ``restart_margin`` faster
-    (fleet.incumbents)."""
+    (fleet.incumbents). ``made_llamacpp``: the GPU kinds whose made pools run llama-server (gateway.replicas
+    launches a made pool with a declared pool's engine), judged as it runs them as a declared one is."""
+    made_llamacpp = made_llamacpp or {}
     pools: list[PoolOption] = []
     chosen: list[tuple[str, EngineConfig]] = []
     concurrency: list[tuple[str, float]] = []
@@ -167,8 +170,9 @@ def pool_options(
     incumbents = {d.name: (running or {}).get(d.name) or ran.get(d.name, d.config) for d in declared}
     pool_to_loads = {d.name: [load for load in loads if load.name in d.shapes] for d in declared}
     if isinstance(capacity, PerfCapacity):  # the fixed candidates of every pool at once (most of a re-plan's work)
-        capacity.prefetch([(gpu, config, load, strictest(load.tier_shares(), tiers))
-                           for load in loads for gpu in gpus if (load.name, gpu) not in covered for config in config_candidates()]
+        capacity.prefetch([(gpu, as_run(config, made_llamacpp.get(gpu)), load, strictest(load.tier_shares(), tiers))
+                           for load in loads for gpu in gpus if (load.name, gpu) not in covered
+                           for config in runnable_candidates([load], llamacpp=made_llamacpp.get(gpu))]
                           + [(d.gpu, as_run(config, d.llamacpp), load, strictest(load.tier_shares(), tiers))
                              for d in declared if pool_to_loads[d.name]
                              for config in runnable_candidates(pool_to_loads[d.name], None, incumbents[d.name], d.llamacpp)
@@ -224,7 +228,8 @@ def pool_options(
             margin = 0.02
             if running is not None and name in running:  # its replicas would restart in place for a new one
                 incumbent, margin = running[name], restart_margin
-            config, cap = choose_config(capacity, gpu, load, slo, None if compiled is None else compiled.config, incumbent, margin)
+            config, cap = choose_config(capacity, gpu, load, slo, None if compiled is None else compiled.config, incumbent, margin,
+                                        made_llamacpp.get(gpu))
             if cap.rate_rps <= 0:
                 continue
             pools.append(PoolOption.one(name, gpu, load.name, config.num_gpus, cap.rate_rps, weight))

@@ -30,22 +30,21 @@ from typing import TYPE_CHECKING
 import orjson
 
 from fleet.canary_trial import CanaryTrials
-from fleet.capacity import PerfCapacity
+from fleet.capacity import PerfCapacity, as_run
 from fleet.commands import Command, apply
 from fleet.controller import Controller, ControllerSettings, TickOutput
 from fleet.decisions import Decision
 from fleet.health import CircuitBreaker, HealthState
 from fleet.multi import ModelTelemetry, MultiController, SlotSplit, split_slots
 from fleet.operator import MoveRefused, OperatorMoves
-from fleet.options import DeclaredPool, Options, PoolModel, pool_models
+from fleet.options import DeclaredPool, Options, PoolModel, pool_models, pool_name
 from fleet.pool import PoolState, ReplicaState
 from fleet.rebalance import RebalanceSettings
 from fleet.restart_hold import Restart
 from fleet.rollout import SlotState
 from gateway.background import BackgroundTask
 from gateway.config import ControllerSettingsFile, GatewayConfig, PoolSpec
-from gateway.replicas import made_pool_adapters
-from kernels.catalog.models import get_model
+from gateway.replicas import llamacpp_server, made_pool_adapters, made_pool_llamacpp
 from kernels.compiler.worker import background_process_pool, terminate_process_pool
 from kernels.config import EngineConfig, LlamacppServer
 
@@ -69,8 +68,11 @@ def controller_settings(config: GatewayConfig, model: str, gpu_to_budget: dict[s
     starting plan is ``config``'s pools of ``model`` whose replicas the actuator starts (their slots
     already serve in them), which it keeps while they fit the mix; ``pool_prefix`` names the pools it makes."""
     declared = tuple(declared_pool(p) for p in config.pools if p.model == model and p.gpu in gpu_to_budget and not p.urls)
+    # the engine of a made pool depends on its GPU kind and model, not its shape: any shape names it
+    made = {gpu: found for gpu in gpu_to_budget if (found := made_pool_llamacpp(config, pool_name("", gpu, pool_prefix), gpu)) is not None}
     c = config.controller
     return ControllerSettings(model=model, gpu_to_budget=gpu_to_budget, tiers=dict(config.tiers), declared=declared, pool_prefix=pool_prefix,
+                              made_llamacpp=made,
                               drift=c.drift, verify_after_s=c.verify_after_s, backoff_s=c.backoff_s,
                               min_start_timeout_s=PROCESS_START_ALLOWANCE_S * config.emulator_speed)
 
@@ -78,8 +80,7 @@ def controller_settings(config: GatewayConfig, model: str, gpu_to_budget: dict[s
 def declared_pool(spec: PoolSpec) -> DeclaredPool:
     """A config pool as the planner takes it (its GPU kind set: the caller's filter)."""
     assert spec.gpu is not None
-    llamacpp = LlamacppServer(get_model(spec.model).max_context) if spec.engine_kind == "llamacpp" else None
-    return DeclaredPool(spec.name, spec.gpu, spec.shapes, EngineConfig.from_dict(spec.engine), spec.config_json, llamacpp)
+    return DeclaredPool(spec.name, spec.gpu, spec.shapes, EngineConfig.from_dict(spec.engine), spec.config_json, llamacpp_server(spec))
 
 
 def model_pools(state: GatewayState, models: Mapping[str, PoolModel]) -> None:
@@ -93,12 +94,14 @@ def model_pools(state: GatewayState, models: Mapping[str, PoolModel]) -> None:
         state.proxy.waits.attach(state.runtime, asyncio.get_running_loop().time())
 
 
-def new_pool(name: str, model: str, gpu: str, config_json: str, adapters: Collection[str] = ()) -> PoolState:
+def new_pool(name: str, model: str, gpu: str, config_json: str, adapters: Collection[str] = (),
+             llamacpp: LlamacppServer | None = None) -> PoolState:
     """A pool the controller made (named ``[<model>:]<shape>@<gpu>``: no declared pool served its shape on
-    that GPU kind), sized by its engine configuration; it serves ``model`` and the LoRA ``adapters`` its
-    engine loads (those of the model's declared pools: gateway.replicas launches it with them)."""
-    engine = orjson.loads(config_json)
-    max_running = engine.get("max_running_requests") or _DEFAULT_MAX_RUNNING
+    that GPU kind), sized by its engine configuration as its engine runs it (``llamacpp``: llama-server's
+    slots); it serves ``model`` and the LoRA ``adapters`` its engine loads (those of the model's declared
+    pools: gateway.replicas launches it with them)."""
+    engine = as_run(EngineConfig.from_dict(orjson.loads(config_json)), llamacpp)
+    max_running = engine.max_running_requests or _DEFAULT_MAX_RUNNING
     shape = name.split("@", 1)[0].removeprefix(f"{model}:")
     return PoolState(name, frozenset({model, *adapters}), frozenset({shape}), gpu, int(max_running))
 
@@ -318,8 +321,9 @@ class LiveFleet:
         pools = list(self.state.runtime.pools)
         pool = next((p for p in pools if p.name == found.pool), None)
         if pool is None:
-            adapters = made_pool_adapters(self.state.runtime.config, found.pool, found.gpu)
-            pool = new_pool(found.pool, self.split.slot_to_model[slot], found.gpu, found.config_json, adapters)
+            config = self.state.runtime.config
+            pool = new_pool(found.pool, self.split.slot_to_model[slot], found.gpu, found.config_json,
+                            made_pool_adapters(config, found.pool, found.gpu), made_pool_llamacpp(config, found.pool, found.gpu))
             if found.pool in self.pool_to_model:
                 self.pool_to_model[found.pool].apply(pool)
             pools.append(pool)

@@ -28,7 +28,8 @@ from fleet.engines.launch import EngineLaunch, launch_argv, launch_env
 from fleet.rollout import SlotState
 from gateway.adapters import model_adapters
 from gateway.config import GatewayConfig, PoolSpec, RaySettings, replica_devices
-from kernels.config import EngineConfig
+from kernels.catalog.models import get_model
+from kernels.config import EngineConfig, LlamacppServer
 
 # A real engine loads its weights, and vLLM compiles, before /health answers: ~40 s for vLLM's CPU
 # build here, minutes for a large model on GPUs.
@@ -89,7 +90,7 @@ def launcher(config: GatewayConfig, command: tuple[str, ...]) -> LaunchFor:
     declared = {p.name: p for p in config.pools}
 
     def launch_for(gpu: str, pool: str, config_json: str, devices: tuple[str, ...]) -> LaunchSpec:
-        spec = declared.get(pool) or _engine_pool(config, pool, gpu)
+        spec = declared.get(pool) or made_pool_engine(config, pool, gpu)
         model = spec.model if spec is not None else ""
         launch = spec.launch if spec is not None else EngineLaunch("emulated")
         if launch.kind == "emulated":
@@ -102,7 +103,7 @@ def launcher(config: GatewayConfig, command: tuple[str, ...]) -> LaunchFor:
     return launch_for
 
 
-def _engine_pool(config: GatewayConfig, pool: str, gpu: str) -> PoolSpec | None:
+def made_pool_engine(config: GatewayConfig, pool: str, gpu: str) -> PoolSpec | None:
     """The declared pool whose engine a pool the controller made runs: the first launched one on ``gpu``
     of the model its name carries (``<model>:<shape>@<gpu>``), or of any model (``<shape>@<gpu>``),
     loading every LoRA adapter of that model's declared pools (llama.cpp pools load none)."""
@@ -114,9 +115,21 @@ def _engine_pool(config: GatewayConfig, pool: str, gpu: str) -> PoolSpec | None:
     return dataclasses.replace(spec, launch=dataclasses.replace(spec.launch, adapters=model_adapters(config.pools, spec.model)))
 
 
+def llamacpp_server(spec: PoolSpec) -> LlamacppServer | None:
+    """How the controller judges the configurations of a pool that ``spec``'s engine runs: as llama-server
+    runs them for a llama.cpp pool (kernels.config.LlamacppServer), else as sglang (None)."""
+    return LlamacppServer(get_model(spec.model).max_context) if spec.engine_kind == "llamacpp" else None
+
+
+def made_pool_llamacpp(config: GatewayConfig, pool: str, gpu: str) -> LlamacppServer | None:
+    """``llamacpp_server`` for a pool the controller made (``made_pool_engine``)."""
+    spec = made_pool_engine(config, pool, gpu)
+    return None if spec is None else llamacpp_server(spec)
+
+
 def made_pool_adapters(config: GatewayConfig, pool: str, gpu: str) -> frozenset[str]:
-    """The LoRA adapters a pool the controller made loads (``_engine_pool``): routed there beside its model."""
-    spec = _engine_pool(config, pool, gpu)
+    """The LoRA adapters a pool the controller made loads (``made_pool_engine``): routed there beside its model."""
+    spec = made_pool_engine(config, pool, gpu)
     return spec.adapter_names if spec is not None else frozenset()
 
 
@@ -147,7 +160,7 @@ def kubernetes_control(config: GatewayConfig) -> ReplicaControl:
     settings = config.kubernetes
 
     def render(pool: str, gpu: str, config_json: str) -> dict[str, Any]:
-        spec = declared.get(pool) or _engine_pool(config, pool, gpu)
+        spec = declared.get(pool) or made_pool_engine(config, pool, gpu)
         if spec is None:
             raise ValueError(f"no declared pool runs on {gpu}: no engine to run")
         engine = EngineConfig.from_dict(orjson.loads(config_json))

@@ -343,6 +343,13 @@ class LlamacppServer:
         assert run.max_running_requests is not None and run.max_total_tokens is not None
         return run.max_running_requests * request_tokens <= run.max_total_tokens
 
+    def sized_for(self, request_tokens: float) -> EngineConfig | None:
+        """The configuration with the most slots that all hold a request of ``request_tokens`` at once in
+        the model's context (None: not even one slot does): what a pool runs when llama-server's 4 default
+        slots cannot hold its longest requests and no other candidate names fewer."""
+        slots = int(self.max_context // max(request_tokens, 1.0))
+        return EngineConfig(max_running_requests=slots) if slots >= 1 else None
+
 
 _SGLANG_VALUED = {
     "--tp-size": "tp", "--tp": "tp", "--tensor-parallel-size": "tp",

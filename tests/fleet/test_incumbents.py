@@ -224,3 +224,25 @@ def test_a_declared_llamacpp_pool_judges_each_candidate_as_llama_server_runs_it(
     assert as_sglang == EngineConfig() and sglang_rate > 2.0  # 2.37 req/s
     as_run, rate = chosen(LlamacppServer(get_model("tiny-llama").max_context))
     assert as_run == one_slot and rate < 1.5  # 1.16 req/s
+
+
+def test_a_pool_made_on_a_llamacpp_gpu_runs_as_many_slots_as_hold_its_longest_requests() -> None:
+    """The controller makes ``long-context@cpu`` where only a chat pool is declared on a llama.cpp CPU fleet;
+    gateway.replicas launches it with that pool's engine, llama-server. No fixed candidate sets a slot
+    count, and llama-server runs an unset one as 4 slots sharing the model's 2,048 tokens, where two
+    1,182-token requests already overflow: judged as sglang, a candidate that leaves them unset is chosen.
+    Judged as llama-server runs it, the pool gets the one slot that holds them; a declared pool whose
+    own configuration cannot hold its requests is given the same."""
+    long = ShapeLoad("long-context", 3.5, 1086.0, 96.0, (("standard", 1.0),))
+    chat = DeclaredPool("chat-cpu", "cpu", ("short-chat",), EngineConfig(), config_json(EngineConfig()), LlamacppServer(2048))
+    capacity = PerfCapacity("tiny-llama")
+
+    def made(llamacpp: dict[str, LlamacppServer]) -> EngineConfig:
+        options = pool_options((long,), ("cpu",), capacity, DEFAULT_TIERS, declared=(chat,), made_llamacpp=llamacpp)
+        return dict(options.pool_to_config)["long-context@cpu"]
+
+    assert made({}).max_running_requests is None  # sglang would size it from memory; llama-server runs 4
+    assert made({"cpu": LlamacppServer(2048)}) == EngineConfig(max_running_requests=1)
+    unset = DeclaredPool("long-cpu", "cpu", ("long-context",), EngineConfig(), config_json(EngineConfig()), LlamacppServer(2048))
+    options = pool_options((long,), ("cpu",), capacity, DEFAULT_TIERS, declared=(unset,))
+    assert dict(options.pool_to_config)["long-cpu"] == EngineConfig(max_running_requests=1)

@@ -141,3 +141,12 @@ def test_llama_server_runs_four_slots_in_the_models_context_where_a_configuratio
     # its slots share one pool: 4 of 2,048 tokens hold 512-token requests at once, not 513-token ones
     assert server.holds(EngineConfig(), 512) and not server.holds(EngineConfig(), 513)
     assert server.holds(mine, 2048) and server.holds(EngineConfig(max_total_tokens=8192), 1200)
+
+
+def test_llama_server_sized_for_a_request_length_names_the_most_slots_the_models_context_holds_at_once() -> None:
+    server = LlamacppServer(max_context=2048)
+    for tokens, slots in ((1182, 1), (1024, 2), (682, 3), (300, 6)):
+        sized = server.sized_for(tokens)
+        assert sized == EngineConfig(max_running_requests=slots)
+        assert server.holds(sized, tokens) and not server.holds(EngineConfig(max_running_requests=slots + 1), tokens)
+    assert server.sized_for(2049) is None  # not even one slot holds it
