@@ -74,7 +74,7 @@ from gateway.dashboard import is_admin_request
 from gateway.engine_scrape import EngineUnreadable, read_engine_load
 from gateway.errors import ApiError, error_response
 from gateway.live_fleet import controller_settings
-from gateway.replicas import ReplicaControl, assign_devices, close, launcher, replica_control, start_timeout_s
+from gateway.replicas import ReplicaControl, assign_devices, close, launcher, pool_engine, replica_control, start_timeout_s
 
 _JSON = "application/json"
 _WARMUP_TIMEOUT_S = 30.0
@@ -147,9 +147,6 @@ class ControllerService:
         self.state_file = state_file
         self.models = tuple(sorted({p.model for p in launched}))
         self.launch_for = launcher(config, command)
-        # how each pool's /metrics reads: a declared pool's engine; the pools the controller makes launch like their model's
-        self.pool_to_engine_kind = {p.name: p.engine_kind for p in config.pools}
-        self.model_to_engine_kind = {p.model: p.engine_kind for p in reversed(launched)}  # the first launched pool's
         self.speed = config.emulator_speed
         self.local = LocalActuator(log_dir, detach=True)
         # fleet.actuator: ray: Ray actors instead of self.local's processes (no routing bound: the plan routes)
@@ -411,8 +408,9 @@ class ControllerService:
 
     def _publish_routable(self) -> None:
         """The replicas read_engines reads next: this tick's routable slots (the tick thread owns ``slots``)."""
-        routable = tuple((r.slot, r.url, self.pool_to_engine_kind.get(r.pool, self.model_to_engine_kind[r.model])) for r in self.slots.values()
-                         if r.phase in ("active", "draining") and r.url)
+        # how each replica's /metrics reads: its pool's engine, as gateway.replicas launched it
+        routable = tuple((r.slot, r.url, spec.engine_kind if (spec := pool_engine(self.config, r.pool, r.gpu)) is not None else "emulated")
+                         for r in self.slots.values() if r.phase in ("active", "draining") and r.url)
         with self._lock:
             self._routable = routable
 

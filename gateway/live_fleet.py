@@ -23,7 +23,7 @@ import dataclasses
 import os
 import time
 import zlib
-from collections.abc import Collection, Mapping
+from collections.abc import Mapping
 from concurrent.futures import ProcessPoolExecutor, ThreadPoolExecutor
 from typing import TYPE_CHECKING
 
@@ -44,9 +44,9 @@ from fleet.restart_hold import Restart
 from fleet.rollout import SlotState
 from gateway.background import BackgroundTask
 from gateway.config import ControllerSettingsFile, GatewayConfig, PoolSpec
-from gateway.replicas import llamacpp_server, made_pool_adapters, made_pool_llamacpp
+from gateway.replicas import llamacpp_server, made_pool_engine
 from kernels.compiler.worker import background_process_pool, terminate_process_pool
-from kernels.config import EngineConfig, LlamacppServer
+from kernels.config import EngineConfig
 
 if TYPE_CHECKING:
     from fleet.compile_sources import WorkerConfigSource
@@ -69,7 +69,8 @@ def controller_settings(config: GatewayConfig, model: str, gpu_to_budget: dict[s
     already serve in them), which it keeps while they fit the mix; ``pool_prefix`` names the pools it makes."""
     declared = tuple(declared_pool(p) for p in config.pools if p.model == model and p.gpu in gpu_to_budget and not p.urls)
     # the engine of a made pool depends on its GPU kind and model, not its shape: any shape names it
-    made = {gpu: found for gpu in gpu_to_budget if (found := made_pool_llamacpp(config, pool_name("", gpu, pool_prefix), gpu)) is not None}
+    engines = {gpu: made_pool_engine(config, pool_name("", gpu, pool_prefix), gpu) for gpu in gpu_to_budget}
+    made = {gpu: found for gpu, spec in engines.items() if spec is not None and (found := llamacpp_server(spec)) is not None}
     c = config.controller
     return ControllerSettings(model=model, gpu_to_budget=gpu_to_budget, tiers=dict(config.tiers), declared=declared, pool_prefix=pool_prefix,
                               made_llamacpp=made,
@@ -94,16 +95,19 @@ def model_pools(state: GatewayState, models: Mapping[str, PoolModel]) -> None:
         state.proxy.waits.attach(state.runtime, asyncio.get_running_loop().time())
 
 
-def new_pool(name: str, model: str, gpu: str, config_json: str, adapters: Collection[str] = (),
-             llamacpp: LlamacppServer | None = None) -> PoolState:
+def new_pool(name: str, model: str, gpu: str, config_json: str, engine: PoolSpec | None = None) -> PoolState:
     """A pool the controller made (named ``[<model>:]<shape>@<gpu>``: no declared pool served its shape on
-    that GPU kind), sized by its engine configuration as its engine runs it (``llamacpp``: llama-server's
-    slots); it serves ``model`` and the LoRA ``adapters`` its engine loads (those of the model's declared
-    pools: gateway.replicas launches it with them)."""
-    engine = as_run(EngineConfig.from_dict(orjson.loads(config_json)), llamacpp)
-    max_running = engine.max_running_requests or _DEFAULT_MAX_RUNNING
+    that GPU kind), run by ``engine``'s engine (gateway.replicas.made_pool_engine: the declared pool whose
+    engine the actuator launches it with; None: emulated). It is sized by its engine configuration as that
+    engine runs it (llama-server's slots where the configuration leaves them unset), its replicas are read
+    and given priorities as that engine's, and it serves ``model`` and the LoRA adapters the engine loads."""
+    config = EngineConfig.from_dict(orjson.loads(config_json))
+    max_running = as_run(config, None if engine is None else llamacpp_server(engine)).max_running_requests or _DEFAULT_MAX_RUNNING
     shape = name.split("@", 1)[0].removeprefix(f"{model}:")
-    return PoolState(name, frozenset({model, *adapters}), frozenset({shape}), gpu, int(max_running))
+    adapters = engine.adapter_names if engine is not None else frozenset()
+    return PoolState(name, frozenset({model, *adapters}), frozenset({shape}), gpu, int(max_running),
+                     engine_kind="emulated" if engine is None else engine.engine_kind,
+                     priority_scheduling=config.schedule_policy == "priority")
 
 
 def new_replica(state: GatewayState, name: str, url: str, pool: str) -> ReplicaState:
@@ -321,9 +325,8 @@ class LiveFleet:
         pools = list(self.state.runtime.pools)
         pool = next((p for p in pools if p.name == found.pool), None)
         if pool is None:
-            config = self.state.runtime.config
             pool = new_pool(found.pool, self.split.slot_to_model[slot], found.gpu, found.config_json,
-                            made_pool_adapters(config, found.pool, found.gpu), made_pool_llamacpp(config, found.pool, found.gpu))
+                            made_pool_engine(self.state.runtime.config, found.pool, found.gpu))
             if found.pool in self.pool_to_model:
                 self.pool_to_model[found.pool].apply(pool)
             pools.append(pool)

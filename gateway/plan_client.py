@@ -29,7 +29,7 @@ from fleet.telemetry_batch import TelemetryBatch
 from gateway.background import BackgroundTask
 from gateway.config import ControllerSettingsFile
 from gateway.live_fleet import new_pool, new_replica, swap_pools
-from gateway.replicas import made_pool_adapters, made_pool_llamacpp
+from gateway.replicas import made_pool_engine
 from gateway.state import GatewayState
 
 _TIMEOUT = aiohttp.ClientTimeout(total=2.0)
@@ -48,8 +48,7 @@ def apply_plan(state: GatewayState, doc: dict[str, Any]) -> None:
         pool = current.get(name)
         if pool is None:
             assert entry is not None
-            pool = new_pool(name, entry["model"], entry["gpu"], entry["config_json"], made_pool_adapters(runtime.config, name, entry["gpu"]),
-                            made_pool_llamacpp(runtime.config, name, entry["gpu"]))
+            pool = new_pool(name, entry["model"], entry["gpu"], entry["config_json"], made_pool_engine(runtime.config, name, entry["gpu"]))
         replicas = [r for r in pool.replicas if r.url in static.get(name, ())]
         for item in entry["replicas"] if entry is not None else ():
             replica = old.get((name, item["url"])) or new_replica(state, item["name"], item["url"], name)

@@ -87,10 +87,8 @@ def launcher(config: GatewayConfig, command: tuple[str, ...]) -> LaunchFor:
     a pool it made for a shape no declared pool serves on that device kind (``<shape>@<gpu>``, or
     ``<model>:<shape>@<gpu>`` beside other models) runs the engine of the first declared pool of its model on
     the same device kind; emulated replicas run ``command`` (``polymorph emulate``)."""
-    declared = {p.name: p for p in config.pools}
-
     def launch_for(gpu: str, pool: str, config_json: str, devices: tuple[str, ...]) -> LaunchSpec:
-        spec = declared.get(pool) or made_pool_engine(config, pool, gpu)
+        spec = pool_engine(config, pool, gpu)
         model = spec.model if spec is not None else ""
         launch = spec.launch if spec is not None else EngineLaunch("emulated")
         if launch.kind == "emulated":
@@ -101,6 +99,12 @@ def launcher(config: GatewayConfig, command: tuple[str, ...]) -> LaunchFor:
         return LaunchSpec("", launch_argv(launch, engine, gpu), changed, warmup_model=launch.served_model_name)
 
     return launch_for
+
+
+def pool_engine(config: GatewayConfig, pool: str, gpu: str) -> PoolSpec | None:
+    """The pool whose engine ``pool``'s replicas on ``gpu`` run: ``pool`` itself where declared, else
+    ``made_pool_engine`` (None: no declared pool runs on ``gpu``)."""
+    return next((spec for spec in config.pools if spec.name == pool), None) or made_pool_engine(config, pool, gpu)
 
 
 def made_pool_engine(config: GatewayConfig, pool: str, gpu: str) -> PoolSpec | None:
@@ -119,18 +123,6 @@ def llamacpp_server(spec: PoolSpec) -> LlamacppServer | None:
     """How the controller judges the configurations of a pool that ``spec``'s engine runs: as llama-server
     runs them for a llama.cpp pool (kernels.config.LlamacppServer), else as sglang (None)."""
     return LlamacppServer(get_model(spec.model).max_context) if spec.engine_kind == "llamacpp" else None
-
-
-def made_pool_llamacpp(config: GatewayConfig, pool: str, gpu: str) -> LlamacppServer | None:
-    """``llamacpp_server`` for a pool the controller made (``made_pool_engine``)."""
-    spec = made_pool_engine(config, pool, gpu)
-    return None if spec is None else llamacpp_server(spec)
-
-
-def made_pool_adapters(config: GatewayConfig, pool: str, gpu: str) -> frozenset[str]:
-    """The LoRA adapters a pool the controller made loads (``made_pool_engine``): routed there beside its model."""
-    spec = made_pool_engine(config, pool, gpu)
-    return spec.adapter_names if spec is not None else frozenset()
 
 
 def replica_control(config: GatewayConfig, command: tuple[str, ...], log_dir: Path) -> ReplicaControl:
@@ -156,11 +148,10 @@ def kubernetes_control(config: GatewayConfig) -> ReplicaControl:
         raise SystemExit(f"polymorph: {KUBERNETES_MISSING}") from None
     from fleet.kubernetes_manifests import EnginePool, engine_deployment
 
-    declared = {p.name: p for p in config.pools}
     settings = config.kubernetes
 
     def render(pool: str, gpu: str, config_json: str) -> dict[str, Any]:
-        spec = declared.get(pool) or made_pool_engine(config, pool, gpu)
+        spec = pool_engine(config, pool, gpu)
         if spec is None:
             raise ValueError(f"no declared pool runs on {gpu}: no engine to run")
         engine = EngineConfig.from_dict(orjson.loads(config_json))

@@ -1,6 +1,6 @@
-"""A pool the controller makes on a llama.cpp fleet runs llama-server (gateway.replicas launches it with the
-first declared pool's engine on its GPU kind), so the controller judges its configurations as llama-server
-runs them and the router counts the slots llama-server gives it, not sglang's."""
+"""A pool the controller makes runs the engine gateway.replicas launches it with (the first declared pool's on
+its GPU kind): the controller judges its configurations as that engine runs them, the router counts the slots
+it gives, and the gateway reads its /metrics and sends priorities as that engine's."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from pathlib import Path
 
 from gateway.config import load_config
 from gateway.live_fleet import controller_settings, new_pool
-from gateway.replicas import made_pool_llamacpp
+from gateway.replicas import made_pool_engine, pool_engine
 from kernels.catalog.models import get_model
 from kernels.config import LlamacppServer
 from tests.gateway.test_lora import BASE, _config, _pool
@@ -16,16 +16,25 @@ from tests.gateway.test_lora import BASE, _config, _pool
 REPO = Path(__file__).resolve().parents[2]
 
 
-def test_a_pool_made_on_a_llamacpp_fleet_is_judged_and_routed_as_llama_server_runs_it(tmp_path: Path) -> None:
+def test_a_pool_made_on_a_real_engine_fleet_is_judged_routed_and_read_as_its_engine(tmp_path: Path) -> None:
     config = load_config(REPO / "examples" / "cpu-llamacpp.yaml")
-    server = LlamacppServer(get_model("tiny-llama").max_context)
-    assert controller_settings(config, "tiny-llama", {"cpu": 4}).made_llamacpp == {"cpu": server}
-    assert made_pool_llamacpp(config, "short-chat@cpu", "cpu") == server
+    assert controller_settings(config, "tiny-llama", {"cpu": 4}).made_llamacpp == {"cpu": LlamacppServer(get_model("tiny-llama").max_context)}
+    engine = made_pool_engine(config, "long-context@cpu", "cpu")
+    # what the actuators launch and the external controller reads: a declared pool's own engine, a made pool's that one
+    assert [getattr(pool_engine(config, name, gpu), "name", None) for name, gpu in (("long-cpu", "cpu"), ("long-context@cpu", "cpu"),
+                                                                                     ("long-context@H100-SXM", "H100-SXM"))] == [
+        "long-cpu", "chat-cpu", None]
+    assert engine == pool_engine(config, "long-context@cpu", "cpu")
     # an engine configuration that leaves the slots unset: llama-server's 4, where sglang's default is 256
-    pool = new_pool("long-context@cpu", "tiny-llama", "cpu", "{}", (), made_pool_llamacpp(config, "long-context@cpu", "cpu"))
-    assert pool.max_running_per_replica == 4
-    assert new_pool("long-context@cpu", "tiny-llama", "cpu", '{"max_running_requests": 1}', (), server).max_running_per_replica == 1
+    pool = new_pool("long-context@cpu", "tiny-llama", "cpu", "{}", engine)
+    assert (pool.max_running_per_replica, pool.engine_kind, pool.priority_scheduling) == (4, "llamacpp", False)
+    assert new_pool("long-context@cpu", "tiny-llama", "cpu", '{"max_running_requests": 1}', engine).max_running_per_replica == 1
+
+    vllm = load_config(REPO / "examples" / "cpu-vllm.yaml")
+    assert controller_settings(vllm, "tiny-llama", {"cpu": 2}).made_llamacpp == {}
+    made = new_pool("long-context@cpu", "tiny-llama", "cpu", '{"schedule_policy": "priority"}', made_pool_engine(vllm, "long-context@cpu", "cpu"))
+    assert (made.max_running_per_replica, made.engine_kind, made.priority_scheduling) == (256, "vllm", True)
 
     emulated = load_config(_config(tmp_path, [_pool("plain")]))
     assert controller_settings(emulated, BASE, {"H100-SXM": 2}).made_llamacpp == {}
-    assert new_pool("long-context@H100-SXM", BASE, "H100-SXM", "{}").max_running_per_replica == 256
+    assert new_pool("long-context@H100-SXM", BASE, "H100-SXM", "{}", made_pool_engine(emulated, "long-context@H100-SXM", "H100-SXM")).engine_kind == "emulated"
