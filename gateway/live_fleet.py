@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING
 import orjson
 
 from fleet.canary_trial import CanaryTrials
-from fleet.capacity import PerfCapacity, as_run
+from fleet.capacity import PerfCapacity
 from fleet.commands import Command, apply
 from fleet.controller import Controller, ControllerSettings, TickOutput
 from fleet.decisions import Decision
@@ -45,6 +45,7 @@ from fleet.rollout import SlotState
 from gateway.background import BackgroundTask
 from gateway.config import ControllerSettingsFile, GatewayConfig, PoolSpec
 from gateway.replicas import llamacpp_server, made_pool_engine
+from gateway.runtime import max_running_per_replica
 from kernels.compiler.worker import background_process_pool, terminate_process_pool
 from kernels.config import EngineConfig
 
@@ -52,9 +53,6 @@ if TYPE_CHECKING:
     from fleet.compile_sources import WorkerConfigSource
     from gateway.replicas import ReplicaControl
     from gateway.state import GatewayState
-
-_DEFAULT_MAX_RUNNING = 256
-
 
 # Wall seconds a replica's process may take to start beyond what the move cost predicts. An emulated H100
 # restart is 28 fleet seconds, so at emulator speed 20 the default deadline (4x) left 5.6 wall seconds for
@@ -102,12 +100,11 @@ def new_pool(name: str, model: str, gpu: str, config_json: str, engine: PoolSpec
     engine runs it (llama-server's slots where the configuration leaves them unset), its replicas are read
     and given priorities as that engine's, and it serves ``model`` and the LoRA adapters the engine loads."""
     config = EngineConfig.from_dict(orjson.loads(config_json))
-    max_running = as_run(config, None if engine is None else llamacpp_server(engine)).max_running_requests or _DEFAULT_MAX_RUNNING
+    engine_kind = "emulated" if engine is None else engine.engine_kind
     shape = name.split("@", 1)[0].removeprefix(f"{model}:")
     adapters = engine.adapter_names if engine is not None else frozenset()
-    return PoolState(name, frozenset({model, *adapters}), frozenset({shape}), gpu, int(max_running),
-                     engine_kind="emulated" if engine is None else engine.engine_kind,
-                     priority_scheduling=config.schedule_policy == "priority")
+    return PoolState(name, frozenset({model, *adapters}), frozenset({shape}), gpu, max_running_per_replica(config.max_running_requests, engine_kind),
+                     engine_kind=engine_kind, priority_scheduling=config.schedule_policy == "priority")
 
 
 def new_replica(state: GatewayState, name: str, url: str, pool: str) -> ReplicaState:

@@ -18,10 +18,11 @@ from gateway.adapters import adapter_bases
 from gateway.admission import Limiter, TenantLimiter
 from gateway.budgets import SharedSpendLedger, SpendBook, SpendLedger
 from gateway.budgets_store import StoreSpendLedger
-from gateway.config import GatewayConfig, PoolSpec, Tenant
+from gateway.config import GatewayConfig, Tenant
 from gateway.costs import replica_price_per_hour_usd
 from gateway.limits_shared import SharedTenantLimiter, attached_table, num_local_workers
 from gateway.limits_store import LimitStore, StoreTenantLimiter
+from kernels.config import LLAMACPP_DEFAULT_SLOTS
 
 DEFAULT_MAX_RUNNING_PER_REPLICA = 256
 
@@ -57,9 +58,13 @@ class Runtime:
         return 1.0 if pool in self.real_pools else self.config.emulator_speed
 
 
-def _max_running(spec: PoolSpec) -> int:
-    value = spec.engine.get("max_running_requests")
-    return int(value) if isinstance(value, int) and value > 0 else DEFAULT_MAX_RUNNING_PER_REPLICA
+def max_running_per_replica(max_running_requests: object, engine_kind: str) -> int:
+    """Requests in flight at which a replica counts as saturated: the running requests its engine
+    configuration sets, else what the engine runs when it is unset (llama-server's slots; sglang and
+    vLLM size theirs from memory, which the gateway does not know: the default)."""
+    if isinstance(max_running_requests, int) and max_running_requests > 0:
+        return max_running_requests
+    return LLAMACPP_DEFAULT_SLOTS if engine_kind == "llamacpp" else DEFAULT_MAX_RUNNING_PER_REPLICA
 
 
 def _build_pools(
@@ -74,7 +79,7 @@ def _build_pools(
             models=None if discover else frozenset({spec.model, *spec.adapter_names}),  # a request naming an adapter goes where it is loaded
             shapes=frozenset(spec.shapes),
             gpu=spec.gpu,
-            max_running_per_replica=spec.max_in_flight_per_replica or _max_running(spec),
+            max_running_per_replica=spec.max_in_flight_per_replica or max_running_per_replica(spec.engine.get("max_running_requests"), spec.engine_kind),
             declared_limit=spec.max_in_flight_per_replica is not None,
             engine_kind=spec.engine_kind,
             priority_scheduling=spec.engine.get("schedule_policy") == "priority",

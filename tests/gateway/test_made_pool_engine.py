@@ -9,6 +9,7 @@ from pathlib import Path
 from gateway.config import load_config
 from gateway.live_fleet import controller_settings, new_pool
 from gateway.replicas import made_pool_engine, pool_engine
+from gateway.runtime import max_running_per_replica
 from kernels.catalog.models import get_model
 from kernels.config import LlamacppServer
 from tests.gateway.test_lora import BASE, _config, _pool
@@ -29,6 +30,8 @@ def test_a_pool_made_on_a_real_engine_fleet_is_judged_routed_and_read_as_its_eng
     pool = new_pool("long-context@cpu", "tiny-llama", "cpu", "{}", engine)
     assert (pool.max_running_per_replica, pool.engine_kind, pool.priority_scheduling) == (4, "llamacpp", False)
     assert new_pool("long-context@cpu", "tiny-llama", "cpu", '{"max_running_requests": 1}', engine).max_running_per_replica == 1
+    # a declared pool is counted the same way (gateway.runtime)
+    assert [max_running_per_replica(value, kind) for value, kind in ((None, "llamacpp"), (None, "vllm"), (2, "llamacpp"))] == [4, 256, 2]
 
     vllm = load_config(REPO / "examples" / "cpu-vllm.yaml")
     assert controller_settings(vllm, "tiny-llama", {"cpu": 2}).made_llamacpp == {}
