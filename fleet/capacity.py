@@ -33,7 +33,8 @@ from typing import Protocol
 from fleet.lengths import snap_tokens
 from fleet.telemetry import ShapeLoad
 from kernels.catalog import get_gpu, get_model
-from kernels.config import EngineConfig, LlamacppServer
+from kernels.config import EngineConfig
+from kernels.engine_servers import EngineServer
 from kernels.perf import PerfModel
 from kernels.predict import Workload, max_rate_under_slo, simulate
 from kernels.tiers import TierSlo
@@ -171,24 +172,26 @@ def config_candidates(compiled: EngineConfig | None = None, incumbent: EngineCon
     return candidates
 
 
-def as_run(config: EngineConfig, llamacpp: LlamacppServer | None) -> EngineConfig:
-    """``config`` as the pool's engine runs it: llama-server's way (``llamacpp``), else sglang's, which the
-    capacity model follows. The prefetch and the choice ask the capacity model for the same configurations."""
-    return config if llamacpp is None else llamacpp.runs(config)
+def as_run(config: EngineConfig, engine: EngineServer | None) -> EngineConfig:
+    """``config`` as the pool's engine runs it (kernels.engine_servers: llama-server's or vLLM's defaults
+    where it leaves knobs unset), else (None) sglang's, which the capacity model follows. The prefetch
+    and the choice ask the capacity model for the same configurations."""
+    return config if engine is None else engine.runs(config)
 
 
 def runnable_candidates(loads: Sequence[ShapeLoad], compiled: EngineConfig | None = None, incumbent: EngineConfig | None = None,
-                        llamacpp: LlamacppServer | None = None) -> list[EngineConfig]:
-    """``config_candidates`` for a pool serving ``loads``; on llama-server (``llamacpp``) only those whose
-    slots can all hold the loads' longest requests (their top length points) at once; where none can, the
-    one sized to hold them (``LlamacppServer.sized_for``), and where not even one slot can, all of them."""
+                        engine: EngineServer | None = None) -> list[EngineConfig]:
+    """``config_candidates`` for a pool serving ``loads``, on its ``engine`` only those whose running
+    requests can all hold the loads' longest requests (their top length points) at once (on llama-server
+    the slots share one pool; sglang and vLLM queue instead); where none can, the one the engine sizes to
+    hold them (``EngineServer.sized_for``), and where not even that exists, all of them."""
     candidates = config_candidates(compiled, incumbent)
-    if llamacpp is None:
+    if engine is None:
         return candidates
     longest = max((max(load.prompt_points, default=round(load.mean_prompt_tokens))
                    + max(load.output_points, default=round(load.mean_output_tokens))) for load in loads)
-    held = [config for config in candidates if llamacpp.holds(config, longest)]
-    sized = llamacpp.sized_for(longest)
+    held = [config for config in candidates if engine.holds(config, longest)]
+    sized = engine.sized_for(longest)
     return held or ([sized] if sized is not None else candidates)
 
 
@@ -206,7 +209,7 @@ def mix_capacity(parts: Sequence[tuple[float, Capacity]]) -> Capacity:
 
 def choose_config(
     capacity: CapacityModel, gpu: str, load: ShapeLoad, slo: TierSlo, compiled: EngineConfig | None = None,
-    incumbent: EngineConfig | None = None, incumbent_margin: float = 0.02, llamacpp: LlamacppServer | None = None,
+    incumbent: EngineConfig | None = None, incumbent_margin: float = 0.02, engine: EngineServer | None = None,
 ) -> tuple[EngineConfig, Capacity]:
     """The engine configuration that serves ``load`` fastest within ``slo`` on one ``gpu`` replica.
 
@@ -216,27 +219,28 @@ def choose_config(
     tie, and a compile judged on a cruder evaluator (the simulator's analytic screen) cannot cost
     capacity. Without either, sglang's defaults win unless another config really helps. A candidate
     must beat the incumbent by ``incumbent_margin`` (at least 2%): what restarting its replicas costs
-    (``math.inf``: the incumbent stays unless it cannot serve the load at all). ``llamacpp``: the pool
-    runs llama-server (``choose_mix_config``).
+    (``math.inf``: the incumbent stays unless it cannot serve the load at all). ``engine``: how the
+    pool's engine runs a configuration, where not as sglang does (``choose_mix_config``).
     """
-    config, (found,) = choose_mix_config(capacity, gpu, ((load, slo, 1.0),), compiled, incumbent, incumbent_margin, llamacpp)
+    config, (found,) = choose_mix_config(capacity, gpu, ((load, slo, 1.0),), compiled, incumbent, incumbent_margin, engine)
     return config, found
 
 
 def choose_mix_config(
     capacity: CapacityModel, gpu: str, mix: Sequence[tuple[ShapeLoad, TierSlo, float]], compiled: EngineConfig | None = None,
-    incumbent: EngineConfig | None = None, incumbent_margin: float = 0.02, llamacpp: LlamacppServer | None = None,
+    incumbent: EngineConfig | None = None, incumbent_margin: float = 0.02, engine: EngineServer | None = None,
 ) -> tuple[EngineConfig, tuple[Capacity, ...]]:
     """``choose_config`` for a pool that serves several shapes, ``(load, its strictest tier's SLO, share
     of the pool's requests)`` each: candidates are judged by the mix's rate (``mix_capacity``), with the
     same order and 2% margin. Returns the configuration and each shape's capacity under it alone.
-    ``llamacpp``: the pool runs llama-server. A candidate is judged as it runs it, and one whose slots
-    cannot all hold the mix's longest requests at once is left out (``runnable_candidates``): llama-server
-    would fail requests where the capacity model, like sglang, has them wait."""
-    candidates = runnable_candidates([load for load, _, _ in mix], compiled, incumbent, llamacpp)
+    ``engine``: how the pool's engine runs a configuration (kernels.engine_servers; None: as sglang). A
+    candidate is judged as it runs it, and one whose slots cannot all hold the mix's longest requests at
+    once is left out (``runnable_candidates``): llama-server would fail requests where the capacity
+    model, like sglang, has them wait."""
+    candidates = runnable_candidates([load for load, _, _ in mix], compiled, incumbent, engine)
 
     def judged(config: EngineConfig) -> tuple[tuple[Capacity, ...], float]:
-        found = tuple(capacity.estimate(gpu, as_run(config, llamacpp), load, slo) for load, slo, _ in mix)
+        found = tuple(capacity.estimate(gpu, as_run(config, engine), load, slo) for load, slo, _ in mix)
         return found, mix_capacity([(share, f) for (_, _, share), f in zip(mix, found, strict=True)]).rate_rps
 
     best_config, (best, best_rate) = candidates[0], judged(candidates[0])

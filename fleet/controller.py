@@ -43,7 +43,8 @@ from fleet.options import DeclaredPool, MoveCost, Options, pool_options, problem
 from fleet.planner import Plan, allows, evaluate, fill_budget, plan
 from fleet.rollout import Mover, SlotState, batch_moves, diff_moves, rolling_batches
 from fleet.telemetry import Telemetry, TrafficMix
-from kernels.config import EngineConfig, LlamacppServer
+from kernels.config import EngineConfig
+from kernels.engine_servers import EngineServer
 from kernels.tiers import DEFAULT_TIERS, TierSlo
 
 if TYPE_CHECKING:  # fleet.canary_trial imports this module (TickOutput)
@@ -58,8 +59,9 @@ class ControllerSettings:
     # the operator's pools: the starting plan, kept under their own names while they fit the mix
     declared: tuple[DeclaredPool, ...] = ()
     pool_prefix: str = ""  # prefixes the names of the pools it makes (fleet.options.pool_name): "<model>:" beside other models
-    # the GPU kinds whose pools it makes run llama-server, judged as that runs them (fleet.options.pool_options)
-    made_llamacpp: Mapping[str, LlamacppServer] = field(default_factory=dict)
+    # how the engine its pools run on each GPU kind runs a configuration, where not as sglang does
+    # (kernels.engine_servers: llama-server, vLLM), judged so (fleet.options.pool_options)
+    made_engines: Mapping[str, EngineServer] = field(default_factory=dict)
     drift: DriftSettings = field(default_factory=DriftSettings)
     move_cost: MoveCost = field(default_factory=MoveCost)
     plan_horizon_s: float = 900.0  # how long a plan is expected to hold (amortises move cost)
@@ -299,7 +301,7 @@ class Controller:
         gpus = tuple(sorted(budget))
         move_s = s.move_cost.drain_s + s.move_cost.restart_s(s.model, gpus[0], EngineConfig())
         options = pool_options(live.shapes, gpus, self.capacity, s.tiers, self.configs, now, self.options, s.declared, s.pool_prefix,
-                               running_configs(slots), restart_margin(move_s, s.plan_horizon_s) if tune else math.inf, s.made_llamacpp)
+                               running_configs(slots), restart_margin(move_s, s.plan_horizon_s) if tune else math.inf, s.made_engines)
         self.options = options
         asked = [compile_submitted(now, a.pool, a.gpu, a.envelope, a.previous) for a in options.submitted if a.new]
         counts: dict[str, int] = {}

@@ -252,7 +252,7 @@ def restore(controller: Controller, state: LoopState, slots: tuple[SlotRecord, .
         return
     s = controller.settings
     options = pool_options(state.reference_mix.shapes, tuple(sorted(s.gpu_to_budget)), controller.capacity, s.tiers, declared=s.declared,
-                           model_prefix=s.pool_prefix, made_llamacpp=s.made_llamacpp)
+                           model_prefix=s.pool_prefix, made_engines=s.made_engines)
     controller.options = options
     by_slot = {slot.slot: slot for slot in slots}
     progress = tuple(replace(m, phase=resumed_phase(m, by_slot.get(m.move.slot))) for m in record.progress)

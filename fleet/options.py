@@ -28,7 +28,8 @@ from fleet.pool import PoolState
 from fleet.telemetry import ShapeLoad, TrafficMix
 from fleet.tiers import strictest, tier_weight
 from kernels.catalog import get_gpu, get_model
-from kernels.config import EngineConfig, LlamacppServer
+from kernels.config import EngineConfig
+from kernels.engine_servers import EngineServer
 from kernels.perf import PerfModel
 from kernels.tiers import TierSlo
 
@@ -86,7 +87,7 @@ class DeclaredPool:
     shapes: tuple[str, ...]
     config: EngineConfig
     config_json: str
-    llamacpp: LlamacppServer | None = None  # its engine is llama-server: its candidates are judged as that runs them
+    engine: EngineServer | None = None  # how its engine runs a configuration (None: as sglang): its candidates are judged so
 
 
 @dataclass(frozen=True, slots=True)
@@ -143,7 +144,7 @@ def pool_options(
     model_prefix: str = "",
     running: Mapping[str, EngineConfig] | None = None,
     restart_margin: float = 0.02,
-    made_llamacpp: Mapping[str, LlamacppServer] | None = None,
+    made_engines: Mapping[str, EngineServer] | None = None,
 ) -> Options:
     """Pool options for ``loads``. With ``configs``, a pool keeps its envelope of ``previous`` while
     its traffic stays inside it (so a wobble neither recompiles nor changes the configuration).
@@ -153,9 +154,10 @@ def pool_options(
     as the incumbent (its replicas' in ``running``, else the previous plan's, else the declared one). A (shape, GPU kind) pair no declared
     pool covers gets a pool of its own, ``<shape>@<gpu>``. A pool of either kind with replicas in ``running``
     keeps the configuration they run unless a candidate is ``restart_margin`` faster
-    (fleet.incumbents). ``made_llamacpp``: the GPU kinds whose made pools run llama-server (gateway.replicas
-    launches a made pool with a declared pool's engine), judged as it runs them as a declared one is."""
-    made_llamacpp = made_llamacpp or {}
+    (fleet.incumbents). ``made_engines``: how the engine a made pool runs on each GPU kind runs its
+    configurations (gateway.replicas launches a made pool with a declared pool's engine; a GPU kind not
+    in it: as sglang), judged so as a declared one is."""
+    made_engines = made_engines or {}
     pools: list[PoolOption] = []
     chosen: list[tuple[str, EngineConfig]] = []
     concurrency: list[tuple[str, float]] = []
@@ -170,12 +172,12 @@ def pool_options(
     incumbents = {d.name: (running or {}).get(d.name) or ran.get(d.name, d.config) for d in declared}
     pool_to_loads = {d.name: [load for load in loads if load.name in d.shapes] for d in declared}
     if isinstance(capacity, PerfCapacity):  # the fixed candidates of every pool at once (most of a re-plan's work)
-        capacity.prefetch([(gpu, as_run(config, made_llamacpp.get(gpu)), load, strictest(load.tier_shares(), tiers))
+        capacity.prefetch([(gpu, as_run(config, made_engines.get(gpu)), load, strictest(load.tier_shares(), tiers))
                            for load in loads for gpu in gpus if (load.name, gpu) not in covered
-                           for config in runnable_candidates([load], llamacpp=made_llamacpp.get(gpu))]
-                          + [(d.gpu, as_run(config, d.llamacpp), load, strictest(load.tier_shares(), tiers))
+                           for config in runnable_candidates([load], engine=made_engines.get(gpu))]
+                          + [(d.gpu, as_run(config, d.engine), load, strictest(load.tier_shares(), tiers))
                              for d in declared if pool_to_loads[d.name]
-                             for config in runnable_candidates(pool_to_loads[d.name], None, incumbents[d.name], d.llamacpp)
+                             for config in runnable_candidates(pool_to_loads[d.name], None, incumbents[d.name], d.engine)
                              for load in pool_to_loads[d.name]])
 
     def compiled_config(name: str, gpu: str, load: ShapeLoad, slo: TierSlo) -> CompiledConfig | None:
@@ -206,7 +208,7 @@ def pool_options(
         # its replicas would restart in place for a new configuration: the same margin as a pool the controller made
         margin = restart_margin if running is not None and pool.name in running else 0.02
         config, caps = (choose_mix_config(capacity, pool.gpu, mix, None if compiled is None else compiled.config,
-                                          incumbents[pool.name], margin, pool.llamacpp) if mine else (incumbents[pool.name], ()))
+                                          incumbents[pool.name], margin, pool.engine) if mine else (incumbents[pool.name], ()))
         served = [(load, cap) for load, cap in zip(mine, caps, strict=True) if cap.rate_rps > 0]
         served_rps = sum(load.rate_rps for load, _ in served)
         pools.append(PoolOption(pool.name, pool.gpu, config.num_gpus,
@@ -229,7 +231,7 @@ def pool_options(
             if running is not None and name in running:  # its replicas would restart in place for a new one
                 incumbent, margin = running[name], restart_margin
             config, cap = choose_config(capacity, gpu, load, slo, None if compiled is None else compiled.config, incumbent, margin,
-                                        made_llamacpp.get(gpu))
+                                        made_engines.get(gpu))
             if cap.rate_rps <= 0:
                 continue
             pools.append(PoolOption.one(name, gpu, load.name, config.num_gpus, cap.rate_rps, weight))

@@ -44,7 +44,7 @@ from fleet.restart_hold import Restart
 from fleet.rollout import SlotState
 from gateway.background import BackgroundTask
 from gateway.config import ControllerSettingsFile, GatewayConfig, PoolSpec
-from gateway.replicas import llamacpp_server, made_pool_engine
+from gateway.replicas import made_pool_engine, pool_server
 from gateway.runtime import max_running_per_replica
 from kernels.compiler.worker import background_process_pool, terminate_process_pool
 from kernels.config import EngineConfig
@@ -68,10 +68,10 @@ def controller_settings(config: GatewayConfig, model: str, gpu_to_budget: dict[s
     declared = tuple(declared_pool(p) for p in config.pools if p.model == model and p.gpu in gpu_to_budget and not p.urls)
     # the engine of a made pool depends on its GPU kind and model, not its shape: any shape names it
     engines = {gpu: made_pool_engine(config, pool_name("", gpu, pool_prefix), gpu) for gpu in gpu_to_budget}
-    made = {gpu: found for gpu, spec in engines.items() if spec is not None and (found := llamacpp_server(spec)) is not None}
+    made = {gpu: found for gpu, spec in engines.items() if spec is not None and (found := pool_server(spec)) is not None}
     c = config.controller
     return ControllerSettings(model=model, gpu_to_budget=gpu_to_budget, tiers=dict(config.tiers), declared=declared, pool_prefix=pool_prefix,
-                              made_llamacpp=made,
+                              made_engines=made,
                               drift=c.drift, verify_after_s=c.verify_after_s, backoff_s=c.backoff_s,
                               min_start_timeout_s=PROCESS_START_ALLOWANCE_S * config.emulator_speed)
 
@@ -79,7 +79,7 @@ def controller_settings(config: GatewayConfig, model: str, gpu_to_budget: dict[s
 def declared_pool(spec: PoolSpec) -> DeclaredPool:
     """A config pool as the planner takes it (its GPU kind set: the caller's filter)."""
     assert spec.gpu is not None
-    return DeclaredPool(spec.name, spec.gpu, spec.shapes, EngineConfig.from_dict(spec.engine), spec.config_json, llamacpp_server(spec))
+    return DeclaredPool(spec.name, spec.gpu, spec.shapes, EngineConfig.from_dict(spec.engine), spec.config_json, pool_server(spec))
 
 
 def model_pools(state: GatewayState, models: Mapping[str, PoolModel]) -> None:
@@ -97,13 +97,14 @@ def new_pool(name: str, model: str, gpu: str, config_json: str, engine: PoolSpec
     """A pool the controller made (named ``[<model>:]<shape>@<gpu>``: no declared pool served its shape on
     that GPU kind), run by ``engine``'s engine (gateway.replicas.made_pool_engine: the declared pool whose
     engine the actuator launches it with; None: emulated). It is sized by its engine configuration as that
-    engine runs it (llama-server's slots where the configuration leaves them unset), its replicas are read
+    engine runs it on ``gpu`` (llama-server's slots or vLLM's sequences where the configuration leaves them
+    unset), its replicas are read
     and given priorities as that engine's, and it serves ``model`` and the LoRA adapters the engine loads."""
     config = EngineConfig.from_dict(orjson.loads(config_json))
     engine_kind = "emulated" if engine is None else engine.engine_kind
     shape = name.split("@", 1)[0].removeprefix(f"{model}:")
     adapters = engine.adapter_names if engine is not None else frozenset()
-    return PoolState(name, frozenset({model, *adapters}), frozenset({shape}), gpu, max_running_per_replica(config.max_running_requests, engine_kind),
+    return PoolState(name, frozenset({model, *adapters}), frozenset({shape}), gpu, max_running_per_replica(config, engine_kind, gpu),
                      engine_kind=engine_kind, priority_scheduling=config.schedule_policy == "priority")
 
 

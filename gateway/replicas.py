@@ -28,8 +28,9 @@ from fleet.engines.launch import EngineLaunch, launch_argv, launch_env
 from fleet.rollout import SlotState
 from gateway.adapters import model_adapters
 from gateway.config import GatewayConfig, PoolSpec, RaySettings, replica_devices
-from kernels.catalog.models import get_model
-from kernels.config import EngineConfig, LlamacppServer
+from kernels.catalog import get_gpu, get_model
+from kernels.config import EngineConfig
+from kernels.engine_servers import EngineServer, engine_server
 
 # A real engine loads its weights, and vLLM compiles, before /health answers: ~40 s for vLLM's CPU
 # build here, minutes for a large model on GPUs.
@@ -119,10 +120,10 @@ def made_pool_engine(config: GatewayConfig, pool: str, gpu: str) -> PoolSpec | N
     return dataclasses.replace(spec, launch=dataclasses.replace(spec.launch, adapters=model_adapters(config.pools, spec.model)))
 
 
-def llamacpp_server(spec: PoolSpec) -> LlamacppServer | None:
+def pool_server(spec: PoolSpec) -> EngineServer | None:
     """How the controller judges the configurations of a pool that ``spec``'s engine runs: as llama-server
-    runs them for a llama.cpp pool (kernels.config.LlamacppServer), else as sglang (None)."""
-    return LlamacppServer(get_model(spec.model).max_context) if spec.engine_kind == "llamacpp" else None
+    or vLLM runs them on its GPU kind (kernels.engine_servers), else as sglang (None)."""
+    return engine_server(spec.engine_kind, get_gpu(spec.gpu) if spec.gpu else None, get_model(spec.model))
 
 
 def replica_control(config: GatewayConfig, command: tuple[str, ...], log_dir: Path) -> ReplicaControl:

@@ -22,7 +22,9 @@ from gateway.config import GatewayConfig, Tenant
 from gateway.costs import replica_price_per_hour_usd
 from gateway.limits_shared import SharedTenantLimiter, attached_table, num_local_workers
 from gateway.limits_store import LimitStore, StoreTenantLimiter
-from kernels.config import LLAMACPP_DEFAULT_SLOTS
+from kernels.catalog import get_gpu
+from kernels.config import EngineConfig
+from kernels.engine_servers import running_by_default
 
 DEFAULT_MAX_RUNNING_PER_REPLICA = 256
 
@@ -58,13 +60,13 @@ class Runtime:
         return 1.0 if pool in self.real_pools else self.config.emulator_speed
 
 
-def max_running_per_replica(max_running_requests: object, engine_kind: str) -> int:
+def max_running_per_replica(config: EngineConfig, engine_kind: str, gpu: str | None) -> int:
     """Requests in flight at which a replica counts as saturated: the running requests its engine
-    configuration sets, else what the engine runs when it is unset (llama-server's slots; sglang and
-    vLLM size theirs from memory, which the gateway does not know: the default)."""
-    if isinstance(max_running_requests, int) and max_running_requests > 0:
-        return max_running_requests
-    return LLAMACPP_DEFAULT_SLOTS if engine_kind == "llamacpp" else DEFAULT_MAX_RUNNING_PER_REPLICA
+    configuration sets, else what its engine runs on ``gpu`` when that is unset (kernels.engine_servers:
+    llama-server's slots, vLLM's sequences for the device); sglang sizes its batch from memory, which
+    the gateway does not know: the default."""
+    device = None if gpu is None else get_gpu(gpu)
+    return config.max_running_requests or running_by_default(engine_kind, device, config.tp) or DEFAULT_MAX_RUNNING_PER_REPLICA
 
 
 def _build_pools(
@@ -79,7 +81,7 @@ def _build_pools(
             models=None if discover else frozenset({spec.model, *spec.adapter_names}),  # a request naming an adapter goes where it is loaded
             shapes=frozenset(spec.shapes),
             gpu=spec.gpu,
-            max_running_per_replica=spec.max_in_flight_per_replica or max_running_per_replica(spec.engine.get("max_running_requests"), spec.engine_kind),
+            max_running_per_replica=spec.max_in_flight_per_replica or max_running_per_replica(EngineConfig.from_dict(spec.engine), spec.engine_kind, spec.gpu),
             declared_limit=spec.max_in_flight_per_replica is not None,
             engine_kind=spec.engine_kind,
             priority_scheduling=spec.engine.get("schedule_policy") == "priority",

@@ -10,7 +10,7 @@ import itertools
 import json
 import shlex
 from collections.abc import Mapping, Sequence
-from dataclasses import asdict, dataclass, fields, replace
+from dataclasses import asdict, dataclass, fields
 
 SCHEDULE_POLICIES = ("fcfs", "lpm", "random", "dfs-weight", "lof", "priority")
 KV_CACHE_DTYPES = ("auto", "bf16", "bfloat16", "fp8_e4m3", "fp8_e5m2", "fp4_e2m1")
@@ -315,40 +315,6 @@ class EngineConfig:
                 values[_LLAMACPP_VALUED[flag]] = value if int(value) > 0 else None
         values.pop("_kv_unified", None)
         return cls.from_dict(values)
-
-
-LLAMACPP_DEFAULT_SLOTS = 4  # llama-server's `--parallel -1` (auto)
-
-
-@dataclass(frozen=True, slots=True)
-class LlamacppServer:
-    """llama-server as a pool's capacity must be judged, where it runs a configuration otherwise than
-    sglang, whose behaviour the capacity model (kernels.perf) follows. Judged as sglang, a candidate that
-    left the slots and the KV pool unset looked 1.7x faster on 1,080-token prompts than the one slot a
-    pool declared, the controller restarted the pool with it, and llama-server's 4 slots in a 2,048-token
-    pool failed 43 streams with "Context size has been exceeded" (tests/gateway/test_real_drift.py)."""
-
-    max_context: int  # the model's: the KV pool llama-server allocates when `-c` is unset
-
-    def runs(self, config: EngineConfig) -> EngineConfig:
-        """``config`` as llama-server runs it: where it leaves them unset, 4 slots (`--parallel` auto)
-        sharing one KV pool of the model's context (`-c 0`), where sglang sizes both from memory."""
-        return replace(config, max_running_requests=config.max_running_requests or LLAMACPP_DEFAULT_SLOTS,
-                       max_total_tokens=config.max_total_tokens or self.max_context)
-
-    def holds(self, config: EngineConfig, request_tokens: float) -> bool:
-        """Whether all of ``config``'s slots can hold a request of ``request_tokens`` at once: llama-server
-        gives a request any free slot and fails it when the shared pool runs out, where sglang waits."""
-        run = self.runs(config)
-        assert run.max_running_requests is not None and run.max_total_tokens is not None
-        return run.max_running_requests * request_tokens <= run.max_total_tokens
-
-    def sized_for(self, request_tokens: float) -> EngineConfig | None:
-        """The configuration with the most slots that all hold a request of ``request_tokens`` at once in
-        the model's context (None: not even one slot does): what a pool runs when llama-server's 4 default
-        slots cannot hold its longest requests and no other candidate names fewer."""
-        slots = int(self.max_context // max(request_tokens, 1.0))
-        return EngineConfig(max_running_requests=slots) if slots >= 1 else None
 
 
 _SGLANG_VALUED = {

@@ -16,7 +16,8 @@ goodput the result reports and starts the default's ladder near it; it does not 
 
 vLLM (`engine="vllm"`): the same flow over the knobs `EngineConfig.vllm_flags` renders that matter on
 its CPU build (`--max-num-seqs`, `--max-num-batched-tokens`, prefix caching), predicted as vLLM runs
-them when a flag is absent (its CPU api_server defaults: 128 sequences, 2048 batched tokens).
+them on the device when a flag is absent (kernels.engine_servers: on CPU, 128 sequences and 2048
+batched tokens per worker).
 
 sglang (`engine="sglang"`, on GPUs): the same flow over `--max-running-requests`,
 `--chunked-prefill-size` and the radix cache, which the performance model predicts natively (it
@@ -41,11 +42,9 @@ from kernels.compiler.measurement import Measurement, ProbeCorrection, ProbeFing
 from kernels.compiler.shape import TrafficShape, shape_fingerprint
 from kernels.compiler.store import ProbeTrialRecord, TrialStore, config_key
 from kernels.config import EngineConfig
+from kernels.engine_servers import engine_server
 
 EVALUATOR = "probe"
-# llama-server's own choices when a flag is absent: 4 slots (`--parallel -1` with a unified KV cache),
-# the model's trained context as the pool. The perf model needs them to predict the default.
-_LLAMACPP_DEFAULT_SLOTS = 4
 _PARALLEL = (None, 1, 2, 8)
 _CONTEXT_MULTIPLES = (None, 4)  # -c as a multiple of the model's context (None: the model's context)
 _BATCH = (None, 256)  # -b/-ub (None: llama-server's 2048/512)
@@ -55,10 +54,6 @@ ENGINES = ("llamacpp", "vllm", "sglang")
 CPU_ENGINES = ("llamacpp", "vllm")  # what this package's tests and the probe bench can run without a GPU
 _VLLM_SEQS = (None, 1, 4, 16)
 _VLLM_BATCHED_TOKENS = (None, 256)
-# vLLM 0.32's EngineArgs defaults for the OpenAI api_server on a CPU platform (arg_utils.py,
-# `_get_default_max_num_seqs_and_batched_tokens`): what runs when the flags are absent.
-_VLLM_CPU_DEFAULT_SEQS = 128
-_VLLM_CPU_DEFAULT_BATCHED_TOKENS = 2048
 _CORRECTED_START_DIVISOR = 2  # a corrected prediction is near the measurement: start one ladder step below it
 
 
@@ -185,24 +180,12 @@ def llamacpp_flags(config: EngineConfig) -> tuple[str, ...]:
     return tuple(args[2:])
 
 
-def as_llamacpp_runs(model: ModelSpec, config: EngineConfig) -> EngineConfig:
-    """What llama-server runs for `config`: its own slot count and pool where a flag is absent."""
-    return replace(config, max_running_requests=config.max_running_requests or _LLAMACPP_DEFAULT_SLOTS,
-                   max_total_tokens=config.max_total_tokens or model.max_context)
-
-
 def vllm_candidates() -> list[EngineConfig]:
     """vLLM's defaults first, then its sequence and batched-token limits with prefix caching on and off."""
     configs = [EngineConfig()]
     for seqs, batched, caching in itertools.product(_VLLM_SEQS, _VLLM_BATCHED_TOKENS, (True, False)):
         configs.append(EngineConfig(max_running_requests=seqs, chunked_prefill_size=batched, enable_prefix_caching=caching))
     return _distinct(configs, _vllm_flags)
-
-
-def as_vllm_runs(config: EngineConfig) -> EngineConfig:
-    """What vLLM's CPU api_server runs for `config`: its own limits where a flag is absent."""
-    return replace(config, max_running_requests=config.max_running_requests or _VLLM_CPU_DEFAULT_SEQS,
-                   chunked_prefill_size=config.chunked_prefill_size or _VLLM_CPU_DEFAULT_BATCHED_TOKENS)
 
 
 def sglang_candidates() -> list[EngineConfig]:
@@ -218,16 +201,21 @@ def sglang_flags(config: EngineConfig) -> tuple[str, ...]:
     return tuple(config.to_sglang_args(_PLACEHOLDER_MODEL)[2:])
 
 
-def _engine_knobs(engine: str, model: ModelSpec) -> tuple[list[EngineConfig], Callable[[EngineConfig], tuple[str, ...]],
-                                                          Callable[[EngineConfig], EngineConfig]]:
-    """(candidates, their flags, what the engine runs for each) of `engine`."""
+def engine_knobs(engine: str, model: ModelSpec, gpu: GpuSpec) -> tuple[list[EngineConfig], Callable[[EngineConfig], tuple[str, ...]],
+                                                                         Callable[[EngineConfig], EngineConfig]]:
+    """(candidates, their flags, what the engine runs for each) of `engine` on `gpu`: its own choices
+    where a flag is absent (kernels.engine_servers; sglang's the model resolves itself)."""
+    flags: Callable[[EngineConfig], tuple[str, ...]]
     if engine == "llamacpp":
-        return llamacpp_candidates(model), llamacpp_flags, lambda config: as_llamacpp_runs(model, config)
-    if engine == "vllm":
-        return vllm_candidates(), _vllm_flags, as_vllm_runs
-    if engine == "sglang":
-        return sglang_candidates(), sglang_flags, lambda config: config  # the model predicts sglang as it resolves its defaults
-    raise ValueError(f"a probe measures on {' or '.join(ENGINES)}, not {engine!r}")
+        candidates, flags = llamacpp_candidates(model), llamacpp_flags
+    elif engine == "vllm":
+        candidates, flags = vllm_candidates(), _vllm_flags
+    elif engine == "sglang":
+        candidates, flags = sglang_candidates(), sglang_flags
+    else:
+        raise ValueError(f"a probe measures on {' or '.join(ENGINES)}, not {engine!r}")
+    server = engine_server(engine, gpu, model)
+    return candidates, flags, (lambda config: config) if server is None else server.runs
 
 
 def probe_compile(
@@ -241,7 +229,7 @@ def probe_compile(
     before on the same fingerprint are taken from the store."""
     if budget < 1:
         raise ValueError(f"a probe compile needs a budget of at least 1 measurement, got {budget}")
-    candidates, flags_of, as_runs = _engine_knobs(engine, model)
+    candidates, flags_of, as_runs = engine_knobs(engine, model, gpu)
     started_s = clock()
     run_id = uuid.uuid4().hex[:12]
     fitted = fit_to_context(shape, model.max_context)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
 import urllib.request
 from pathlib import Path
 
@@ -13,9 +14,11 @@ import pytest
 
 from fleet.engines import install
 from fleet.engines.launch import EngineLaunch, argument_problems, launch_argv, launch_env
+from kernels.catalog import get_gpu, list_gpus
 from kernels.catalog.models import get_model
 from kernels.compiler.gates import LlamacppFlagGate
-from kernels.config import EngineConfig, LlamacppServer
+from kernels.config import EngineConfig
+from kernels.engine_servers import VLLM_GPU_MEMORY_UTILIZATION, LlamacppServer, vllm_batch_defaults
 from tests.conftest import free_port
 from tests.support.engines import LLAMA_START_TIMEOUT_S, VLLM_START_TIMEOUT_S, chat_both_ways
 from tests.support.procs import start, start_gateway, write_tenant
@@ -139,6 +142,45 @@ def test_llama_server_runs_an_unset_configuration_as_llamacppserver_says(
     props = json.loads(_llama_server_answers(EngineConfig(), tmp_path, ("/props",))[0])
     assert props["total_slots"] == defaults.max_running_requests
     assert props["default_generation_settings"]["n_ctx"] == defaults.max_total_tokens
+
+
+# vLLM's own batch defaults (EngineArgs.get_batch_defaults, for its api_server) in its interpreter: on this
+# CPU build as it is, then with the platform's device queries answering for each catalog GPU as a GPU
+# platform does (memory in GiB, the catalog's name, which keeps "A100" where vLLM looks for it).
+_VLLM_DEFAULTS = """
+import json, sys
+from vllm.config import CacheConfig
+from vllm.engine.arg_utils import EngineArgs
+from vllm.platforms import current_platform
+from vllm.usage.usage_lib import UsageContext
+
+def defaults(world_size):
+    tokens, seqs = EngineArgs.get_batch_defaults(world_size)
+    return [seqs[UsageContext.OPENAI_API_SERVER], tokens[UsageContext.OPENAI_API_SERVER]]
+
+found = {"cpu": [defaults(1), defaults(2)],
+         "gpu_memory_utilization": CacheConfig.__dataclass_fields__["gpu_memory_utilization"].default.default}
+platform = type(current_platform)
+platform.is_cpu = lambda self: False
+for name, gib in json.loads(sys.argv[1]).items():
+    platform.get_device_total_memory = classmethod(lambda cls, device_id=0, gib=gib: int(gib * 2**30))
+    platform.get_device_name = classmethod(lambda cls, device_id=0, name=name: name)
+    found[name] = defaults(1)
+print(json.dumps(found))
+"""
+
+
+def test_vllms_own_code_picks_the_batch_limits_engine_servers_names_for_every_catalog_device(vllm_python: Path) -> None:
+    # the controller judges a vLLM pool's candidates, and the gateway marks its replicas saturated, as these
+    gpus = [gpu for gpu in map(get_gpu, list_gpus()) if gpu.vendor != "cpu"]
+    done = subprocess.run([str(vllm_python), "-c", _VLLM_DEFAULTS, json.dumps({gpu.name: gpu.hbm_gb for gpu in gpus})],
+                          capture_output=True, text=True, timeout=300, env={**os.environ, **install.QUIET_ENV}, check=True)
+    found = json.loads(done.stdout.strip().splitlines()[-1])
+    cpu = get_gpu("cpu")
+    assert found["cpu"] == [list(vllm_batch_defaults(cpu, 1)), list(vllm_batch_defaults(cpu, 2))]
+    assert {gpu.name: list(vllm_batch_defaults(gpu, 1)) for gpu in gpus} == {gpu.name: found[gpu.name] for gpu in gpus}
+    assert found["gpu_memory_utilization"] == VLLM_GPU_MEMORY_UTILIZATION
+    assert {tuple(found[gpu.name]) for gpu in gpus} == {(256, 2048), (1024, 8192), (1024, 16384)}  # every row is used
 
 
 def test_vllm_pool_arguments_pass_vllms_own_parser(vllm_python: Path, tiny_hf: Path) -> None:

@@ -13,8 +13,10 @@ from fleet.incumbents import restart_margin, running_configs
 from fleet.options import DeclaredPool, config_json, pool_models, pool_options
 from fleet.rollout import SlotState
 from fleet.telemetry import ShapeLoad, Telemetry, TrafficMix
+from kernels.catalog import get_gpu
 from kernels.catalog.models import get_model
-from kernels.config import EngineConfig, LlamacppServer
+from kernels.config import EngineConfig
+from kernels.engine_servers import LlamacppServer, VllmServer
 from kernels.tiers import DEFAULT_TIERS
 from tests.fleet.test_declared_pools import _feed, _run
 from tests.fleet.test_planner_rollout import FakeActuator, tick
@@ -226,6 +228,26 @@ def test_a_declared_llamacpp_pool_judges_each_candidate_as_llama_server_runs_it(
     assert as_run == one_slot and rate < 1.5  # 1.16 req/s
 
 
+def test_a_declared_vllm_pool_judges_each_candidate_as_vllm_runs_it_on_its_gpu() -> None:
+    """A vLLM pool of Llama 3.1 8B on an A100 whose replicas run vLLM's defaults. vLLM batches 2,048
+    tokens a step there, where sglang chunks 8,192 (kernels.engine_servers). Judged as sglang, the pool
+    is restarted for a 2,048-token chunk that it already runs on 6,000-token prompts, and on 3,000-token
+    interactive ones it keeps the defaults, which vLLM runs 8% slower than an 8,192-token batch."""
+    a100 = "A100-80GB"
+
+    def chosen(load: ShapeLoad, engine: VllmServer | None) -> EngineConfig:
+        declared = (DeclaredPool("long-a100", a100, ("long-context",), EngineConfig(), config_json(EngineConfig()), engine),)
+        options = pool_options((load,), (a100,), PerfCapacity("llama-3.1-8b"), DEFAULT_TIERS, declared=declared,
+                               running={"long-a100": EngineConfig()}, restart_margin=restart_margin(48.0, 900.0))
+        return dict(options.pool_to_config)["long-a100"]
+
+    vllm = VllmServer(get_gpu(a100))
+    standard = ShapeLoad("long-context", 3.5, 6000.0, 200.0, (("standard", 1.0),))
+    assert chosen(standard, None) == SMALL_CHUNKS and chosen(standard, vllm) == EngineConfig()  # no restart for nothing
+    interactive = ShapeLoad("long-context", 3.5, 3000.0, 200.0, (("interactive", 1.0),))
+    assert chosen(interactive, None) == EngineConfig() and chosen(interactive, vllm) == EngineConfig(chunked_prefill_size=8192)
+
+
 def test_a_pool_made_on_a_llamacpp_gpu_runs_as_many_slots_as_hold_its_longest_requests() -> None:
     """The controller makes ``long-context@cpu`` where only a chat pool is declared on a llama.cpp CPU fleet;
     gateway.replicas launches it with that pool's engine, llama-server. No fixed candidate sets a slot
@@ -238,7 +260,7 @@ def test_a_pool_made_on_a_llamacpp_gpu_runs_as_many_slots_as_hold_its_longest_re
     capacity = PerfCapacity("tiny-llama")
 
     def made(llamacpp: dict[str, LlamacppServer]) -> EngineConfig:
-        options = pool_options((long,), ("cpu",), capacity, DEFAULT_TIERS, declared=(chat,), made_llamacpp=llamacpp)
+        options = pool_options((long,), ("cpu",), capacity, DEFAULT_TIERS, declared=(chat,), made_engines=llamacpp)
         return dict(options.pool_to_config)["long-context@cpu"]
 
     assert made({}).max_running_requests is None  # sglang would size it from memory; llama-server runs 4

@@ -10,8 +10,10 @@ from gateway.config import load_config
 from gateway.live_fleet import controller_settings, new_pool
 from gateway.replicas import made_pool_engine, pool_engine
 from gateway.runtime import max_running_per_replica
+from kernels.catalog import get_gpu
 from kernels.catalog.models import get_model
-from kernels.config import LlamacppServer
+from kernels.config import EngineConfig
+from kernels.engine_servers import LlamacppServer, VllmServer
 from tests.gateway.test_lora import BASE, _config, _pool
 
 REPO = Path(__file__).resolve().parents[2]
@@ -19,25 +21,27 @@ REPO = Path(__file__).resolve().parents[2]
 
 def test_a_pool_made_on_a_real_engine_fleet_is_judged_routed_and_read_as_its_engine(tmp_path: Path) -> None:
     config = load_config(REPO / "examples" / "cpu-llamacpp.yaml")
-    assert controller_settings(config, "tiny-llama", {"cpu": 4}).made_llamacpp == {"cpu": LlamacppServer(get_model("tiny-llama").max_context)}
+    assert controller_settings(config, "tiny-llama", {"cpu": 4}).made_engines == {"cpu": LlamacppServer(get_model("tiny-llama").max_context)}
     engine = made_pool_engine(config, "long-context@cpu", "cpu")
     # what the actuators launch and the external controller reads: a declared pool's own engine, a made pool's that one
     assert [getattr(pool_engine(config, name, gpu), "name", None) for name, gpu in (("long-cpu", "cpu"), ("long-context@cpu", "cpu"),
                                                                                      ("long-context@H100-SXM", "H100-SXM"))] == [
         "long-cpu", "chat-cpu", None]
     assert engine == pool_engine(config, "long-context@cpu", "cpu")
-    # an engine configuration that leaves the slots unset: llama-server's 4, where sglang's default is 256
+    # an engine configuration that leaves the slots unset: llama-server's 4, where the gateway's mark for sglang is 256
     pool = new_pool("long-context@cpu", "tiny-llama", "cpu", "{}", engine)
     assert (pool.max_running_per_replica, pool.engine_kind, pool.priority_scheduling) == (4, "llamacpp", False)
     assert new_pool("long-context@cpu", "tiny-llama", "cpu", '{"max_running_requests": 1}', engine).max_running_per_replica == 1
-    # a declared pool is counted the same way (gateway.runtime)
-    assert [max_running_per_replica(value, kind) for value, kind in ((None, "llamacpp"), (None, "vllm"), (2, "llamacpp"))] == [4, 256, 2]
+    # a declared pool is counted the same way (gateway.runtime); vLLM runs its sequences for the device
+    assert [max_running_per_replica(EngineConfig(max_running_requests=value), kind, gpu) for value, kind, gpu in (
+        (None, "llamacpp", "cpu"), (None, "vllm", "cpu"), (None, "vllm", "H100-SXM"), (None, "sglang", "H100-SXM"), (2, "llamacpp", "cpu"))] == [
+        4, 128, 1024, 256, 2]
 
     vllm = load_config(REPO / "examples" / "cpu-vllm.yaml")
-    assert controller_settings(vllm, "tiny-llama", {"cpu": 2}).made_llamacpp == {}
+    assert controller_settings(vllm, "tiny-llama", {"cpu": 2}).made_engines == {"cpu": VllmServer(get_gpu("cpu"))}
     made = new_pool("long-context@cpu", "tiny-llama", "cpu", '{"schedule_policy": "priority"}', made_pool_engine(vllm, "long-context@cpu", "cpu"))
-    assert (made.max_running_per_replica, made.engine_kind, made.priority_scheduling) == (256, "vllm", True)
+    assert (made.max_running_per_replica, made.engine_kind, made.priority_scheduling) == (128, "vllm", True)  # vLLM's CPU api_server runs 128 sequences
 
     emulated = load_config(_config(tmp_path, [_pool("plain")]))
-    assert controller_settings(emulated, BASE, {"H100-SXM": 2}).made_llamacpp == {}
+    assert controller_settings(emulated, BASE, {"H100-SXM": 2}).made_engines == {}
     assert new_pool("long-context@H100-SXM", BASE, "H100-SXM", "{}", made_pool_engine(emulated, "long-context@H100-SXM", "H100-SXM")).engine_kind == "emulated"

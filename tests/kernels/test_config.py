@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from kernels.config import EngineConfig, LlamacppServer, SglangTarget
+from kernels.config import EngineConfig, SglangTarget
 
 _RICH = EngineConfig(
     tp=4, dp=2, max_running_requests=256, chunked_prefill_size=4096, max_prefill_tokens=8192, schedule_policy="lpm",
@@ -131,22 +131,3 @@ def test_llamacpp_defaults_are_llama_servers() -> None:
     assert EngineConfig.from_llamacpp_args(args) == EngineConfig()
     assert EngineConfig.from_llamacpp_args("-m m -c 0 -np -1 --metrics --port 8080") == EngineConfig()  # 0 and -1: llama's auto
     assert "-b" not in EngineConfig(chunked_prefill_size=-1).to_llamacpp_args("m")  # no chunking: its default batch
-
-
-def test_llama_server_runs_four_slots_in_the_models_context_where_a_configuration_leaves_them_unset() -> None:
-    server = LlamacppServer(max_context=2048)
-    assert server.runs(EngineConfig()) == EngineConfig(max_running_requests=4, max_total_tokens=2048)
-    mine = EngineConfig(max_running_requests=1, chunked_prefill_size=512)
-    assert server.runs(mine) == EngineConfig(max_running_requests=1, chunked_prefill_size=512, max_total_tokens=2048)
-    # its slots share one pool: 4 of 2,048 tokens hold 512-token requests at once, not 513-token ones
-    assert server.holds(EngineConfig(), 512) and not server.holds(EngineConfig(), 513)
-    assert server.holds(mine, 2048) and server.holds(EngineConfig(max_total_tokens=8192), 1200)
-
-
-def test_llama_server_sized_for_a_request_length_names_the_most_slots_the_models_context_holds_at_once() -> None:
-    server = LlamacppServer(max_context=2048)
-    for tokens, slots in ((1182, 1), (1024, 2), (682, 3), (300, 6)):
-        sized = server.sized_for(tokens)
-        assert sized == EngineConfig(max_running_requests=slots)
-        assert server.holds(sized, tokens) and not server.holds(EngineConfig(max_running_requests=slots + 1), tokens)
-    assert server.sized_for(2049) is None  # not even one slot holds it

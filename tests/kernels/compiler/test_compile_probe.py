@@ -16,7 +16,7 @@ from kernels.catalog import get_gpu, get_model
 from kernels.compiler.evaluators import Metrics
 from kernels.compiler.gates import SGLANG_PYTHON_ENV
 from kernels.compiler.measurement import Measurement, ProbeFingerprint, ProbeLadder, ProbeStep
-from kernels.compiler.probe import as_vllm_runs, vllm_candidates
+from kernels.compiler.probe import engine_knobs, vllm_candidates
 from kernels.compiler.shape import get_shape
 from kernels.compiler.store import TrialStore
 from kernels.config import EngineConfig
@@ -177,9 +177,10 @@ def test_vllm_candidates_are_its_defaults_then_distinct_command_lines_predicted_
     assert candidates[0] == EngineConfig() and len(set(flags)) == len(flags) == 16
     assert "--max-num-seqs" not in flags[0] and "--max-num-batched-tokens" not in flags[0]
     assert any("--no-enable-prefix-caching" in f and "4" in f for f in flags)
-    runs = as_vllm_runs(EngineConfig())  # vLLM 0.32's CPU api_server: 128 sequences, 2048 batched tokens
+    _, _, as_run = engine_knobs("vllm", get_model("tiny-llama"), get_gpu("cpu"))
+    runs = as_run(EngineConfig())  # vLLM 0.32's CPU api_server: 128 sequences, 2048 batched tokens
     assert (runs.max_running_requests, runs.chunked_prefill_size) == (128, 2048)
-    assert as_vllm_runs(EngineConfig(max_running_requests=4)).max_running_requests == 4
+    assert as_run(EngineConfig(max_running_requests=4)).max_running_requests == 4
 
 
 @pytest.mark.slow
