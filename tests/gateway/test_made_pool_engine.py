@@ -1,6 +1,7 @@
 """A pool the controller makes runs the engine gateway.replicas launches it with (the first declared pool's on
 its GPU kind): the controller judges its configurations as that engine runs them, the router counts the slots
-it gives, and the gateway reads its /metrics and sends priorities as that engine's."""
+it gives, and the gateway reads its /metrics and sends priorities as that engine's. A declared pool whose
+configuration leaves its batch unset counts as saturated at what its engine runs on its device."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ from pathlib import Path
 from gateway.config import load_config
 from gateway.live_fleet import controller_settings, new_pool
 from gateway.replicas import made_pool_engine, pool_engine
-from gateway.runtime import max_running_per_replica
+from gateway.runtime import build_runtime, max_running_per_replica
 from kernels.catalog import get_gpu
 from kernels.catalog.models import get_model
 from kernels.config import EngineConfig
@@ -45,3 +46,17 @@ def test_a_pool_made_on_a_real_engine_fleet_is_judged_routed_and_read_as_its_eng
     emulated = load_config(_config(tmp_path, [_pool("plain")]))
     assert controller_settings(emulated, BASE, {"H100-SXM": 2}).made_engines == {}
     assert new_pool("long-context@H100-SXM", BASE, "H100-SXM", "{}", made_pool_engine(emulated, "long-context@H100-SXM", "H100-SXM")).engine_kind == "emulated"
+
+
+def test_a_declared_pool_counts_as_saturated_at_what_its_engine_runs_on_its_device(tmp_path: Path) -> None:
+    urls = {"urls": ["http://127.0.0.1:9"]}
+    pools: list[dict[str, object]] = [{"name": "vllm-h100", "model": "tiny-llama", "gpu": "H100-SXM", "engine": {"kind": "vllm"}, "replicas": urls},
+             {"name": "vllm-a100", "model": "tiny-llama", "gpu": "A100-80GB", "engine": {"kind": "vllm"}, "replicas": urls},
+             {"name": "vllm-somewhere", "model": "tiny-llama", "engine": {"kind": "vllm"}, "replicas": urls},  # a device vLLM cannot read
+             {"name": "vllm-cpu", "model": "tiny-llama", "gpu": "cpu", "engine": {"kind": "vllm", "tp": 2}, "replicas": urls},
+             {"name": "llama", "model": "tiny-llama", "gpu": "cpu", "engine": {"kind": "llamacpp"}, "replicas": urls},
+             {"name": "sglang", "model": "tiny-llama", "gpu": "H100-SXM", "engine": {"kind": "sglang"}, "replicas": urls},
+             {"name": "capped", "model": "tiny-llama", "gpu": "H100-SXM", "engine": {"kind": "vllm", "max_running_requests": 8}, "replicas": urls}]
+    runtime = build_runtime(load_config(_config(tmp_path, pools)), {}, None, 0.0)
+    assert {pool.name: pool.max_running_per_replica for pool in runtime.pools} == {
+        "vllm-h100": 1024, "vllm-a100": 256, "vllm-somewhere": 256, "vllm-cpu": 256, "llama": 4, "sglang": 256, "capped": 8}
