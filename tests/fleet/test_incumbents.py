@@ -233,11 +233,11 @@ def test_a_declared_vllm_pool_judges_each_candidate_as_vllm_runs_it_on_its_gpu()
     tokens a step there, where sglang chunks 8,192 (kernels.engine_servers). Judged as sglang, the pool
     is restarted for a 2,048-token chunk that it already runs on 6,000-token prompts, and on 3,000-token
     interactive ones it keeps the defaults, which vLLM runs 8% slower than an 8,192-token batch."""
-    a100 = "A100-80GB"
+    a100, capacity = "A100-80GB", PerfCapacity("llama-3.1-8b")
 
     def chosen(load: ShapeLoad, engine: VllmServer | None) -> EngineConfig:
         declared = (DeclaredPool("long-a100", a100, ("long-context",), EngineConfig(), config_json(EngineConfig()), engine),)
-        options = pool_options((load,), (a100,), PerfCapacity("llama-3.1-8b"), DEFAULT_TIERS, declared=declared,
+        options = pool_options((load,), (a100,), capacity, DEFAULT_TIERS, declared=declared,
                                running={"long-a100": EngineConfig()}, restart_margin=restart_margin(48.0, 900.0))
         return dict(options.pool_to_config)["long-a100"]
 
