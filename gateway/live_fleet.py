@@ -98,8 +98,8 @@ def new_pool(name: str, model: str, gpu: str, config_json: str, engine: PoolSpec
     that GPU kind), run by ``engine``'s engine (gateway.replicas.made_pool_engine: the declared pool whose
     engine the actuator launches it with; None: emulated). It is sized by its engine configuration as that
     engine runs it on ``gpu`` (llama-server's slots or vLLM's sequences where the configuration leaves them
-    unset), its replicas are read
-    and given priorities as that engine's, and it serves ``model`` and the LoRA adapters the engine loads."""
+    unset), its replicas are read and given priorities as that engine's, and it serves ``model`` and the
+    LoRA adapters the engine loads."""
     config = EngineConfig.from_dict(orjson.loads(config_json))
     engine_kind = "emulated" if engine is None else engine.engine_kind
     shape = name.split("@", 1)[0].removeprefix(f"{model}:")

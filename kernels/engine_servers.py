@@ -24,8 +24,8 @@ LLAMACPP_DEFAULT_SLOTS = 4  # llama-server's `--parallel -1` (auto)
 # OPENAI_API_SERVER usage context, and CacheConfig.gpu_memory_utilization). It reads the device's
 # memory and name; where it cannot (no device known here either) it takes the row for other GPUs.
 VLLM_GPU_MEMORY_UTILIZATION = 0.92
-_VLLM_LARGE_GPU_GB = 160.0  # B200 and up: (1024, 16384)
-_VLLM_H100_CLASS_GB = 70.0  # H100, H200, GH200, MI300X-class but not A100: (1024, 8192)
+_VLLM_LARGE_GPU_GB = 160.0  # B200, MI300X and up: (1024, 16384)
+_VLLM_H100_CLASS_GB = 70.0  # H100, H200, GH200 (an 80 GB A100 is named out): (1024, 8192)
 _VLLM_BIG = (1024, 8192)
 _VLLM_LARGEST = (1024, 16384)
 _VLLM_OTHER_GPU = (256, 2048)  # A100 (batching more tokens slowed it, vLLM PR #17885), L40S, unknown
