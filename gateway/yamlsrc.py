@@ -63,6 +63,9 @@ def load_yaml(path: Path) -> YamlDoc:
 
 
 def parse_yaml(text: str, name: str) -> YamlDoc:
+    """Parse ``text`` (read from ``name``); what YAML cannot say without ambiguity is refused with its
+    line: a key given twice in one mapping (PyYAML keeps the last silently, so a second ``pools:``
+    block would drop the first) and nesting too deep for the parser."""
     try:
         node = yaml.compose(text, Loader=yaml.SafeLoader)
     except yaml.YAMLError as exc:
@@ -70,27 +73,44 @@ def parse_yaml(text: str, name: str) -> YamlDoc:
         line = mark.line + 1 if mark is not None else None
         problem = getattr(exc, "problem", None) or str(exc)
         raise ConfigError(name, line, "", f"invalid YAML: {problem}") from None
+    except RecursionError:
+        raise ConfigError(name, None, "", "invalid YAML: nested too deeply") from None
     path_to_line: dict[FieldPath, int] = {}
     if node is None:
         return YamlDoc(name, None, path_to_line)
     path_to_line[()] = node.start_mark.line + 1
-    _index(node, (), path_to_line)
+    _index(name, node, path_to_line)
     try:
         data = yaml.safe_load(text)
     except yaml.YAMLError as exc:  # composed but not constructible (e.g. an unknown tag)
         raise ConfigError(name, path_to_line[()], "", f"invalid YAML: {exc}") from None
+    except RecursionError:
+        raise ConfigError(name, path_to_line[()], "", "invalid YAML: nested too deeply") from None
     return YamlDoc(name, data, path_to_line)
 
 
-def _index(node: yaml.Node, path: FieldPath, out: dict[FieldPath, int]) -> None:
-    if isinstance(node, yaml.MappingNode):
-        for key_node, value_node in node.value:
-            key = key_node.value if isinstance(key_node, yaml.ScalarNode) else str(key_node.value)
-            child = (*path, key)
-            out[child] = key_node.start_mark.line + 1
-            _index(value_node, child, out)
-    elif isinstance(node, yaml.SequenceNode):
-        for i, item in enumerate(node.value):
-            child = (*path, i)
-            out[child] = item.start_mark.line + 1
-            _index(item, child, out)
+def _index(name: str, root: yaml.Node, out: dict[FieldPath, int]) -> None:
+    """The line of every mapping key and sequence item under ``root``. A node is indexed once: one an
+    alias reaches again (a shared or a recursive anchor) keeps the lines of where it was written, and
+    paths through the alias fall back to the alias's own line (``YamlDoc.line_of``)."""
+    seen: set[int] = set()
+    todo: list[tuple[yaml.Node, FieldPath]] = [(root, ())]
+    while todo:
+        node, path = todo.pop()
+        if id(node) in seen:
+            continue
+        seen.add(id(node))
+        if isinstance(node, yaml.MappingNode):
+            key_to_line: dict[str, int] = {}
+            for key_node, value_node in node.value:
+                key = key_node.value if isinstance(key_node, yaml.ScalarNode) else str(key_node.value)
+                line = key_node.start_mark.line + 1
+                if key in key_to_line and key != "<<":  # a merge key may be given more than once
+                    raise ConfigError(name, line, format_path((*path, key)), f"duplicate key (first given on line {key_to_line[key]})")
+                key_to_line[key] = line
+                out[(*path, key)] = line
+                todo.append((value_node, (*path, key)))
+        elif isinstance(node, yaml.SequenceNode):
+            for i, item in enumerate(node.value):
+                out[(*path, i)] = item.start_mark.line + 1
+                todo.append((item, (*path, i)))

@@ -65,6 +65,30 @@ def test_yaml_syntax_error_has_a_line(tmp_path: Path) -> None:
     assert err.line is not None and "invalid YAML" in err.reason
 
 
+def test_a_key_given_twice_names_both_lines_in_the_config_and_in_a_tenant_file(tmp_path: Path) -> None:
+    # PyYAML keeps the last of two equal keys silently: a second `max_attempts` would win unseen
+    err = _error_for(tmp_path, "  max_attempts: 3", "  max_attempts: 3\n  max_attempts: 1")
+    assert err.field == "upstream.max_attempts"
+    assert err.line == _line_of(Path(err.file), "max_attempts: 1")
+    assert err.reason == f"duplicate key (first given on line {_line_of(Path(err.file), 'max_attempts: 3')})"
+    path = _copy_example(tmp_path / "tenant")
+    tenant = tmp_path / "tenant" / "tenants" / "demo.yaml"
+    tenant.write_text(tenant.read_text() + "default_tier: batch\n")
+    with pytest.raises(ConfigError) as info:
+        load_config(path)
+    assert info.value.file.endswith("demo.yaml") and info.value.field == "default_tier"
+    assert info.value.line == _line_of(tenant, "default_tier: batch")
+
+
+def test_recursive_anchors_and_deep_nesting_are_config_errors_not_a_crash(tmp_path: Path) -> None:
+    err = _error_for(tmp_path, "upstream:\n", "upstream: &up\n  itself: *up\n")
+    assert err.field == "upstream.itself" and "unknown field" in err.reason
+    path = tmp_path / "deep.yaml"
+    path.write_text("server: " + "[" * 5000 + "]" * 5000 + "\n")
+    with pytest.raises(ConfigError, match="nested too deeply"):
+        load_config(path)
+
+
 def test_unknown_shape_in_pool_and_unknown_gpu(tmp_path: Path) -> None:
     err = _error_for(tmp_path, "shapes: [short-chat, batch]", "shapes: [short-chat, tiny]")
     assert err.field == "fleet.pools[0].shapes[1]" and "'tiny'" in str(err)
