@@ -2,7 +2,7 @@
 
 Rebuild the shipped artefact with one command (reads ../shared/data, writes classifiers/model/):
 
-    python -m classifiers.train --shared ../shared/data --out classifiers/model
+    polymorph classifiers train --shared ../shared/data --out classifiers/model
 
 ``polymorph classifiers train --data FILE.jsonl --out DIR`` runs the same code on a user's set.
 """
@@ -360,10 +360,3 @@ def main_train(args: argparse.Namespace) -> int:
     print(f"model written to {args.out}")
     return 0
 
-
-if __name__ == "__main__":
-    _parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    from classifiers.cli import add_train_arguments
-
-    add_train_arguments(_parser)
-    sys.exit(main_train(_parser.parse_args()))
