@@ -21,8 +21,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from fleet.canary import ADOPT, WAIT, CanarySettings, CanaryVerdict, Noise, aa_noise, enough, judge
-from fleet.commands import Activate, Command
-from fleet.controller import TickOutput
+from fleet.commands import Activate, Command, TickOutput
 from fleet.decisions import Decision, Move
 from fleet.evidence import CanaryEvidence, RollbackEvidence, StepEvidence, VerifyEvidence
 from fleet.operator import MoveRefused

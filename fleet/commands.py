@@ -1,6 +1,6 @@
 """What the controller asks of whoever owns the replicas: frozen commands, applied at the edge.
 
-``Controller.tick`` returns them (fleet.controller.TickOutput) and never acts, as vLLM's scheduler
+``Controller.tick`` returns them in a ``TickOutput`` and never acts, as vLLM's scheduler
 returns an output that the executor applies: the live gateway applies them on its event loop (the
 pools' only writer), the external controller on its tick thread, the simulator in virtual time.
 What happened comes back as the next tick's facts (``fleet.rollout.SlotState``: alive, in flight,
@@ -12,6 +12,8 @@ from __future__ import annotations
 from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Protocol
+
+from fleet.decisions import Decision
 
 
 @dataclass(frozen=True, slots=True)
@@ -45,6 +47,15 @@ class Activate:
 
 
 Command = Drain | Stop | Start | Activate
+
+
+@dataclass(frozen=True, slots=True)
+class TickOutput:
+    """One tick's result (the controller's, the operator's moves', the canary trials'): decisions to log,
+    commands for the edge to apply (in order)."""
+
+    decisions: list[Decision]
+    commands: list[Command]
 
 
 class Actuator(Protocol):

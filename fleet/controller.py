@@ -29,10 +29,10 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
-from typing import TYPE_CHECKING
 
+from fleet.canary_trial import CanaryTrials
 from fleet.capacity import CapacityModel
-from fleet.commands import Command
+from fleet.commands import Command, TickOutput
 from fleet.compiled import ConfigSource, compile_ready, compile_submitted
 from fleet.decisions import Decision, Move
 from fleet.drift import DriftDetector, DriftSettings, DriftVerdict
@@ -46,9 +46,6 @@ from fleet.telemetry import Telemetry, TrafficMix
 from kernels.config import EngineConfig
 from kernels.engine_servers import EngineServer
 from kernels.tiers import DEFAULT_TIERS, TierSlo
-
-if TYPE_CHECKING:  # fleet.canary_trial imports this module (TickOutput)
-    from fleet.canary_trial import CanaryTrials
 
 
 @dataclass(frozen=True, slots=True)
@@ -94,14 +91,6 @@ class ControllerSettings:
             raise ValueError("verify_margin must be >= 0, plan_horizon_s, verify_engine_backlog and foreign_replan_change > 0")
         if self.drain_timeout_s <= 0 or self.start_timeout_margin <= 0 or (self.start_timeout_s is not None and self.start_timeout_s <= 0):
             raise ValueError("drain_timeout_s, start_timeout_s and start_timeout_margin must be > 0")
-
-
-@dataclass(frozen=True, slots=True)
-class TickOutput:
-    """One tick's result: decisions to log, commands for the edge to apply (in order)."""
-
-    decisions: list[Decision]
-    commands: list[Command]
 
 
 @dataclass(slots=True)

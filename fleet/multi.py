@@ -19,8 +19,8 @@ import dataclasses
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
-from fleet.commands import Command
-from fleet.controller import Controller, TickOutput
+from fleet.commands import Command, TickOutput
+from fleet.controller import Controller
 from fleet.decisions import Decision
 from fleet.rebalance import Arbiter, RebalanceSettings, Transfer
 from fleet.rollout import SlotState

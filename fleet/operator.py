@@ -16,8 +16,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
-from fleet.commands import Activate, Command, Stop
-from fleet.controller import TickOutput
+from fleet.commands import Activate, Command, Stop, TickOutput
 from fleet.decisions import Decision, Move
 from fleet.evidence import RollbackEvidence, StepEvidence, VerifyEvidence
 from fleet.rollout import Mover, SlotState

@@ -31,8 +31,8 @@ import orjson
 
 from fleet.canary_trial import CanaryTrials
 from fleet.capacity import PerfCapacity
-from fleet.commands import Command, apply
-from fleet.controller import Controller, ControllerSettings, TickOutput
+from fleet.commands import Command, TickOutput, apply
+from fleet.controller import Controller, ControllerSettings
 from fleet.decisions import Decision
 from fleet.health import CircuitBreaker, HealthState
 from fleet.multi import ModelTelemetry, MultiController, SlotSplit, split_slots
