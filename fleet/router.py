@@ -1,6 +1,6 @@
 """Choose a pool and a replica for one request. Pure policy: state in, decision out, no I/O.
 
-``route`` runs the steps ``RouterSettings`` names (fleet.router_steps, where each is described):
+``route`` runs the steps ``RouterSettings`` names (both in fleet.router_steps, where each step is described):
 pool filter (which pools serve the model) -> pool scorer (rank them; skipped when one is left, as for
 a model served by one pool) -> admission (with ``tiers``: run now, ``Wait`` in the best pool's queue,
 or 429 ``shed``) -> in each ranked pool, replica filter (serves the model, routable, not tried yet)
@@ -29,13 +29,12 @@ twice; without engine figures it is 0 and the gateway's own counts decide. Pool 
 from __future__ import annotations
 
 from collections.abc import Collection, Mapping, Sequence
-from dataclasses import dataclass, field
 
 from classifiers.shape import Shape
 from fleet.engines.load import EngineLoad
 from fleet.pool import PoolState, ReplicaState
 from fleet.router_decisions import Reject, Route, Wait
-from fleet.router_steps import Router, compose, poisson_at_least, request_slots, slo_chance, work_units
+from fleet.router_steps import RouterSettings, poisson_at_least, request_slots, slo_chance, work_units
 from kernels.tiers import DEFAULT_TIERS, TierSlo, slo_for
 
 # Route, Wait, Reject and the closed forms are used through this module by the gateway, the simulator and the tests.
@@ -43,44 +42,6 @@ __all__ = [
     "Reject", "Route", "RouterSettings", "Wait", "foreign_requests", "pick_replica", "poisson_at_least", "request_slots", "route", "slo_chance",
     "work_units",
 ]
-
-
-@dataclass(frozen=True, slots=True)
-class RouterSettings:
-    affinity_slack: float = 1.5
-    shed_priority: int = 2  # tiers at this priority or lower (a larger number) are shed first
-    shed_load_fraction: float = 1.0
-    shed_retry_after_s: float = 2.0  # the least Retry-After a shed answer carries
-    good_chance: float = 0.9  # a pool at least this likely to meet the SLO is good enough: own shape, then cost
-    shed_chance: float = 0.05  # below this, a request is shed at once instead of waiting in a queue
-    wait_share: float = 0.5  # share of the tier's TTFT objective a request may spend waiting for a replica
-    # Share of each replica's running slots (``max_running_per_replica``) that tiers at or below
-    # ``shed_priority`` may not take, in pools that keep a queue: a batch flood then leaves room in the
-    # engine's batch, and a more urgent request starts at its next step instead of waiting for a batch
-    # request to finish (an engine's priority scheduler orders its waiting queue but does not preempt a
-    # full batch for a newcomer). 0 (default): batch may fill the slots; its throughput then pays nothing
-    # when no urgent traffic comes. See `polymorph bench priority` for the measured trade-off.
-    urgent_reserve: float = 0.0
-    # How far back the gateway looks for the most urgent requests a pool had in flight at once: with
-    # ``urgent_reserve`` > 0 each replica keeps that many slots (spread over its replicas), plus one,
-    # from batch when that is more than the share (fleet.urgent_demand). 0: measure nothing (the share alone).
-    urgent_window_s: float = 30.0
-    # Share of a modelled pool's running slots another shape's request (an overflow) may count on; the
-    # rest stays for the pool's own shape, whose next requests would otherwise find it full of heavier
-    # overflow and be shed (fleet.router_steps.request_slots). 1: overflow may fill the pool.
-    overflow_share: float = 0.5
-    # The steps, by name (fleet.router_steps.STEPS lists each stage's; these are the defaults).
-    pool_filter: str = "serves_model"
-    pool_scorer: str = "slo_chance"
-    admission: str = "queue_or_shed"
-    replica_filter: str = "untried_routable"
-    replica_picker: str = "prefix_affinity"
-    steps: Router = field(init=False, repr=False, compare=False)  # the named steps, composed once
-
-    def __post_init__(self) -> None:
-        if not 0.0 < self.overflow_share <= 1.0:
-            raise ValueError(f"overflow_share must be in (0, 1], got {self.overflow_share}")
-        object.__setattr__(self, "steps", compose(self))  # frozen: set once here, only read per request
 
 
 def route(
