@@ -27,7 +27,7 @@ from fleet.engines.load import ENGINE_KINDS
 from fleet.kubernetes_manifests import KubernetesSettings
 from fleet.router import RouterSettings
 from fleet.router_steps import STEPS
-from gateway.yamlsrc import ConfigError, FieldPath, YamlDoc, load_yaml
+from gateway.yamlsrc import FieldPath, FieldReader, YamlDoc, load_yaml
 from kernels.tiers import DEFAULT_TIERS, TierSlo
 from loadtest.demo_credentials import DEMO_ADMIN_TOKEN, DEMO_API_KEY
 
@@ -239,64 +239,11 @@ class GatewayConfig:
     tenants_dir: Path | None = None
 
 
-# --- small typed readers -------------------------------------------------------------------------
-
-
-class _Reader:
-    """Reads typed fields out of one mapping of a YAML document, reporting errors with lines."""
-
-    def __init__(self, doc: YamlDoc, path: FieldPath, data: object, known: set[str]) -> None:
-        if data is None:
-            data = {}
-        if not isinstance(data, dict):
-            raise doc.error(path, f"must be a mapping, not {type(data).__name__}")
-        for key in data:
-            if key not in known:
-                raise doc.error((*path, key), f"unknown field (expected one of: {', '.join(sorted(known))})")
-        self.doc, self.path, self.data = doc, path, data
-
-    def error(self, key: str | int, reason: str) -> ConfigError:
-        return self.doc.error((*self.path, key), reason)
-
-    def number(self, key: str, default: float, *, lo: float = 0.0, hi: float = float("inf"), integer: bool = False) -> Any:
-        value = self.data.get(key, default)
-        kinds = (int,) if integer else (int, float)
-        if isinstance(value, bool) or not isinstance(value, kinds):
-            raise self.error(key, f"must be {'an integer' if integer else 'a number'}, not {value!r}")
-        if not lo <= value <= hi:
-            raise self.error(key, f"must be between {lo:g} and {hi:g}, not {value!r}")
-        return value
-
-    def text(self, key: str, default: str | None) -> str | None:
-        value = self.data.get(key, default)
-        if value is not None and not isinstance(value, str):
-            raise self.error(key, f"must be a string, not {value!r}")
-        return value
-
-    def flag(self, key: str, default: bool) -> bool:
-        value = self.data.get(key, default)
-        if not isinstance(value, bool):
-            raise self.error(key, f"must be true or false, not {value!r}")
-        return value
-
-    def names(self, key: str, default: list[str] | None, allowed: tuple[str, ...] | None = None) -> list[str] | None:
-        value = self.data.get(key, default)
-        if value is None:
-            return None
-        if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
-            raise self.error(key, "must be a list of strings")
-        if allowed is not None:
-            for i, v in enumerate(value):
-                if v not in allowed:
-                    raise self.doc.error((*self.path, key, i), f"{v!r} is not one of: {', '.join(allowed)}")
-        return value
-
-
 # --- sections ------------------------------------------------------------------------------------
 
 
 def _server(doc: YamlDoc) -> ServerSettings:
-    r = _Reader(doc, ("server",), doc.data.get("server"), {"host", "port", "max_body_bytes", "admin_token", "admin_token_sha256", "access_log", "body_read_timeout_s"})
+    r = FieldReader(doc, ("server",), doc.data.get("server"), {"host", "port", "max_body_bytes", "admin_token", "admin_token_sha256", "access_log", "body_read_timeout_s"})
     token, token_hash = r.text("admin_token", None), r.text("admin_token_sha256", None)
     if token is not None and token_hash is not None:
         raise r.error("admin_token", "give admin_token or admin_token_sha256, not both")
@@ -316,7 +263,7 @@ def _server(doc: YamlDoc) -> ServerSettings:
 
 def _upstream(doc: YamlDoc) -> UpstreamSettings:
     known = set(UpstreamSettings.__dataclass_fields__)
-    r = _Reader(doc, ("upstream",), doc.data.get("upstream"), known)
+    r = FieldReader(doc, ("upstream",), doc.data.get("upstream"), known)
     d = UpstreamSettings()
     return UpstreamSettings(
         connect_timeout_s=r.number("connect_timeout_s", d.connect_timeout_s, lo=0.01, hi=600),
@@ -334,7 +281,7 @@ def _upstream(doc: YamlDoc) -> UpstreamSettings:
 
 
 def _objectives(doc: YamlDoc, path: FieldPath, data: object, base: TierSlo | None) -> TierSlo:
-    r = _Reader(doc, path, data, {"ttft_p99_s", "tpot_p99_s", "deadline_s", "priority"})
+    r = FieldReader(doc, path, data, {"ttft_p99_s", "tpot_p99_s", "deadline_s", "priority"})
     if base is None:
         for key in ("ttft_p99_s", "tpot_p99_s"):
             if key not in r.data:
@@ -364,7 +311,7 @@ def _tiers(doc: YamlDoc) -> dict[str, TierSlo]:
 
 def _classifier(doc: YamlDoc, base: Path) -> ClassifierSettings:
     """Paths are relative to the config file, as `polymorph classify --config` reads them."""
-    r = _Reader(doc, ("classifier",), doc.data.get("classifier"), {"model", "tokenizer"})
+    r = FieldReader(doc, ("classifier",), doc.data.get("classifier"), {"model", "tokenizer"})
     model = r.text("model", "builtin") or "builtin"
     tokenizer = r.text("tokenizer", None)
     return ClassifierSettings(
@@ -382,7 +329,7 @@ def _shapes(doc: YamlDoc) -> ShapeRules:
 
 def _pool(doc: YamlDoc, i: int, body: object, shape_names: tuple[str, ...]) -> PoolSpec:
     path: FieldPath = ("fleet", "pools", i)
-    r = _Reader(doc, path, body, {"name", "model", "gpu", "shapes", "engine", "replicas", "min_replicas", "max_replicas", "max_in_flight_per_replica",
+    r = FieldReader(doc, path, body, {"name", "model", "gpu", "shapes", "engine", "replicas", "min_replicas", "max_replicas", "max_in_flight_per_replica",
                                   "adapters", "price_per_hour_usd"})
     name = r.text("name", None)
     if not name or not _POOL_NAME.match(name):
@@ -400,7 +347,7 @@ def _pool(doc: YamlDoc, i: int, body: object, shape_names: tuple[str, ...]) -> P
                                   "adapters are not supported on llamacpp pools (serve them from a vllm or sglang pool)")
     said_emulated = engine.get("kind") == "emulated"
     engine = {k: v for k, v in engine.items() if k not in _LAUNCH_KEYS}
-    rr = _Reader(doc, (*path, "replicas"), r.data.get("replicas"), {"urls", "emulated", "launch"})
+    rr = FieldReader(doc, (*path, "replicas"), r.data.get("replicas"), {"urls", "emulated", "launch"})
     urls = rr.names("urls", []) or []
     for j, url in enumerate(urls):
         if not re.match(r"^https?://[^\s/]+", url):
@@ -442,7 +389,7 @@ _LAUNCH_KEYS = frozenset({"kind", "command", "model_path", "served_model_name", 
 def _launch(doc: YamlDoc, path: FieldPath, engine: dict[str, Any], model: str) -> EngineLaunch:
     """The launch keys of a pool's ``engine:`` mapping (the others are EngineConfig knobs); the engine
     serves the pool's ``model`` id unless ``served_model_name`` says otherwise."""
-    r = _Reader(doc, path, {k: v for k, v in engine.items() if k in _LAUNCH_KEYS}, set(_LAUNCH_KEYS))
+    r = FieldReader(doc, path, {k: v for k, v in engine.items() if k in _LAUNCH_KEYS}, set(_LAUNCH_KEYS))
     kind = r.text("kind", "emulated") or "emulated"
     if kind not in ENGINE_KINDS:
         raise r.error("kind", f"must be one of {', '.join(ENGINE_KINDS)}, not {kind!r}")
@@ -466,7 +413,7 @@ def _launch(doc: YamlDoc, path: FieldPath, engine: dict[str, Any], model: str) -
     )
 
 
-def _pool_adapters(r: _Reader, model: str) -> tuple[tuple[str, str], ...]:
+def _pool_adapters(r: FieldReader, model: str) -> tuple[tuple[str, str], ...]:
     """``adapters: {name: path}``: the LoRA adapters (PEFT folders) the pool's engine loads, named as requests name them."""
     raw = r.data.get("adapters") or {}
     if not isinstance(raw, dict):
@@ -521,7 +468,7 @@ def _check_engine(doc: YamlDoc, path: FieldPath, model: str | None, gpu: str | N
 def _aliases(doc: YamlDoc, pools: tuple[PoolSpec, ...]) -> dict[str, Alias]:
     """``aliases:``: ``public: served`` or ``public: {model: served, listed: false}``; a served model must
     be one a pool declares (or any, when a pool discovers its models: ``model: "*"``)."""
-    r = _Reader(doc, ("aliases",), doc.data.get("aliases"), set((doc.data.get("aliases") or {}) if isinstance(doc.data.get("aliases"), dict) else ()))
+    r = FieldReader(doc, ("aliases",), doc.data.get("aliases"), set((doc.data.get("aliases") or {}) if isinstance(doc.data.get("aliases"), dict) else ()))
     declared = {p.model for p in pools}
     out: dict[str, Alias] = {}
     for public, body in r.data.items():
@@ -530,7 +477,7 @@ def _aliases(doc: YamlDoc, pools: tuple[PoolSpec, ...]) -> dict[str, Alias]:
         if isinstance(body, str):
             alias = Alias(body)
         else:
-            a = _Reader(doc, ("aliases", public), body, {"model", "listed"})
+            a = FieldReader(doc, ("aliases", public), body, {"model", "listed"})
             alias = Alias(a.text("model", "") or "", a.flag("listed", True))
         if not alias.model:
             raise r.error(public, "names the served model it stands for: `public: served` or `{model: served, listed: false}`")
@@ -550,7 +497,7 @@ _STORE_SCHEMES = ("redis://", "rediss://", "unix://")
 
 
 def _limits(doc: YamlDoc) -> LimitsSettings:
-    r = _Reader(doc, ("limits",), doc.data.get("limits"), set(LimitsSettings.__dataclass_fields__))
+    r = FieldReader(doc, ("limits",), doc.data.get("limits"), set(LimitsSettings.__dataclass_fields__))
     d = LimitsSettings()
     store = r.text("store", None)
     if store is not None and not store.startswith(_STORE_SCHEMES):
@@ -578,7 +525,7 @@ def _installed(module: str) -> bool:
 
 
 def _tracing(doc: YamlDoc) -> TracingSettings:
-    r = _Reader(doc, ("tracing",), doc.data.get("tracing"), set(TracingSettings.__dataclass_fields__))
+    r = FieldReader(doc, ("tracing",), doc.data.get("tracing"), set(TracingSettings.__dataclass_fields__))
     d = TracingSettings()
     endpoint = r.text("otlp_endpoint", d.otlp_endpoint) or ""
     if not endpoint.startswith(("http://", "https://")):
@@ -603,7 +550,7 @@ def _router(doc: YamlDoc) -> RouterSettings:
     """``router:``: the router's knobs and named steps (fleet.router.RouterSettings, fleet.router_steps.STEPS;
     the defaults are today's behaviour). Building the settings composes the steps: once per load."""
     d = RouterSettings()
-    r = _Reader(doc, ("router",), doc.data.get("router"), {"affinity_slack", "shed_priority", "shed_load_fraction",
+    r = FieldReader(doc, ("router",), doc.data.get("router"), {"affinity_slack", "shed_priority", "shed_load_fraction",
                                                             "shed_retry_after_s", "good_chance", "shed_chance", "wait_share", "urgent_reserve",
                                                             "urgent_window_s", "overflow_share", *STEPS})
 
@@ -636,7 +583,7 @@ _LEASE_NAME = re.compile(r"^(?=.{1,253}$)[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9
 
 
 def _controller(doc: YamlDoc, base: Path, raw: object) -> ControllerSettingsFile:
-    r = _Reader(doc, ("fleet", "controller"), raw,
+    r = FieldReader(doc, ("fleet", "controller"), raw,
                 {"enabled", "tick_s", "decision_log", "capacity_cache", "mode", "url", "state_file", "report_s", "compile_store",
                  "leader_election", "lease_name", "lease_duration_s", "renew_every_s", "rebalance", "rebalance_cooldown_s",
                  "rebalance_min_gain", "canary", "window_s", "drift", "verify_after_s", "backoff_s"})
@@ -688,7 +635,7 @@ def _controller(doc: YamlDoc, base: Path, raw: object) -> ControllerSettingsFile
 
 
 def _drift(doc: YamlDoc, raw: object, window_s: float) -> DriftSettings:
-    r = _Reader(doc, ("fleet", "controller", "drift"), raw, {"warmup_s", "dwell_s", "strong_dwell_s", "min_interval_s"})
+    r = FieldReader(doc, ("fleet", "controller", "drift"), raw, {"warmup_s", "dwell_s", "strong_dwell_s", "min_interval_s"})
     d = DriftSettings()
     # the warm-up ends when the telemetry window holds that much traffic, and a window holds at most window_s:
     # a longer warm-up never ends, and the controller would never plan nor the urls pools get a model
@@ -704,7 +651,7 @@ def _drift(doc: YamlDoc, raw: object, window_s: float) -> DriftSettings:
 
 
 def _canary(doc: YamlDoc, raw: object) -> CanarySettings:
-    r = _Reader(doc, ("fleet", "controller", "canary"), raw, {"enabled", "window_s", "min_requests", "min_margin", "max_windows"})
+    r = FieldReader(doc, ("fleet", "controller", "canary"), raw, {"enabled", "window_s", "min_requests", "min_margin", "max_windows"})
     return CanarySettings(
         enabled=r.flag("enabled", False),
         window_s=r.number("window_s", 120.0, lo=1.0, hi=86400),
@@ -718,7 +665,7 @@ _RAY_ADDRESS = re.compile(r"^(auto|ray://\S+|[^\s/:]+:\d+)$")
 
 
 def _ray(doc: YamlDoc, raw: object) -> RaySettings:
-    r = _Reader(doc, ("fleet", "ray"), raw, {"address", "num_gpus"})
+    r = FieldReader(doc, ("fleet", "ray"), raw, {"address", "num_gpus"})
     address = r.text("address", None)
     if address is not None and not _RAY_ADDRESS.match(address):
         raise r.error("address", f"must be null (a local cluster), 'auto', 'ray://host:port' or 'host:port', not {address!r}")
@@ -733,10 +680,10 @@ def _ray(doc: YamlDoc, raw: object) -> RaySettings:
 def _devices(doc: YamlDoc, raw: object, pools: tuple[PoolSpec, ...]) -> dict[str, tuple[str, ...]]:
     """``fleet.devices``: ``{kind: {ids: [...]}}`` or ``{kind: {count: N}}`` (ids 0..N-1); each launched
     replica takes its engine's GPU count of ids of its pool's device kind (a CPU engine: one slot)."""
-    r = _Reader(doc, ("fleet", "devices"), raw, set((raw or {}) if isinstance(raw, dict) else ()))
+    r = FieldReader(doc, ("fleet", "devices"), raw, set((raw or {}) if isinstance(raw, dict) else ()))
     out: dict[str, tuple[str, ...]] = {}
     for kind in r.data:
-        d = _Reader(doc, ("fleet", "devices", kind), r.data[kind], {"ids", "count"})
+        d = FieldReader(doc, ("fleet", "devices", kind), r.data[kind], {"ids", "count"})
         if ("ids" in d.data) == ("count" in d.data):
             raise r.error(kind, "give the device ids (`ids: [0, 1]`) or their number (`count: N`)")
         if "ids" in d.data:
@@ -766,9 +713,9 @@ def replica_devices(pool: PoolSpec) -> int:
 
 def _fleet(doc: YamlDoc, shapes: ShapeRules, base: Path) -> tuple[tuple[PoolSpec, ...], float, ControllerSettingsFile, str, RaySettings,
                                                                   dict[str, tuple[str, ...]], KubernetesSettings]:
-    from gateway.kubernetes_config import parse_kubernetes  # here: it reads with this module's _Reader
+    from gateway.kubernetes_config import parse_kubernetes  # here: it reads with this module's FieldReader
 
-    r = _Reader(doc, ("fleet",), doc.data.get("fleet"), {"pools", "emulator_speed", "controller", "actuator", "ray", "devices", "kubernetes"})
+    r = FieldReader(doc, ("fleet",), doc.data.get("fleet"), {"pools", "emulator_speed", "controller", "actuator", "ray", "devices", "kubernetes"})
     raw = r.data.get("pools")
     if not isinstance(raw, list) or not raw:
         raise doc.error(("fleet", "pools"), "must be a non-empty list of pools")
@@ -794,7 +741,7 @@ def _fleet(doc: YamlDoc, shapes: ShapeRules, base: Path) -> tuple[tuple[PoolSpec
 
 def parse_tenant(doc: YamlDoc, tiers: Mapping[str, TierSlo]) -> Tenant:
     known = {"name", "api_key_sha256", "models", "tiers", "default_tier", "objectives", "rate_limits", "max_concurrency", "adapters", "budget"}
-    r = _Reader(doc, (), doc.data, known)
+    r = FieldReader(doc, (), doc.data, known)
     name = r.text("name", None)
     if not name or not _NAME.match(name):
         raise r.error("name", "every tenant needs a name (letters, digits, '-', '_')")
@@ -820,8 +767,8 @@ def parse_tenant(doc: YamlDoc, tiers: Mapping[str, TierSlo]) -> Tenant:
         if tier not in tiers:
             raise doc.error(("objectives", tier), f"unknown tier (configured tiers: {', '.join(tiers)})")
         objectives[tier] = _objectives(doc, ("objectives", tier), body, tiers[tier])
-    limits = _Reader(doc, ("rate_limits",), r.data.get("rate_limits"), {"requests_per_min", "tokens_per_min"})
-    budget = _Reader(doc, ("budget",), r.data.get("budget"), {"monthly_usd"})
+    limits = FieldReader(doc, ("rate_limits",), r.data.get("rate_limits"), {"requests_per_min", "tokens_per_min"})
+    budget = FieldReader(doc, ("budget",), r.data.get("budget"), {"monthly_usd"})
     return Tenant(
         name=name,
         key_sha256=frozenset(hashes),
@@ -887,7 +834,7 @@ def load_config(path: Path) -> GatewayConfig:
     if not isinstance(doc.data, dict):
         raise doc.error((), "the config must be a YAML mapping")
     known = {"server", "upstream", "tenants_dir", "tiers", "classifier", "shapes", "default_shape", "fleet", "router", "aliases", "limits", "tracing"}
-    _Reader(doc, (), doc.data, known)
+    FieldReader(doc, (), doc.data, known)
     tiers = _tiers(doc)
     shapes = _shapes(doc)
     tenants, tenant_files, tenants_dir = _tenants(doc, path.parent, tiers)

@@ -12,8 +12,7 @@ from pathlib import Path
 
 from fleet.engines.load import ENGINE_KINDS
 from fleet.kubernetes_manifests import DEFAULT_GPU_PRODUCTS, DEFAULT_IMAGES, KubernetesSettings
-from gateway.config import _Reader
-from gateway.yamlsrc import YamlDoc
+from gateway.yamlsrc import FieldReader, YamlDoc
 from kernels.catalog import list_gpus
 
 __all__ = ["KubernetesSettings", "parse_kubernetes"]
@@ -28,7 +27,7 @@ def parse_kubernetes(doc: YamlDoc, raw: object, base: Path) -> KubernetesSetting
     """``fleet.kubernetes``; ``images`` and ``gpu_products`` extend the defaults (an entry replaces the
     default of its key), ``kubeconfig`` is relative to the config file."""
     path = ("fleet", "kubernetes")
-    r = _Reader(doc, path, raw, set(KubernetesSettings.__dataclass_fields__))
+    r = FieldReader(doc, path, raw, set(KubernetesSettings.__dataclass_fields__))
     d = KubernetesSettings()
     namespace = r.text("namespace", d.namespace) or ""
     if not _NAMESPACE.match(namespace):
@@ -51,7 +50,7 @@ def parse_kubernetes(doc: YamlDoc, raw: object, base: Path) -> KubernetesSetting
     )
 
 
-def _mapping(doc: YamlDoc, r: _Reader, key: str, allowed: tuple[str, ...], what: str) -> dict[str, str]:
+def _mapping(doc: YamlDoc, r: FieldReader, key: str, allowed: tuple[str, ...], what: str) -> dict[str, str]:
     """A mapping of ``allowed`` names to non-empty strings."""
     raw = r.data.get(key) or {}
     if not isinstance(raw, dict):

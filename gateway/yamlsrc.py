@@ -1,4 +1,5 @@
-"""YAML loading that remembers where every value came from, so config errors can name file and line."""
+"""YAML loading that remembers where every value came from, so config errors can name file and line, and
+the typed field reader every config section is parsed with."""
 
 from __future__ import annotations
 
@@ -114,3 +115,53 @@ def _index(name: str, root: yaml.Node, out: dict[FieldPath, int]) -> None:
             for i, item in enumerate(node.value):
                 out[(*path, i)] = item.start_mark.line + 1
                 todo.append((item, (*path, i)))
+
+
+class FieldReader:
+    """Reads typed fields out of one mapping of a YAML document, reporting errors with lines."""
+
+    def __init__(self, doc: YamlDoc, path: FieldPath, data: object, known: set[str]) -> None:
+        if data is None:
+            data = {}
+        if not isinstance(data, dict):
+            raise doc.error(path, f"must be a mapping, not {type(data).__name__}")
+        for key in data:
+            if key not in known:
+                raise doc.error((*path, key), f"unknown field (expected one of: {', '.join(sorted(known))})")
+        self.doc, self.path, self.data = doc, path, data
+
+    def error(self, key: str | int, reason: str) -> ConfigError:
+        return self.doc.error((*self.path, key), reason)
+
+    def number(self, key: str, default: float, *, lo: float = 0.0, hi: float = float("inf"), integer: bool = False) -> Any:
+        value = self.data.get(key, default)
+        kinds = (int,) if integer else (int, float)
+        if isinstance(value, bool) or not isinstance(value, kinds):
+            raise self.error(key, f"must be {'an integer' if integer else 'a number'}, not {value!r}")
+        if not lo <= value <= hi:
+            raise self.error(key, f"must be between {lo:g} and {hi:g}, not {value!r}")
+        return value
+
+    def text(self, key: str, default: str | None) -> str | None:
+        value = self.data.get(key, default)
+        if value is not None and not isinstance(value, str):
+            raise self.error(key, f"must be a string, not {value!r}")
+        return value
+
+    def flag(self, key: str, default: bool) -> bool:
+        value = self.data.get(key, default)
+        if not isinstance(value, bool):
+            raise self.error(key, f"must be true or false, not {value!r}")
+        return value
+
+    def names(self, key: str, default: list[str] | None, allowed: tuple[str, ...] | None = None) -> list[str] | None:
+        value = self.data.get(key, default)
+        if value is None:
+            return None
+        if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+            raise self.error(key, "must be a list of strings")
+        if allowed is not None:
+            for i, v in enumerate(value):
+                if v not in allowed:
+                    raise self.doc.error((*self.path, key, i), f"{v!r} is not one of: {', '.join(allowed)}")
+        return value
