@@ -43,7 +43,7 @@ def _run_controller(args: argparse.Namespace) -> int:
     from fleet.controller_state import ControllerState
     from gateway.config import load_config
     from gateway.controller_service import ControllerService, serve, state_path
-    from gateway.serve_cli import EMULATE_COMMAND
+    from gateway.replicas import EMULATE_COMMAND
     from gateway.yamlsrc import ConfigError
 
     try:

@@ -37,6 +37,7 @@ from kernels.engine_servers import EngineServer, engine_server
 REAL_START_TIMEOUT_S = 900.0
 RAY_MISSING = "fleet.actuator: ray needs the ray extra: pip install 'polymorph[ray]'"
 KUBERNETES_MISSING = "fleet.actuator: kubernetes needs the kubernetes extra: pip install 'polymorph[kubernetes]'"
+EMULATE_COMMAND = (sys.executable, "-m", "gateway.cli", "emulate")  # what an emulated replica runs: `polymorph emulate`
 
 
 class ReplicaControl(Protocol):

@@ -79,13 +79,10 @@ def _load(args: argparse.Namespace) -> GatewayConfig:
     return replace(config, server=server)
 
 
-EMULATE_COMMAND = (sys.executable, "-m", "gateway.cli", "emulate")
-
-
 def _start_fleet(config: GatewayConfig, log_dir: Path | None) -> tuple[ReplicaControl | None, dict[str, list[str]]]:
     """Start the emulated replicas the config declares (as ``fleet.actuator`` says); returns their
     control (None: there are none to run here) and pool -> URLs."""
-    from gateway.replicas import replica_control, start_fleet
+    from gateway.replicas import EMULATE_COMMAND, replica_control, start_fleet
 
     external = config.controller.enabled and config.controller.mode == "external"
     if external or not any(p.num_launched for p in config.pools):  # an external controller runs them
