@@ -31,8 +31,9 @@ from gateway.endpoints import CHAT_METER, COMPLETIONS_METER, EMBEDDINGS, RERANK,
 from gateway.engine_scrape import EngineScraper
 from gateway.errors import ApiError, error_response
 from gateway.openapi import DOCUMENT_BYTES
+from gateway.outcome import Outcome
 from gateway.probes import HealthProber
-from gateway.proxy import Outcome, Proxy
+from gateway.proxy import Proxy
 from gateway.response_ids import ResponseIds
 from gateway.response_lookup import find_stored
 from gateway.runtime import Runtime

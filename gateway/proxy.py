@@ -25,6 +25,7 @@ from gateway.config import UpstreamSettings
 from gateway.engine_errors import context_exceeded
 from gateway.errors import ApiError, error_body, sse_error_event
 from gateway.metrics import GatewayMetrics
+from gateway.outcome import Outcome
 from gateway.pool_wait import PoolWaits
 from gateway.restart_waits import RestartHolds
 from gateway.retry_budget import RetryBudget
@@ -64,24 +65,6 @@ EMBEDDINGS_WIRE = Wire(ask_stream_usage=False, priority=False)
 RESPONSES_WIRE = Wire(b'"input_tokens":', b'"output_tokens":', ask_stream_usage=False, events=True)
 RERANK_WIRE = Wire(b'"total_tokens":', ask_stream_usage=False, priority=False, array_ok=True)  # vLLM's rerank usage has total_tokens only
 SCORE_WIRE = Wire(ask_stream_usage=False, priority=False)
-
-
-@dataclass(slots=True)
-class Outcome:
-    """What happened to one proxied request; filled in as it goes, read by metrics and the access log."""
-
-    pool: str = "-"
-    replica: str = "-"
-    status: int = 0
-    attempts: int = 0
-    ttft_s: float | None = None
-    tpot_s: float | None = None
-    prompt_tokens: int | None = None
-    completion_tokens: int | None = None
-    cached_tokens: int | None = None  # of the prompt, served from the engine's prefix cache (None: not reported)
-    stream_error: str | None = None
-    response_id: str | None = None  # a Responses answer's id (the replica holds it for follow-ups)
-    engine_share_s: float = 0.0  # its share of its replicas' engine time over all attempts (fleet.engine_share)
 
 
 async def _next_chunk(upstream: UpstreamResponse, outcome: Outcome) -> bytes:

@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING
 from classifiers.shape import Shape
 from fleet.router import Route, Wait, request_slots, slo_chance
 from gateway.config import TracingSettings
+from gateway.outcome import Outcome
 from gateway.runtime import Runtime
 from kernels.tiers import DEFAULT_TIERS, slo_for
 
@@ -30,8 +31,6 @@ if TYPE_CHECKING:
     from opentelemetry.sdk.trace.export import SpanExporter
     from opentelemetry.trace import Span, Tracer
     from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
-
-    from gateway.proxy import Outcome
 
 # W3C Trace Context, version 00: version-traceid-parentid-flags in lowercase hex; all-zero ids are invalid.
 _TRACEPARENT = re.compile(r"00-(?!0{32})[0-9a-f]{32}-(?!0{16})[0-9a-f]{16}-[0-9a-f]{2}")
