@@ -84,8 +84,8 @@ def point_bound_s(source: WorkloadSource, nominal: Workload, multiplier: float, 
 
 def source_from_args(args: argparse.Namespace) -> WorkloadSource:
     """The load test's workload (every flag of a plain run) at any multiplier of its mean rate."""
-    from loadtest.main import build_workload_from_args
     from loadtest.transform import speed_up
+    from loadtest.workload_args import build_workload_from_args
 
     base = build_workload_from_args(args)
     if args.trace:

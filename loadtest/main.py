@@ -11,7 +11,7 @@ import yaml
 
 from kernels.tiers import TierSlo
 from loadtest.spec import Workload
-from loadtest.transform import AssignRule
+from loadtest.workload_args import build_workload_from_args
 
 EXIT_USAGE = 2
 EXIT_UNREACHABLE = 3
@@ -86,63 +86,6 @@ def _run_and_report(
     print(text_summary(summary))
     print(f"wrote {out_dir}/results.json, requests.jsonl{'' if args.no_plots else ' and plots'}")
     return 0
-
-
-def build_workload_from_args(args: argparse.Namespace) -> Workload:
-    """Scenario or trace, then rate/time scaling, windowing and assignments, in that order."""
-    from loadtest import transform
-
-    if bool(args.scenario) == bool(args.trace):
-        raise ValueError("give exactly one of --scenario NAME|FILE or --trace FILE --format FORMAT")
-    if args.scenario:
-        from loadtest.scenario import build_workload, load_scenario
-
-        if args.speedup is not None:
-            raise ValueError("--speedup applies to traces; scale a scenario with --rate")
-        scenario = load_scenario(args.scenario)
-        duration_s = args.duration if args.duration is not None else scenario.duration_s
-        workload = build_workload(scenario, duration_s + args.start, args.rate, args.seed)
-        workload = transform.window(workload, args.start, duration_s)
-    else:
-        from loadtest.traces import read_trace
-
-        if not args.format:
-            raise ValueError("--trace needs --format (azure, burstgpt, mooncake or native)")
-        workload = read_trace(args.trace, args.format)
-        if args.speedup is not None:
-            workload = transform.speed_up(workload, args.speedup)
-        if args.rate is not None:
-            workload = transform.scale_to_rate(workload, args.rate)
-        workload = transform.window(workload, args.start, args.duration)
-    seed = args.seed if args.seed is not None else 0
-    for number, (field, text) in enumerate((("domain", args.domains), ("tenant", args.tenants), ("tier", args.tiers))):
-        if text:
-            workload = transform.assign_fractions(workload, field, transform.parse_fractions(text), seed + number)
-    if args.assign:
-        workload = transform.assign_by_rules(workload, _rules(Path(args.assign)))
-    return workload
-
-
-def _rules(path: Path) -> list[AssignRule]:
-    try:
-        data = yaml.safe_load(path.read_text(encoding="utf-8"))
-    except (OSError, yaml.YAMLError) as exc:
-        raise ValueError(f"cannot read rules file {path}: {exc}") from None
-    if not isinstance(data, list):
-        raise ValueError(f"{path}: expected a list of rules like {{set: tier, to: batch, min_input_tokens: 4096}}")
-    rules = []
-    for index, item in enumerate(data):
-        if not isinstance(item, dict) or "set" not in item or "to" not in item:
-            raise ValueError(f"{path}: rule {index} needs `set:` (tenant, tier or domain) and `to:`")
-        conditions = {key: value for key, value in item.items() if key not in ("set", "to")}
-        for key in ("domains", "tenants"):
-            if key in conditions:
-                conditions[key] = frozenset(conditions[key])
-        try:
-            rules.append(AssignRule(field=str(item["set"]), value=str(item["to"]), **conditions))
-        except TypeError as exc:
-            raise ValueError(f"{path}: rule {index}: {exc}") from None
-    return rules
 
 
 def _slos_from_args(args: argparse.Namespace) -> dict[str, TierSlo]:
