@@ -711,6 +711,18 @@ def replica_devices(pool: PoolSpec) -> int:
     return 1 if pool.gpu == "cpu" else EngineConfig.from_dict(pool.engine).num_gpus
 
 
+def replica_price_per_hour_usd(pool: PoolSpec) -> float:
+    """What one replica of ``pool`` costs an hour (gateway.costs): its ``price_per_hour_usd``, else its
+    devices at the catalog's price of its ``gpu`` (0 for a pool of URLs with neither)."""
+    from kernels.catalog import get_gpu
+
+    if pool.price_per_hour_usd is not None:
+        return pool.price_per_hour_usd
+    if pool.gpu is None:
+        return 0.0
+    return get_gpu(pool.gpu).price_per_gpu_hour * replica_devices(pool)
+
+
 def _fleet(doc: YamlDoc, shapes: ShapeRules, base: Path) -> tuple[tuple[PoolSpec, ...], float, ControllerSettingsFile, str, RaySettings,
                                                                   dict[str, tuple[str, ...]], KubernetesSettings]:
     from gateway.kubernetes_config import parse_kubernetes  # here: it reads with this module's FieldReader

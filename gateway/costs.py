@@ -1,6 +1,7 @@
 """What a request cost: its share of its replica's engine time (fleet.engine_share) at its pool's price.
 
-A pool's price per replica-hour is ``price_per_hour_usd`` from its config entry, else the catalog's
+A config pool's price per replica-hour (gateway.config.replica_price_per_hour_usd, which the runtime
+holds for each) is ``price_per_hour_usd`` from its config entry, else the catalog's
 ``price_per_gpu_hour`` of its ``gpu`` times the devices one replica holds. The pools the controller
 creates (``<shape>@<gpu>``) are priced by the capacity model's figure (the same catalog price times
 their GPUs per replica) or, before a plan sized them, one GPU's catalog price. A pool of ``urls``
@@ -11,19 +12,10 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from gateway.config import PoolSpec, replica_devices
 from kernels.catalog import get_gpu
 
 if TYPE_CHECKING:
     from gateway.runtime import Runtime
-
-
-def replica_price_per_hour_usd(spec: PoolSpec) -> float:
-    if spec.price_per_hour_usd is not None:
-        return spec.price_per_hour_usd
-    if spec.gpu is None:
-        return 0.0
-    return get_gpu(spec.gpu).price_per_gpu_hour * replica_devices(spec)
 
 
 def pool_price_per_hour_usd(runtime: Runtime, pool: str) -> float:

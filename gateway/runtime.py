@@ -18,8 +18,7 @@ from gateway.adapters import adapter_bases
 from gateway.admission import Limiter, TenantLimiter
 from gateway.budgets import SharedSpendLedger, SpendBook, SpendLedger
 from gateway.budgets_store import StoreSpendLedger
-from gateway.config import GatewayConfig, Tenant
-from gateway.costs import replica_price_per_hour_usd
+from gateway.config import GatewayConfig, Tenant, replica_price_per_hour_usd
 from gateway.limits_shared import SharedTenantLimiter, attached_table, num_local_workers
 from gateway.limits_store import LimitStore, StoreTenantLimiter
 from kernels.catalog import get_gpu
