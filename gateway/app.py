@@ -50,6 +50,7 @@ _UNAUTHENTICATED = "_unauthenticated"
 CLIENT_CLOSED = 499  # nginx's status for a client that closed before its answer began
 STATE_KEY: web.AppKey[GatewayState] = web.AppKey("polymorph_state")
 ENGINE_SCRAPER_KEY: web.AppKey[EngineScraper] = web.AppKey("polymorph_engine_scraper")
+PROBER_KEY: web.AppKey[HealthProber] = web.AppKey("polymorph_prober")
 
 
 def _authenticate(request: web.Request, runtime: Runtime) -> Tenant:
@@ -440,9 +441,8 @@ async def _on_startup(app: web.Application) -> None:
     state.upstream_pool = UpstreamPool()
     state.proxy = Proxy(state.upstream_pool, state.metrics)
     state.proxy.waits.attach(state.runtime, loop.time())
-    state.prober = HealthProber(state)
-    await state.prober.discover_models()
-    state.prober.start()
+    await app[PROBER_KEY].discover_models()  # the replicas' models (for /v1/models, routing) before the first request
+    app[PROBER_KEY].start()
     app[ENGINE_SCRAPER_KEY].start()
     if state.access_log is not None:
         state.access_log.start()
@@ -454,8 +454,7 @@ async def _on_cleanup(app: web.Application) -> None:
     state = app[STATE_KEY]
     if state.live is not None:
         await state.live.stop_loop()
-    if state.prober is not None:
-        await state.prober.stop()
+    await app[PROBER_KEY].stop()
     await app[ENGINE_SCRAPER_KEY].stop()
     if state.access_log is not None:
         await state.access_log.stop()
@@ -482,6 +481,7 @@ def build_app(
     app[STATE_KEY] = state
     tracer = build_tracer(config.tracing, span_exporter)
     h = Handlers(state, tracer)
+    app[PROBER_KEY] = HealthProber(state)
     app[ENGINE_SCRAPER_KEY] = EngineScraper(state, config.upstream.engine_metrics_interval_s)
     admin = AdminHandlers(state, app[ENGINE_SCRAPER_KEY])
     router = app.router

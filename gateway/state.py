@@ -20,7 +20,6 @@ from gateway.series import Series
 from gateway.upstream import UpstreamPool
 
 if TYPE_CHECKING:
-    from gateway.probes import HealthProber
     from gateway.proxy import Proxy
 
 
@@ -61,7 +60,6 @@ class GatewayState:
         self.session: aiohttp.ClientSession | None = None  # probes and model discovery only
         self.upstream_pool: UpstreamPool | None = None
         self.proxy: Proxy | None = None
-        self.prober: HealthProber | None = None
         self.live: FleetLink | None = None  # the control loop, when fleet.controller is enabled
 
     def urls_for(self, config: GatewayConfig) -> dict[str, list[str]]:
