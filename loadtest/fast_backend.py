@@ -3,8 +3,9 @@
 It answers ``/v1/chat/completions`` (streamed or not) with ``max_tokens`` placeholder tokens after
 optional fixed delays, ``/v1/models``, ``/health``, and, when given a file, ``/admin/decisions``.
 It models no GPU: use the emulator (``polymorph emulate``) for that. Run it with
-``python -m loadtest.fast_backend --port 8001`` or ``polymorph loadtest fast-backend``, or from
-Python with ``fast_backend_process()``, which runs it in a subprocess for the length of a block.
+``polymorph loadtest fast-backend --port 8001`` (its options are loadtest.cli's, so that ``polymorph
+--help`` imports no server code), or from Python with ``fast_backend_process()``, which runs that
+command in a subprocess for the length of a block.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ import os
 import sys
 import tempfile
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -27,6 +28,7 @@ from classifiers.tokens import count_chat_tokens
 from loadtest import procs
 
 _TOKEN = "tok "
+COMMAND = (sys.executable, "-m", "gateway.cli", "loadtest", "fast-backend")  # `polymorph loadtest fast-backend`
 _START_TIMEOUT_S = 20.0
 
 
@@ -161,10 +163,10 @@ def serve(args: argparse.Namespace) -> int:
 
 @contextmanager
 def fast_backend_process(port: int | None = None, *extra_args: str) -> Iterator[str]:
-    """Run ``loadtest.fast_backend`` in a subprocess; yields its base URL once it answers /health."""
+    """Run the fast backend (``COMMAND``) in a subprocess; yields its base URL once it answers /health."""
     port = port or procs.free_port()
     url = f"http://127.0.0.1:{port}"
-    argv = [sys.executable, "-m", "loadtest.fast_backend", "--port", str(port), *extra_args]
+    argv = [*COMMAND, "--port", str(port), *extra_args]
     with tempfile.TemporaryDirectory(prefix="polymorph-fast-backend-") as log_dir:  # its output, for a failed start's error
         process = procs.start_healthy(argv, f"{url}/health", Path(log_dir) / "fast-backend.log", _START_TIMEOUT_S,
                                       env={**os.environ, "PYTHONUNBUFFERED": "1"})
@@ -172,15 +174,3 @@ def fast_backend_process(port: int | None = None, *extra_args: str) -> Iterator[
             yield url
         finally:
             procs.stop(process)
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    from loadtest.cli import add_fast_backend_arguments
-
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    add_fast_backend_arguments(parser)
-    return serve(parser.parse_args(argv))
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

@@ -35,7 +35,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
-from loadtest import procs
+from loadtest import fast_backend, procs
 
 MODEL = "fast-backend"  # what loadtest.fast_backend serves
 API_KEY = "sk-bench-instructions"
@@ -167,7 +167,7 @@ def _control(option: str, value: str | None, pid: int) -> None:
 def _backends(registry: procs.ProcessRegistry, count: int) -> Iterator[list[int]]:
     ports = [procs.free_port() for _ in range(count)]
     for port in ports:
-        child = registry.start(f"backend-{port}", [sys.executable, "-m", "loadtest.fast_backend", "--port", str(port)])
+        child = registry.start(f"backend-{port}", [*fast_backend.COMMAND, "--port", str(port)])
         procs.wait_http(f"http://127.0.0.1:{port}/health", child, 60.0)
     yield ports
 
