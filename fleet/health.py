@@ -75,10 +75,15 @@ class CircuitBreaker:
         self.consecutive_failures = 0
         self.state = HealthState.HEALTHY
 
-    def on_probe_success(self) -> None:
-        """/health answered 200: the trial of an ejected replica, which readmits it; nothing for a healthy one."""
-        if self.state is not HealthState.HEALTHY:
-            self.on_success()
+    def on_probe_success(self, trial: int | None) -> bool:
+        """/health answered 200 to the probe ``on_dispatch`` numbered ``trial``; True when that readmits the
+        replica: only the trial of an ejected one does. A probe sent while the replica was healthy decides
+        nothing, even when requests ejected it while the probe was in flight: its 200 predates their
+        failures (it readmitted the replica 0.1 s probes apart, under load, in tests/gateway/test_probe_failures.py)."""
+        if trial is None or trial != self.num_trials or self.state is not HealthState.PROBING:
+            return False
+        self.on_success()
+        return True
 
     def on_failure(self, now: float) -> bool:
         """Record a failure; True when this failure ejects the replica."""

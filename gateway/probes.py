@@ -75,7 +75,7 @@ class HealthProber:
             breaker.on_undecided(trial)  # no probe to decide: the next trial request will
             return
         if status == 200:
-            self.state.proxy.mark_success(replica, probe=True)
+            self.state.proxy.mark_probe_success(replica, trial)
         else:
             self.state.proxy.mark_failure(replica)
 

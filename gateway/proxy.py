@@ -291,14 +291,17 @@ class Proxy:
             self.metrics.child(self.metrics.ejections, replica.pool, replica.name).inc()
             self.metrics.child(self.metrics.replica_up, replica.pool, replica.name).set(0)
 
-    def mark_success(self, replica: ReplicaState, probe: bool = False) -> None:
-        """A request served (``probe``: /health's 200, which readmits an ejected replica but clears no failures)."""
+    def mark_success(self, replica: ReplicaState) -> None:
+        """A request served: the replica's run of failures is over."""
         if replica.breaker.state is not HealthState.HEALTHY:
             self.metrics.child(self.metrics.replica_up, replica.pool, replica.name).set(1)
-        if probe:
-            replica.breaker.on_probe_success()
-        else:
-            replica.breaker.on_success()
+        replica.breaker.on_success()
+
+    def mark_probe_success(self, replica: ReplicaState, trial: int | None) -> None:
+        """/health answered 200 to probe ``trial``: it readmits an ejected replica whose trial it was, and
+        clears no failures (fleet.health.CircuitBreaker.on_probe_success)."""
+        if replica.breaker.on_probe_success(trial):
+            self.metrics.child(self.metrics.replica_up, replica.pool, replica.name).set(1)
 
     async def _attempt(
         self,

@@ -114,17 +114,27 @@ def test_a_healthy_probe_does_not_clear_failures_and_a_quiet_cooldown_does() -> 
     breaker = CircuitBreaker(eject_after=3, cooldown_s=5.0)
     ejected = []
     for second in range(3):
-        breaker.on_probe_success()
+        assert not breaker.on_probe_success(breaker.on_dispatch())
         ejected.append(breaker.on_failure(second + 0.5))
     assert ejected == [False, False, True] and breaker.state is HealthState.EJECTED
-    breaker.on_dispatch()  # cool-down over: the probe is the trial, and its 200 readmits
-    breaker.on_probe_success()
+    trial = breaker.on_dispatch()  # cool-down over: the probe is the trial, and its 200 readmits
+    assert breaker.on_probe_success(trial)
     assert breaker.state is HealthState.HEALTHY and breaker.consecutive_failures == 0
 
     quiet = CircuitBreaker(eject_after=2, cooldown_s=5.0)
     assert not quiet.on_failure(0.0)
     assert not quiet.on_failure(5.5)  # 5.5 s after the last: a new run
     assert quiet.on_failure(10.0)  # 4.5 s after: the same run
+
+
+def test_a_probe_sent_before_an_ejection_does_not_readmit_the_replica_when_its_200_comes_after() -> None:
+    breaker = CircuitBreaker(eject_after=2, cooldown_s=5.0)
+    probe = breaker.on_dispatch()  # /health sent while the replica is healthy
+    assert not breaker.on_failure(0.1) and breaker.on_failure(0.2)  # requests eject it meanwhile
+    assert not breaker.on_probe_success(probe) and breaker.state is HealthState.EJECTED
+    assert not breaker.available(5.1)  # its cool-down stands
+    trial = breaker.on_dispatch()  # after it, the next probe is the trial, and its 200 readmits
+    assert breaker.on_probe_success(trial) and breaker.state is HealthState.HEALTHY
 
 
 def test_a_trial_that_decided_nothing_lets_the_next_request_or_probe_be_the_trial() -> None:
