@@ -73,18 +73,19 @@ def module_name(path: Path, root: Path = REPO) -> str:
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
 
 
-def imports(path: Path, root: Path = REPO) -> Iterator[tuple[int, str]]:
-    """(line, absolute module name) of every import in the file; relative imports resolved."""
+def imports(path: Path, root: Path = REPO) -> Iterator[tuple[int, str, tuple[str, ...]]]:
+    """(line, absolute module name, the names a ``from`` import takes) of every import in the file;
+    relative imports resolved."""
     package = module_name(path, root).split(".")
     if path.name != "__init__.py":
         package = package[:-1]
     for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"), filename=str(path))):
         if isinstance(node, ast.Import):
             for alias in node.names:
-                yield node.lineno, alias.name
+                yield node.lineno, alias.name, ()
         elif isinstance(node, ast.ImportFrom):
             base = package[: len(package) - node.level + 1] if node.level else []
-            yield node.lineno, ".".join([*base, *([node.module] if node.module else [])])
+            yield node.lineno, ".".join([*base, *([node.module] if node.module else [])]), tuple(alias.name for alias in node.names)
 
 
 def package_violations(root: Path) -> list[str]:
@@ -92,7 +93,7 @@ def package_violations(root: Path) -> list[str]:
     for package in PACKAGES:
         for path in sorted((root / package).rglob("*.py")):
             importer = module_name(path, root)
-            for line, imported in imports(path, root):
+            for line, imported, _ in imports(path, root):
                 top = imported.split(".")[0]
                 if top in FORBIDDEN.get(package, frozenset()) and (importer, imported) not in ALLOWED:
                     found.append(f"{path.relative_to(root)}:{line}: {package} must not import {top} (imports {imported})")
@@ -103,10 +104,61 @@ def io_violations(root: Path, modules: tuple[str, ...]) -> list[str]:
     found = []
     for relative in modules:
         path = root / relative
-        for line, imported in imports(path, root):
+        for line, imported, _ in imports(path, root):
             if imported.split(".")[0] in NO_IO_MODULES:
                 found.append(f"{relative}:{line}: policy module imports {imported} (policy takes the time as an argument and does no I/O)")
     return found
+
+
+def module_loops(root: Path) -> list[list[str]]:
+    """Our modules that import each other in a loop (each group of two or more, sorted; lazy and
+    type-only imports count): Tarjan's strongly connected components over the import graph, where
+    ``from a import b`` names module ``a.b`` when there is one."""
+    paths = [path for package in PACKAGES for path in sorted((root / package).rglob("*.py"))]
+    modules = {module_name(path, root) for path in paths}
+    graph = {module_name(path, root): sorted({target for _, imported, names in imports(path, root)
+                                               for target in (imported, *(f"{imported}.{name}" for name in names)) if target in modules})
+             for path in paths}
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    loops: list[list[str]] = []
+
+    def visit(module: str) -> None:
+        index[module] = low[module] = len(index)
+        stack.append(module)
+        for target in graph[module]:
+            if target not in index:
+                visit(target)
+                low[module] = min(low[module], low[target])
+            elif target in stack:
+                low[module] = min(low[module], index[target])
+        if low[module] == index[module]:
+            group = stack[stack.index(module):]
+            del stack[stack.index(module):]
+            if len(group) > 1:
+                loops.append(sorted(group))
+
+    for module in sorted(graph):
+        if module not in index:
+            visit(module)
+    return sorted(loops)
+
+
+def test_no_modules_import_each_other() -> None:
+    """Each module stands above what it imports: a type both sides need lives below them both
+    (fleet.commands.TickOutput, gateway.outcome.Outcome), never in one that imports the other back."""
+    assert module_loops(REPO) == []
+
+
+def test_a_loop_of_imports_is_reported(tmp_path: Path) -> None:
+    for package in PACKAGES:
+        (tmp_path / package).mkdir()
+    (tmp_path / "fleet" / "a.py").write_text("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from fleet import b\n")
+    (tmp_path / "fleet" / "b.py").write_text("def f():\n    from fleet.c import g\n")
+    (tmp_path / "fleet" / "c.py").write_text("from fleet.a import h\n")
+    (tmp_path / "fleet" / "d.py").write_text("from fleet.a import h\n")
+    assert module_loops(tmp_path) == [["fleet.a", "fleet.b", "fleet.c"]]
 
 
 def test_packages_import_only_downwards() -> None:
@@ -116,7 +168,7 @@ def test_packages_import_only_downwards() -> None:
 
 def test_allowed_exceptions_are_still_needed() -> None:
     """An exception whose import has gone is removed from ALLOWED, so it cannot cover a new one."""
-    present = {(module_name(path), imported) for package in PACKAGES for path in (REPO / package).rglob("*.py") for _, imported in imports(path)}
+    present = {(module_name(path), imported) for package in PACKAGES for path in (REPO / package).rglob("*.py") for _, imported, _ in imports(path)}
     assert [pair for pair in ALLOWED if pair not in present] == []
 
 
