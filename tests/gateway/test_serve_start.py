@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import signal
+import socket
 import subprocess
 import time
 import urllib.request
@@ -57,3 +58,15 @@ def test_serving_on_means_it_answers_and_a_ctrl_c_at_once_stops_it(tmp_path: Pat
         assert b"Traceback" not in rest, rest.decode(errors="replace")
     finally:
         emulator.stop()
+
+
+def test_an_address_in_use_fails_at_once_before_any_replica_starts() -> None:
+    """Before, the config's replicas started first and the gateway found its port taken after them: with
+    real engines, after their weights had loaded."""
+    port = free_port()
+    with socket.create_server(("127.0.0.1", port)):  # someone else listens there
+        done = subprocess.run([*POLYMORPH, "serve", "--config", str(REPO / "config.example.yaml"), "--port", str(port)],
+                              cwd=REPO, capture_output=True, timeout=60, check=False)
+    said = done.stderr.decode(errors="replace")
+    assert done.returncode == 2, said
+    assert said.strip() == f"polymorph: cannot listen on http://127.0.0.1:{port}: Address already in use"  # no replica started
