@@ -8,6 +8,7 @@ import tempfile
 from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
+from urllib.parse import urlsplit
 
 if TYPE_CHECKING:
     from gateway.config import GatewayConfig
@@ -43,6 +44,7 @@ def _run_controller(args: argparse.Namespace) -> int:
     from fleet.controller_state import ControllerState
     from gateway.config import load_config
     from gateway.controller_service import ControllerService, serve, state_path
+    from gateway.listen import hold_address
     from gateway.replicas import EMULATE_COMMAND
     from gateway.yamlsrc import ConfigError
 
@@ -66,11 +68,20 @@ def _run_controller(args: argparse.Namespace) -> int:
         print(f"polymorph: cannot read the controller state {path}: {exc}", file=sys.stderr)
         release()
         return 2
+    where = urlsplit(settings.url)
+    try:
+        held = hold_address(where.hostname or "127.0.0.1", where.port or 80)  # as controller_service.serve listens
+    except OSError as exc:
+        print(f"polymorph: cannot listen on {settings.url}: {exc.strerror or exc}", file=sys.stderr)
+        release()
+        return 2
     log_dir = args.replica_logs or Path(tempfile.mkdtemp(prefix="polymorph-replicas-"))
     try:
         service = ControllerService(config, path, EMULATE_COMMAND, log_dir)
     except ValueError as exc:
         print(f"polymorph: {exc}", file=sys.stderr)
+        if held is not None:
+            held.close()
         release()
         return 2
     if state is None:
@@ -86,6 +97,8 @@ def _run_controller(args: argparse.Namespace) -> int:
         print(f"polymorph: cannot listen on {settings.url}: {exc.strerror or exc}", file=sys.stderr)
         return 2
     finally:
+        if held is not None:
+            held.close()
         if args.stop_replicas_on_exit:
             service.stop_replicas()
         release()

@@ -11,7 +11,6 @@ import os
 import resource
 import shutil
 import signal
-import socket
 import sys
 import tempfile
 import time
@@ -21,6 +20,7 @@ from typing import TYPE_CHECKING
 
 from gateway import controller_cli
 from gateway.config import GatewayConfig, PoolSpec
+from gateway.listen import hold_address
 from loadtest.demo_credentials import DEMO_ADMIN_TOKEN, DEMO_API_KEY
 
 if TYPE_CHECKING:
@@ -294,25 +294,6 @@ def _uncatalogued(pools: list[PoolSpec]) -> str:
     return ""
 
 
-def _hold_address(host: str, port: int) -> socket.socket | None:
-    """The gateway's address, bound but not listening, from before its replicas start until it listens:
-    an address in use fails ``polymorph serve`` at once, not once its engines have loaded (40 s for
-    vLLM's CPU build here, minutes for a large model), and meanwhile no replica takes the port (the
-    actuators' port walk, fleet.actuators.local.free_port, passes over a bound one). Both this socket
-    and the listener set SO_REUSEADDR, which lets the listener bind beside it. None for port 0 (any)."""
-    if port == 0:
-        return None
-    family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)[0]
-    held = socket.socket(family, kind, proto)
-    held.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    try:
-        held.bind(address)
-    except OSError:
-        held.close()
-        raise
-    return held
-
-
 def _run_serve(args: argparse.Namespace) -> int:
     from classifiers.request import ClassifierLoadError
     from gateway.yamlsrc import ConfigError
@@ -324,7 +305,7 @@ def _run_serve(args: argparse.Namespace) -> int:
         return 2
     where = f"http://{config.server.host}:{config.server.port}"
     try:
-        held = _hold_address(config.server.host, config.server.port)
+        held = hold_address(config.server.host, config.server.port)
     except OSError as exc:
         print(f"polymorph: cannot listen on {where}: {exc.strerror or exc}", file=sys.stderr)
         return 2

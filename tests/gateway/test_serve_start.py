@@ -17,6 +17,7 @@ from pathlib import Path
 
 import pytest
 
+from loadtest.chaos.fleet_faults import write_fleet_config
 from tests.conftest import REPO, free_port
 from tests.support.procs import POLYMORPH, start_emulator
 
@@ -60,13 +61,19 @@ def test_serving_on_means_it_answers_and_a_ctrl_c_at_once_stops_it(tmp_path: Pat
         emulator.stop()
 
 
-def test_an_address_in_use_fails_at_once_before_any_replica_starts() -> None:
-    """Before, the config's replicas started first and the gateway found its port taken after them: with
-    real engines, after their weights had loaded."""
+
+@pytest.mark.parametrize("command", ["serve", "controller"])
+def test_an_address_in_use_fails_at_once_before_any_replica_starts(tmp_path: Path, command: str) -> None:
+    """Before, the config's replicas started first and the gateway (or the external controller) found its
+    port taken after them: with real engines, after their weights had loaded."""
     port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    controller = {"enabled": True, "mode": "external", "url": url, "state_file": "controller.json"} if command == "controller" else {}
+    config = write_fleet_config(tmp_path, (("mixed", 2, ("short-chat",)),), controller)
+    argv = ["serve", "--config", str(config), "--port", str(port)] if command == "serve" else ["controller", "--config", str(config)]
     with socket.create_server(("127.0.0.1", port)):  # someone else listens there
-        done = subprocess.run([*POLYMORPH, "serve", "--config", str(REPO / "config.example.yaml"), "--port", str(port)],
-                              cwd=REPO, capture_output=True, timeout=60, check=False)
+        done = subprocess.run([*POLYMORPH, *argv], cwd=REPO, capture_output=True, timeout=60, check=False)
     said = done.stderr.decode(errors="replace")
     assert done.returncode == 2, said
-    assert said.strip() == f"polymorph: cannot listen on http://127.0.0.1:{port}: Address already in use"  # no replica started
+    assert said.strip().splitlines()[-1] == f"polymorph: cannot listen on {url}: Address already in use"
+    assert "starting" not in said and not (tmp_path / "controller.json").exists()  # no replica started, no state written
