@@ -27,7 +27,7 @@ from kernels.tiers import TierSlo, slo_for
 from loadtest.capacity import Attainment, CapacityResult, CurvePoint, attainment_of, phase_bounds_s, search_capacity, window_bounds_s
 from loadtest.record import RequestRecord
 from loadtest.runner import RunnerConfig, RunResult, TargetUnreachable, run
-from loadtest.simulate import CapacitySettings, WorkloadSource, capacity_settings
+from loadtest.simulate import CapacitySettings, WorkloadSource, capacity_settings, trace_at_any_rate
 from loadtest.slo import meets_slo
 from loadtest.spec import Workload
 
@@ -84,13 +84,11 @@ def point_bound_s(source: WorkloadSource, nominal: Workload, multiplier: float, 
 
 def source_from_args(args: argparse.Namespace) -> WorkloadSource:
     """The load test's workload (every flag of a plain run) at any multiplier of its mean rate."""
-    from loadtest.transform import speed_up
     from loadtest.workload_args import build_workload_from_args
 
     base = build_workload_from_args(args)
     if args.trace:
-        return WorkloadSource(base.name, base.target_rate_rps, args.seed or 0, True,
-                              lambda multiplier, _: base if multiplier == 1.0 else speed_up(base, multiplier))
+        return trace_at_any_rate(base, base.name, args.seed or 0)
     from loadtest.scenario import load_scenario
 
     scenario = load_scenario(args.scenario)

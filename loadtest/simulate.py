@@ -175,6 +175,12 @@ class WorkloadSource:
     is_trace: bool
     build: Callable[[float, int], Workload]
 
+    def __post_init__(self) -> None:
+        # A trace whose requests all arrive at one instant spans no time: no rate to multiply, and nothing
+        # for the simulator to play (its plans are made on ticks over the time the workload spans).
+        if not self.nominal_rate_rps > 0:
+            raise ValueError(f"{self.name} has no rate to simulate or multiply: it is empty, or all its requests arrive at one instant")
+
 
 def scenario_source(scenario: str, duration_s: float | None, rate_rps: float | None, stretch: float, seed: int | None) -> WorkloadSource:
     from loadtest.scenario import load_scenario
@@ -187,11 +193,15 @@ def scenario_source(scenario: str, duration_s: float | None, rate_rps: float | N
 
 
 def trace_source(path: str, trace_format: str, speedup: float | None, rate_rps: float | None) -> WorkloadSource:
+    return trace_at_any_rate(trace_workload(path, trace_format, speedup, rate_rps), Path(path).name, 0)
+
+
+def trace_at_any_rate(base: Workload, name: str, seed: int) -> WorkloadSource:
+    """``base`` (a trace, as read and compressed) time-compressed by each multiplier, the load tester's
+    and the simulator's alike."""
     from loadtest.transform import speed_up
 
-    base = trace_workload(path, trace_format, speedup, rate_rps)
-    return WorkloadSource(Path(path).name, base.target_rate_rps, 0, True,
-                          lambda multiplier, _: base if multiplier == 1 else speed_up(base, multiplier))
+    return WorkloadSource(name, base.target_rate_rps, seed, True, lambda multiplier, _: base if multiplier == 1 else speed_up(base, multiplier))
 
 
 def source_from_args(args: argparse.Namespace) -> WorkloadSource:

@@ -30,8 +30,10 @@ def scale_to_rate(workload: Workload, rate_rps: float) -> Workload:
     """Compress or stretch time so the mean rate is ``rate_rps``; bursts keep their shape."""
     if not rate_rps > 0:
         raise ValueError(f"rate must be > 0 requests/s, got {rate_rps}")
-    if workload.target_rate_rps <= 0:
+    if not workload.specs:
         return workload
+    if workload.duration_s <= 0:
+        raise ValueError(f"the {len(workload.specs)} requests of {workload.name} all arrive at one instant: they have no mean rate to scale to {rate_rps:g} req/s")
     return speed_up(workload, rate_rps / workload.target_rate_rps)
 
 

@@ -214,6 +214,21 @@ def test_trace_rate_and_multipliers_scale_the_same_requests(bursty_trace: Path) 
         trace_workload(str(bursty_trace), "native", 2.0, 10.0)
 
 
+def test_a_trace_whose_requests_all_arrive_at_once_is_refused_with_a_reason_not_a_traceback(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """It spans no time: no rate to scale or multiply, and nothing for the simulator to play. Before,
+    `simulate` and both capacity searches ended in ZeroDivisionError, and `--rate` was ignored."""
+    burst = tmp_path / "burst.jsonl"
+    burst.write_text("".join(json.dumps({"timestamp": 5.0, "input_length": 100 + i, "output_length": 20}) + "\n" for i in range(30)))
+    for extra in ([], ["--capacity"], ["--rate", "5"]):
+        assert main(["simulate", "--trace", str(burst), "--format", "native", "--fleet", "H100-SXM:1", "--no-cache", *extra]) == 2
+        err = capsys.readouterr().err
+        assert "arrive at one instant" in err and "Traceback" not in err
+    assert main(["loadtest", "--target", "http://127.0.0.1:9", "--trace", str(burst), "--format", "native", "--capacity"]) == 2
+    assert "arrive at one instant" in capsys.readouterr().err
+
+
 def test_simulate_capacity_json_end_to_end(bursty_trace: Path, capsys: pytest.CaptureFixture[str]) -> None:
     code = main(["simulate", "--trace", str(bursty_trace), "--format", "native", "--fleet", "H100-SXM:1",
                  "--policy", "round-robin", "--capacity", "--json", "--resolution", "0.25", "--max-points", "10",
