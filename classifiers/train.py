@@ -344,18 +344,22 @@ def train_to_dir(examples: Sequence[Example], out_dir: Path, data_digest: str, d
 
 def main_train(args: argparse.Namespace) -> int:
     """`polymorph classifiers train`: from a user's JSONL (--data) or the shared sets (--shared)."""
-    if args.data is not None:
-        data_path = Path(args.data)
-        examples = load_jsonl_examples(data_path)
-        digest, desc, attribution = digest_files([data_path]), str(data_path.name), []
-    else:
-        shared = Path(args.shared)
-        examples = dedupe([*load_shared_examples(shared), *load_written_examples()])
-        files = sorted((shared / "prompts" if (shared / "prompts").is_dir() else shared).glob("*/prompts.jsonl*"))
-        labels = sorted(labels_dir().glob("*.json*"))
-        digest, desc, attribution = digest_files([*files, *labels]), "shared prompt sets: " + ", ".join(
-            f.parent.name for f in files) + "; with classifiers/labels", TRAINING_SETS_ATTRIBUTION
-    report = train_to_dir(examples, Path(args.out), digest, desc, attribution)
+    try:
+        if args.data is not None:
+            data_path = Path(args.data)
+            examples = load_jsonl_examples(data_path)
+            digest, desc, attribution = digest_files([data_path]), str(data_path.name), []
+        else:
+            shared = Path(args.shared)
+            examples = dedupe([*load_shared_examples(shared), *load_written_examples()])
+            files = sorted((shared / "prompts" if (shared / "prompts").is_dir() else shared).glob("*/prompts.jsonl*"))
+            labels = sorted(labels_dir().glob("*.json*"))
+            digest, desc, attribution = digest_files([*files, *labels]), "shared prompt sets: " + ", ".join(
+                f.parent.name for f in files) + "; with classifiers/labels", TRAINING_SETS_ATTRIBUTION
+        report = train_to_dir(examples, Path(args.out), digest, desc, attribution)
+    except (OSError, ValueError) as exc:  # a missing or malformed set names its file and line; an unwritable --out its path
+        print(f"polymorph classifiers train: {exc}", file=sys.stderr)
+        return 2
     print_report(report)
     print(f"model written to {args.out}")
     return 0

@@ -93,3 +93,19 @@ def test_train_writes_a_model_the_classifier_loads(tmp_path: Path) -> None:
     config.write_text(f"classifier:\n  model: {out}\n")
     classified = _polymorph("classify", "--config", str(config), stdin=json.dumps({"text": "reverse a list"}) + "\n")
     assert json.loads(classified.stdout)["domain"] in {"code", "math"}
+
+
+def test_train_on_a_missing_or_malformed_set_or_an_unwritable_out_says_why_without_a_traceback(tmp_path: Path) -> None:
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text(json.dumps({"text": 1}) + "\n")
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    good = tmp_path / "labelled.jsonl"
+    good.write_text("".join(json.dumps({"text": f"{text} {i}", "label": label, "group": f"{label}{i % 4}"}) + "\n"
+                            for label, text in (("code", "write a python function"), ("math", "how many apples are left")) for i in range(8)))
+    for argv, says in ((["--data", str(tmp_path / "missing.jsonl")], "No such file"),
+                       (["--data", str(bad)], f"{bad}:1: expected"),
+                       (["--shared", str(tmp_path)], "no labelled prompts"),
+                       (["--data", str(good), "--out", str(blocker / "model")], "a-file")):
+        result = _polymorph("classifiers", "train", *argv)
+        assert result.returncode == 2 and says in result.stderr and "Traceback" not in result.stderr, result.stderr
