@@ -69,13 +69,17 @@ def _run_kubernetes(args: argparse.Namespace) -> int:
         print(f"polymorph: {args.config}: {exc}", file=sys.stderr)
         return 2
     out: Path = args.out
-    out.mkdir(parents=True, exist_ok=True)
-    for stale in out.glob(f"{NAME_PREFIX}*.yaml"):
-        if stale.name not in files:
-            stale.unlink()
     header = f"# Rendered by `polymorph deploy kubernetes` from {config.source}: edit that config and render again.\n"
-    for name, docs in files.items():
-        (out / name).write_text(header + yaml.safe_dump_all(docs, sort_keys=False, width=1000))
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        for stale in out.glob(f"{NAME_PREFIX}*.yaml"):
+            if stale.name not in files:
+                stale.unlink()
+        for name, docs in files.items():
+            (out / name).write_text(header + yaml.safe_dump_all(docs, sort_keys=False, width=1000))
+    except OSError as exc:
+        print(f"polymorph deploy kubernetes: cannot write {out}: {exc.strerror or exc}", file=sys.stderr)
+        return 2
     for pool in pools:
         print(f"{deployment_name(pool.name)}: {pool.num_replicas} x {pool.launch.kind} on {pool.gpu}", file=sys.stderr)
     left_out = [p.name for p in config.pools if p.name not in {q.name for q in pools}]

@@ -54,6 +54,13 @@ def _deploy(config: Path, out: Path) -> subprocess.CompletedProcess[str]:
     return subprocess.run(argv, capture_output=True, text=True, timeout=120, check=False, cwd=REPO)
 
 
+def test_an_out_folder_that_cannot_be_written_is_an_error_not_a_traceback(tmp_path: Path) -> None:
+    (tmp_path / "a-file").write_text("")
+    done = _deploy(REPO / "config.example.yaml", tmp_path / "a-file" / "manifests")
+    assert done.returncode == 2 and "Traceback" not in done.stderr
+    assert done.stderr.strip() == f"polymorph deploy kubernetes: cannot write {tmp_path / 'a-file' / 'manifests'}: Not a directory"
+
+
 def _by_kind(docs: list[dict[str, Any]], kind: str) -> dict[str, dict[str, Any]]:
     return {d["metadata"]["name"]: d for d in docs if d["kind"] == kind}
 
