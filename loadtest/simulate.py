@@ -15,7 +15,7 @@ import sys
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any, TextIO, TypeVar
+from typing import TYPE_CHECKING, Any, TextIO, TypeVar
 
 import numpy as np
 
@@ -38,6 +38,9 @@ from loadtest.capacity import (
     window_bounds_s,
 )
 from loadtest.spec import Workload
+
+if TYPE_CHECKING:
+    from loadtest.scenario import Scenario
 
 DEFAULT_FLEET = "H100-SXM:8,H200:8"
 
@@ -126,10 +129,8 @@ def stretched_workload(scenario: str, duration_s: float | None, rate_rps: float 
     from loadtest.scenario import build_workload, load_scenario
     from loadtest.transform import speed_up
 
-    if not stretch > 0:
-        raise ValueError(f"--stretch must be > 0, got {stretch}")
     loaded = load_scenario(scenario)
-    duration = loaded.duration_s * stretch if duration_s is None else duration_s
+    duration = _stretched_duration_s(loaded, duration_s, stretch)
     rate = None if rate_rps is None else rate_rps * stretch
     workload = build_workload(loaded, duration_s=duration / stretch, rate_rps=rate, seed=seed)
     return workload if stretch == 1 else speed_up(workload, 1 / stretch)
@@ -140,11 +141,18 @@ def scenario_rate_rps(scenario: str, duration_s: float | None, rate_rps: float |
     rate spread over its stretched time axis."""
     from loadtest.scenario import load_scenario
 
-    if rate_rps is not None:
-        return rate_rps
     loaded = load_scenario(scenario)
-    duration = loaded.duration_s * stretch if duration_s is None else duration_s
-    return loaded.mean_rate_rps(duration / stretch) / stretch
+    duration = _stretched_duration_s(loaded, duration_s, stretch)
+    return rate_rps if rate_rps is not None else loaded.mean_rate_rps(duration / stretch) / stretch
+
+
+def _stretched_duration_s(loaded: Scenario, duration_s: float | None, stretch: float) -> float:
+    """Fleet seconds of traffic: ``duration_s``, else the scenario's own stretched ``stretch`` times."""
+    if not stretch > 0:
+        raise ValueError(f"--stretch must be > 0, got {stretch:g}")
+    if duration_s is not None and not duration_s > 0:
+        raise ValueError(f"--duration must be > 0 s, got {duration_s:g}")
+    return loaded.duration_s * stretch if duration_s is None else duration_s
 
 
 def trace_workload(path: str, trace_format: str, speedup: float | None, rate_rps: float | None) -> Workload:

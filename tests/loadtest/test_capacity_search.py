@@ -161,6 +161,12 @@ def test_draws_without_a_capacity_search_are_refused(bursty_trace: Path, capsys:
     assert "--draws judges the points of --metric capacity" in capsys.readouterr().err
 
 
+def test_a_scenario_with_no_positive_duration_or_stretch_is_refused_by_name(capsys: pytest.CaptureFixture[str]) -> None:
+    for flag, value in (("--duration", "-5"), ("--duration", "0"), ("--stretch", "0")):
+        assert main(["simulate", "--scenario", "drift-step", flag, value, "--no-cache"]) == 2
+        assert f"{flag} must be > 0" in capsys.readouterr().err
+
+
 def test_smallest_passing_finds_the_fewest_gpus() -> None:
     asked: list[int] = []
 
