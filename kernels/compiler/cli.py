@@ -46,11 +46,12 @@ def main_compile(args: argparse.Namespace, prober: Callable[[ProbeTarget], Probe
         shape, evaluator = _shape_and_evaluator(args)
         space = default_space(model, gpu, args.gpus, allow_fp8_weights=args.allow_fp8_weights,
                               draft_models=tuple(args.draft or ()))
+        budget = Budget(args.budget, args.seconds)
         store = None if args.no_store else TrialStore(args.store or default_store_path())
     except (ValueError, StoreError) as exc:
         raise SystemExit(f"polymorph compile: {exc}") from exc
     try:
-        result = compile_config(model, gpu, args.gpus, shape, args.objective, Budget(args.budget, args.seconds),
+        result = compile_config(model, gpu, args.gpus, shape, args.objective, budget,
                                 store=store, evaluator=evaluator, space=space, engine_version=args.engine_version)
     except StoreError as exc:
         raise SystemExit(f"polymorph compile: {exc}") from exc

@@ -61,6 +61,8 @@ def default_space(
     verifies every token): n-gram needs no weights; draft-model algorithms enter when the catalog
     lists a published draft checkpoint for the model (`published_drafts`, `ModelSpec.drafts`) or the
     operator names them in `draft_models` ("EAGLE3", "EAGLE", "MTP") because they provide the weights."""
+    if num_gpus < 1:
+        raise ValueError(f"the space needs at least one GPU, got {num_gpus}")
     tps = tuple(tp for tp in (1, 2, 4, 8, 16) if tp <= num_gpus and num_gpus % tp == 0)
     has_fp8 = gpu.fp8_tflops is not None
     kv = ("auto",) if lossless_only or not has_fp8 else ("auto", "fp8_e4m3")

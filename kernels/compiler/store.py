@@ -175,7 +175,10 @@ class TrialStore:
 
     def __init__(self, path: Path | str, busy_timeout_s: float = 30.0) -> None:
         self.path = Path(path)
-        self.path.parent.mkdir(parents=True, exist_ok=True)
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise StoreError(f"cannot create the trial store's folder {self.path.parent}: {exc.strerror or exc}") from exc
         try:
             self._db = sqlite3.connect(self.path, timeout=busy_timeout_s, isolation_level=None)
             self._db.execute("PRAGMA journal_mode=WAL")
