@@ -34,7 +34,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def resolve(args: argparse.Namespace) -> argparse.Namespace:
     """``args`` with the pool's settings filled in (unchanged without --fleet-config); SystemExit with the reason."""
     from gateway.config import load_config, replica_devices
-    from gateway.yamlsrc import ConfigError
+    from kernels.yamlsrc import ConfigError
 
     if args.fleet_config is None:
         if args.pool is not None:

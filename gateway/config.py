@@ -27,8 +27,8 @@ from fleet.engines.load import ENGINE_KINDS
 from fleet.kubernetes_manifests import KubernetesSettings
 from fleet.router import RouterSettings
 from fleet.router_steps import STEPS
-from gateway.yamlsrc import FieldPath, FieldReader, YamlDoc, load_yaml
 from kernels.tiers import DEFAULT_TIERS, TierSlo
+from kernels.yamlsrc import FieldPath, FieldReader, YamlDoc, load_yaml
 from loadtest.demo_credentials import DEMO_ADMIN_TOKEN, DEMO_API_KEY
 
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.:-]{0,62}$")

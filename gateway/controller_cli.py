@@ -46,7 +46,7 @@ def _run_controller(args: argparse.Namespace) -> int:
     from gateway.controller_service import ControllerService, serve, state_path
     from gateway.listen import hold_address
     from gateway.replicas import EMULATE_COMMAND
-    from gateway.yamlsrc import ConfigError
+    from kernels.yamlsrc import ConfigError
 
     try:
         config = load_config(args.config)

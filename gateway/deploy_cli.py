@@ -55,7 +55,7 @@ def _run_kubernetes(args: argparse.Namespace) -> int:
 
     from fleet.kubernetes_manifests import NAME_PREFIX, deployment_name, render_engines
     from gateway.config import load_config
-    from gateway.yamlsrc import ConfigError
+    from kernels.yamlsrc import ConfigError
 
     try:
         config = load_config(args.config)

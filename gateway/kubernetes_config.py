@@ -12,8 +12,8 @@ from pathlib import Path
 
 from fleet.engines.load import ENGINE_KINDS
 from fleet.kubernetes_manifests import DEFAULT_GPU_PRODUCTS, DEFAULT_IMAGES, KubernetesSettings
-from gateway.yamlsrc import FieldReader, YamlDoc
 from kernels.catalog import list_gpus
+from kernels.yamlsrc import FieldReader, YamlDoc
 
 __all__ = ["KubernetesSettings", "parse_kubernetes"]
 

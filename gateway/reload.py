@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING
 from classifiers.request import ClassifierLoadError
 from gateway.background import BackgroundTask
 from gateway.config import load_config
-from gateway.yamlsrc import ConfigError
+from kernels.yamlsrc import ConfigError
 
 if TYPE_CHECKING:
     from gateway.state import GatewayState

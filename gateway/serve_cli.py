@@ -296,7 +296,7 @@ def _uncatalogued(pools: list[PoolSpec]) -> str:
 
 def _run_serve(args: argparse.Namespace) -> int:
     from classifiers.request import ClassifierLoadError
-    from gateway.yamlsrc import ConfigError
+    from kernels.yamlsrc import ConfigError
 
     try:
         config = _load(args)

@@ -22,8 +22,8 @@ from fleet.kubernetes_manifests import EnginePool, KubernetesSettings, deploymen
 from fleet.options import config_json
 from gateway.config import load_config
 from gateway.deploy_cli import engine_pools
-from gateway.yamlsrc import ConfigError
 from kernels.config import EngineConfig
+from kernels.yamlsrc import ConfigError
 from tests.conftest import REPO
 
 BASE = REPO / "deploy" / "kubernetes"

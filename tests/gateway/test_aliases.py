@@ -11,7 +11,7 @@ import openai
 import pytest
 
 from gateway.config import load_config
-from gateway.yamlsrc import ConfigError
+from kernels.yamlsrc import ConfigError
 from tests.support.procs import start_gateway, write_tenant
 
 KEY = "sk-test-alias"

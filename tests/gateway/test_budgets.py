@@ -20,7 +20,7 @@ import pytest
 from gateway.budgets import SharedSpendLedger, SpendLedger, budget_refusal, period_of
 from gateway.config import Tenant, load_config
 from gateway.limits_shared import SharedLimitTable, SharedTenantLimiter
-from gateway.yamlsrc import ConfigError
+from kernels.yamlsrc import ConfigError
 from tests.support.procs import Proc, running, start_gateway, write_tenant
 from tests.support.redis import RedisServer
 

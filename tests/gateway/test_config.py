@@ -9,7 +9,7 @@ import pytest
 
 from fleet.drift import DriftSettings
 from gateway.config import load_config, sha256_hex
-from gateway.yamlsrc import ConfigError
+from kernels.yamlsrc import ConfigError
 from loadtest.demo_credentials import DEMO_API_KEY
 from tests.conftest import REPO
 

@@ -23,7 +23,7 @@ kubernetes = pytest.importorskip("kubernetes", reason="the kubernetes client is 
 
 from gateway.config import ControllerSettingsFile, load_config  # noqa: E402
 from gateway.kube_lease import KubeLease, LeaseRecord, Observed, decide, observe  # noqa: E402
-from gateway.yamlsrc import ConfigError  # noqa: E402
+from kernels.yamlsrc import ConfigError  # noqa: E402
 from loadtest.chaos.controller_faults import ExternalControllerDeployment  # noqa: E402
 from loadtest.chaos.fleet_faults import write_fleet_config  # noqa: E402
 from loadtest.chaos.stack import POLYMORPH, wait_until  # noqa: E402

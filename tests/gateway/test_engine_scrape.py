@@ -21,7 +21,7 @@ import pytest
 from fleet.engines import install
 from gateway.config import load_config
 from gateway.engine_scrape import NOT_READ_YET
-from gateway.yamlsrc import ConfigError
+from kernels.yamlsrc import ConfigError
 from tests.conftest import REPO, free_port
 from tests.support.engines import llama_server
 from tests.support.procs import Proc, running, start_emulator, start_gateway, write_tenant

@@ -13,7 +13,7 @@ import pytest
 import yaml
 
 from gateway.config import load_config
-from gateway.yamlsrc import ConfigError
+from kernels.yamlsrc import ConfigError
 from loadtest.demo_credentials import DEMO_API_KEY
 from tests.conftest import REPO
 from tests.support.procs import start_emulator, start_gateway, write_tenant

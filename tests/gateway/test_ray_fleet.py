@@ -172,7 +172,7 @@ def test_gateway_runs_and_moves_its_replicas_as_ray_actors_and_stops_clean(tmp_p
 )
 def test_actuator_mistakes_name_file_line_and_field(tmp_path: Path, fleet: str, field: str, reason: str) -> None:
     from gateway.config import load_config
-    from gateway.yamlsrc import ConfigError
+    from kernels.yamlsrc import ConfigError
 
     (tmp_path / "tenants").mkdir()
     write_tenant(tmp_path / "tenants", "ray", KEY)

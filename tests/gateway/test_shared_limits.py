@@ -22,7 +22,7 @@ import pytest
 from gateway.admission import TenantLimiter
 from gateway.config import Tenant, load_config
 from gateway.limits_shared import SharedLimitTable, SharedTenantLimiter
-from gateway.yamlsrc import ConfigError
+from kernels.yamlsrc import ConfigError
 from tests.support.procs import Proc, running, set_faults, start_emulator, start_gateway, write_tenant
 from tests.support.redis import RedisServer
 

@@ -28,7 +28,7 @@ from opentelemetry.trace import SpanKind, StatusCode
 
 from gateway.app import build_app
 from gateway.config import load_config
-from gateway.yamlsrc import ConfigError
+from kernels.yamlsrc import ConfigError
 from tests.conftest import REPO, free_port
 from tests.support.procs import start, start_emulator, write_tenant
 

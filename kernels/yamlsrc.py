@@ -1,5 +1,9 @@
 """YAML loading that remembers where every value came from, so config errors can name file and line, and
-the typed field reader every config section is parsed with."""
+the typed field reader every config section is parsed with.
+
+Every YAML file Polymorph reads goes through ``parse_yaml``: the gateway config and tenant files, the
+catalogs, scenarios, SLO and rules files, so none of them drops a key given twice. It sits in ``kernels``,
+the bottom package, so that every other package may import it."""
 
 from __future__ import annotations
 
