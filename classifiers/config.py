@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from classifiers.shape import DOMAINS, ShapeRule, ShapeRules, default_shape_rules
+from kernels.yamlsrc import ConfigError, format_path, load_yaml
 
 _BOUND_KEYS = ("min_prompt_tokens", "max_prompt_tokens", "min_predicted_output", "max_predicted_output")
 _SET_KEYS = ("tiers", "domains", "tenants")
@@ -23,8 +24,8 @@ class ClassifierConfigError(ValueError):
     def __init__(self, path: tuple[str | int, ...], reason: str) -> None:
         self.path = path
         self.reason = reason
-        where = "".join(f"[{p}]" if isinstance(p, int) else (f".{p}" if i else p) for i, p in enumerate(path))
-        super().__init__(f"{where}: {reason}")
+        where = format_path(path)
+        super().__init__(f"{where}: {reason}" if where else reason)
 
 
 @dataclass(frozen=True, slots=True)
@@ -88,12 +89,10 @@ def load_classifier_config(path: Path | None) -> ClassifierConfig:
     """The classifier settings of a gateway config file, or the defaults when ``path`` is None."""
     if path is None:
         return ClassifierConfig("builtin", None, default_shape_rules())
-    import yaml
-
     try:
-        data = yaml.safe_load(path.read_text()) or {}
-    except (OSError, yaml.YAMLError) as exc:
-        raise ClassifierConfigError((), f"cannot read {path}: {exc}") from exc
+        data = load_yaml(path).data or {}
+    except ConfigError as exc:  # unreadable, invalid YAML, or a key given twice: file and line
+        raise ClassifierConfigError((), str(exc)) from None
     if not isinstance(data, dict):
         raise ClassifierConfigError((), f"{path}: the config must be a YAML mapping")
     settings = data.get("classifier") or {}

@@ -199,16 +199,18 @@ def _data_path(path: Path | None) -> Path:
 
 
 def _run_predict(args: argparse.Namespace) -> int:
-    import yaml
-
     from kernels.catalog import get_gpu, get_model
     from kernels.config import EngineConfig
     from kernels.perf import PerfModel
     from kernels.predict import Workload, predict
+    from kernels.yamlsrc import ConfigError, load_yaml
 
     values: dict[str, object] = {}
     if args.config:
-        loaded = yaml.safe_load(args.config.read_text()) or {}
+        try:
+            loaded = load_yaml(args.config).data or {}
+        except ConfigError as exc:
+            raise SystemExit(str(exc)) from None
         if not isinstance(loaded, dict):
             raise SystemExit(f"{args.config}: expected a mapping of EngineConfig keys")
         values.update(loaded)

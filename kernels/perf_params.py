@@ -8,7 +8,7 @@ from dataclasses import dataclass, fields
 from importlib import resources
 from pathlib import Path
 
-import yaml
+from kernels.yamlsrc import load_yaml
 
 PARAMS_PATH = Path(str(resources.files("kernels").joinpath("data/perf_params.yaml")))
 
@@ -48,4 +48,4 @@ class PerfParams:
 
 @functools.cache
 def default_params() -> PerfParams:
-    return PerfParams.from_dict(yaml.safe_load(PARAMS_PATH.read_text()))
+    return PerfParams.from_dict(load_yaml(PARAMS_PATH).data)

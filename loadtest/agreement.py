@@ -37,6 +37,7 @@ from fleet.decisions import read_decisions
 from fleet.evidence import PlanEvidence, RecompileEvidence
 from fleet.rollout import SlotState
 from kernels.tiers import TierSlo, slo_for
+from kernels.yamlsrc import load_yaml
 from loadtest.record import RequestRecord
 from loadtest.slo import meets_slo
 
@@ -200,7 +201,7 @@ def _live(args: argparse.Namespace, workload: Any, slots: list[SlotState], out_d
     from loadtest.transform import speed_up
 
     port = free_port()
-    config = live_config(yaml.safe_load(DEMO_CONFIG.read_text()), starting_pools(slots, args.model), args.speed, port, out_dir, cache)
+    config = live_config(load_yaml(DEMO_CONFIG).data, starting_pools(slots, args.model), args.speed, port, out_dir, cache)
     config_path = out_dir / "live-config.yaml"
     config_path.write_text(yaml.safe_dump(config, sort_keys=False))
     base = f"http://127.0.0.1:{port}"

@@ -7,9 +7,8 @@ import sys
 from collections.abc import Mapping
 from pathlib import Path
 
-import yaml
-
 from kernels.tiers import TierSlo
+from kernels.yamlsrc import load_yaml
 from loadtest.spec import Workload
 from loadtest.workload_args import build_workload_from_args
 
@@ -103,7 +102,7 @@ def _tenant_keys(value: str | None) -> dict[str, str]:
         return {}
     path = Path(value)
     if path.is_file():
-        data = yaml.safe_load(path.read_text(encoding="utf-8"))
+        data = load_yaml(path).data
         if not isinstance(data, dict):
             raise ValueError(f"{path}: expected a mapping of tenant -> API key")
         return {str(tenant): str(key) for tenant, key in data.items()}

@@ -16,8 +16,8 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-import yaml
 
+from kernels.yamlsrc import ConfigError, parse_yaml
 from loadtest.arrivals import ArrivalProcess, arrival_times
 from loadtest.lengths import LengthDist, fitted_data, parse_length
 from loadtest.spec import HASH_BLOCK_TOKENS, RequestSpec, Workload, make_workload
@@ -97,9 +97,9 @@ def load_scenario(name_or_path: str | Path) -> Scenario:
 
 def parse_scenario(text: str, source: str) -> Scenario:
     try:
-        data = yaml.safe_load(text)
-    except yaml.YAMLError as exc:
-        raise ScenarioError(f"{source}: invalid YAML: {exc}") from None
+        data = parse_yaml(text, source).data
+    except ConfigError as exc:  # invalid YAML, or a key given twice
+        raise ScenarioError(str(exc)) from None
     return _Parser(source).scenario(data)
 
 

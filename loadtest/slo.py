@@ -10,9 +10,8 @@ from collections.abc import Mapping
 from dataclasses import replace
 from pathlib import Path
 
-import yaml
-
 from kernels.tiers import DEFAULT_TIERS, FALLBACK_TIER, TierSlo
+from kernels.yamlsrc import load_yaml
 from loadtest.record import RequestRecord
 
 
@@ -29,10 +28,7 @@ def meets_slo(record: RequestRecord, slo: TierSlo) -> bool:
 def load_slos(path: Path | str) -> dict[str, TierSlo]:
     """Defaults overridden by the file's ``tiers:`` (``ttft_p99_s``/``tpot_p99_s`` per tier)."""
     path = Path(path)
-    try:
-        data = yaml.safe_load(path.read_text(encoding="utf-8"))
-    except (OSError, yaml.YAMLError) as exc:
-        raise ValueError(f"cannot read SLO file {path}: {exc}") from None
+    data = load_yaml(path).data  # a ConfigError (a ValueError) names the file and line
     tiers = data.get("tiers", data) if isinstance(data, dict) else None
     if not isinstance(tiers, dict):
         raise ValueError(f"{path}: expected a `tiers:` mapping of tier -> {{ttft_p99_s, tpot_p99_s}}")

@@ -6,8 +6,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-import yaml
-
+from kernels.yamlsrc import load_yaml
 from loadtest.spec import Workload
 from loadtest.transform import AssignRule
 
@@ -48,10 +47,7 @@ def build_workload_from_args(args: argparse.Namespace) -> Workload:
 
 
 def _rules(path: Path) -> list[AssignRule]:
-    try:
-        data = yaml.safe_load(path.read_text(encoding="utf-8"))
-    except (OSError, yaml.YAMLError) as exc:
-        raise ValueError(f"cannot read rules file {path}: {exc}") from None
+    data = load_yaml(path).data  # a ConfigError (a ValueError) names the file and line
     if not isinstance(data, list):
         raise ValueError(f"{path}: expected a list of rules like {{set: tier, to: batch, min_input_tokens: 4096}}")
     rules = []

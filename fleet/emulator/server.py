@@ -13,12 +13,12 @@ import signal
 from pathlib import Path
 from typing import Any
 
-import yaml
 from aiohttp import web
 
 from fleet.emulator.app import STATE, EmulatorSettings, build_app
 from fleet.emulator.faults import FaultSpec
 from kernels.config import EngineConfig
+from kernels.yamlsrc import ConfigError, load_yaml
 
 
 def load_engine_config(text: str | None) -> EngineConfig:
@@ -35,9 +35,9 @@ def load_engine_config(text: str | None) -> EngineConfig:
         if not path.is_file():
             raise ValueError(f"--config: no such file {path}")
         try:
-            values = yaml.safe_load(path.read_text())
-        except yaml.YAMLError as exc:
-            raise ValueError(f"--config: {path} is not valid YAML/JSON: {exc}") from exc
+            values = load_yaml(path).data
+        except ConfigError as exc:  # invalid YAML/JSON, or a key given twice
+            raise ValueError(f"--config: {exc}") from None
     if not isinstance(values, dict):
         raise ValueError("--config must hold a mapping of engine config fields")
     return EngineConfig.from_dict(values)

@@ -7,7 +7,7 @@ import re
 from dataclasses import dataclass
 from importlib import resources
 
-import yaml
+from kernels.yamlsrc import parse_yaml
 
 _PRECISIONS = ("bf16", "fp8", "fp4")
 
@@ -67,7 +67,7 @@ def _normalise(name: str) -> str:
 
 @functools.cache
 def _catalog() -> dict[str, GpuSpec]:
-    raw = yaml.safe_load(resources.files("kernels.catalog").joinpath("gpus.yaml").read_text())
+    raw = parse_yaml(resources.files("kernels.catalog").joinpath("gpus.yaml").read_text(), "kernels/catalog/gpus.yaml").data
     specs: dict[str, GpuSpec] = {}
     for name, entry in raw.items():
         specs[name] = GpuSpec(

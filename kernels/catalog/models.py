@@ -14,6 +14,8 @@ from typing import Any
 
 import yaml
 
+from kernels.yamlsrc import load_yaml, parse_yaml
+
 _WEIGHT_DTYPES = ("bf16", "fp8", "mxfp4_experts")
 USER_CATALOG_ENV = "POLYMORPH_MODEL_CATALOG"
 
@@ -145,7 +147,7 @@ class ModelSpec:
 
 @functools.cache
 def _catalog() -> dict[str, ModelSpec]:
-    return _specs(yaml.safe_load(resources.files("kernels.catalog").joinpath("models.yaml").read_text()))
+    return _specs(parse_yaml(resources.files("kernels.catalog").joinpath("models.yaml").read_text(), "kernels/catalog/models.yaml").data)
 
 
 def _specs(raw: Mapping[str, Mapping[str, Any]]) -> dict[str, ModelSpec]:  # YAML values are untyped
@@ -170,10 +172,7 @@ def user_catalog_path() -> Path:
 def _user_entries(path: Path) -> dict[str, dict[str, Any]]:
     if not path.is_file():
         return {}
-    try:
-        raw = yaml.safe_load(path.read_text()) or {}
-    except yaml.YAMLError as exc:
-        raise ValueError(f"user model catalog {path} is not YAML: {exc}") from exc
+    raw = load_yaml(path).data or {}  # a ConfigError (a ValueError) names the file and line
     if not isinstance(raw, dict) or not all(isinstance(entry, dict) for entry in raw.values()):
         raise ValueError(f"user model catalog {path}: expected a mapping of model names to their fields")
     return raw
