@@ -8,6 +8,7 @@ config has refused this since ``kernels.yamlsrc`` was written; these are the oth
 from __future__ import annotations
 
 import ast
+import os
 from collections.abc import Callable
 from pathlib import Path
 
@@ -15,8 +16,8 @@ import pytest
 
 from classifiers.config import load_classifier_config
 from fleet.emulator.server import load_engine_config
-from kernels.catalog import get_model
 from gateway.cli import main as polymorph
+from kernels.catalog import get_model
 from loadtest.main import _tenant_keys
 from loadtest.scenario import load_scenario
 from loadtest.slo import load_slos
@@ -38,8 +39,6 @@ def _predict(path: Path) -> None:
 
 
 def _catalog(path: Path) -> None:
-    import os
-
     os.environ["POLYMORPH_MODEL_CATALOG"] = str(path)
     try:
         get_model("a-model-only-the-user-catalog-could-name")

@@ -50,6 +50,9 @@ def test_compile_reports_bad_input_plainly(tmp_path: Path) -> None:
                         (("--budget", "2", "--store", str(tmp_path / "a-file" / "trials.sqlite3")), "cannot create the trial store's folder")):
         done = _polymorph(*base, *extra)  # each was a traceback
         assert done.returncode != 0 and says in done.stderr and "Traceback" not in done.stderr, done.stderr
+    done = _polymorph("compile", "--evaluator", "probe", "--engine", "llamacpp", "--model", "llama-3.1-8b", "--shape", "short-chat",
+                      "--budget", "0", "--no-store")  # a ValueError from probe_compile, after the engine's set-up
+    assert done.returncode != 0 and "needs --budget >= 1" in done.stderr and "Traceback" not in done.stderr, done.stderr
 
 
 def test_trace_becomes_a_shape_and_a_replay(tmp_path: Path) -> None:
