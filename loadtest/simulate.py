@@ -123,27 +123,23 @@ def in_processes(run: Callable[..., _Result], jobs: Sequence[tuple[Any, ...]], n
     pool.shutdown()
 
 
-def stretched_workload(scenario: str, duration_s: float | None, rate_rps: float | None, stretch: float, seed: int | None) -> Workload:
+def stretched_workload(scenario: Scenario, duration_s: float | None, rate_rps: float | None, stretch: float, seed: int | None) -> Workload:
     """A scenario with its time axis stretched ``stretch`` times (phase onsets, periods and bursts move
     out with it) at ``rate_rps``; 1 is the scenario as it ships."""
-    from loadtest.scenario import build_workload, load_scenario
+    from loadtest.scenario import build_workload
     from loadtest.transform import speed_up
 
-    loaded = load_scenario(scenario)
-    duration = _stretched_duration_s(loaded, duration_s, stretch)
+    duration = _stretched_duration_s(scenario, duration_s, stretch)
     rate = None if rate_rps is None else rate_rps * stretch
-    workload = build_workload(loaded, duration_s=duration / stretch, rate_rps=rate, seed=seed)
+    workload = build_workload(scenario, duration_s=duration / stretch, rate_rps=rate, seed=seed)
     return workload if stretch == 1 else speed_up(workload, 1 / stretch)
 
 
-def scenario_rate_rps(scenario: str, duration_s: float | None, rate_rps: float | None, stretch: float) -> float:
+def scenario_rate_rps(scenario: Scenario, duration_s: float | None, rate_rps: float | None, stretch: float) -> float:
     """The mean rate ``stretched_workload`` aims at (fleet req/s): ``rate_rps``, or the scenario's own
     rate spread over its stretched time axis."""
-    from loadtest.scenario import load_scenario
-
-    loaded = load_scenario(scenario)
-    duration = _stretched_duration_s(loaded, duration_s, stretch)
-    return rate_rps if rate_rps is not None else loaded.mean_rate_rps(duration / stretch) / stretch
+    duration = _stretched_duration_s(scenario, duration_s, stretch)
+    return rate_rps if rate_rps is not None else scenario.mean_rate_rps(duration / stretch) / stretch
 
 
 def _stretched_duration_s(loaded: Scenario, duration_s: float | None, stretch: float) -> float:
@@ -193,11 +189,12 @@ class WorkloadSource:
 def scenario_source(scenario: str, duration_s: float | None, rate_rps: float | None, stretch: float, seed: int | None) -> WorkloadSource:
     from loadtest.scenario import load_scenario
 
-    nominal = scenario_rate_rps(scenario, duration_s, rate_rps, stretch)
-    seed = load_scenario(scenario).seed if seed is None else seed
+    loaded = load_scenario(scenario)  # read once: every point of a search plays the same scenario
+    nominal = scenario_rate_rps(loaded, duration_s, rate_rps, stretch)
+    seed = loaded.seed if seed is None else seed
     return WorkloadSource(Path(scenario).stem, nominal, seed, False,
                           # at 1 the rate as given (None: the scenario's own), so plain runs repeat earlier figures
-                          lambda multiplier, s: stretched_workload(scenario, duration_s, rate_rps if multiplier == 1 else nominal * multiplier, stretch, s))
+                          lambda multiplier, s: stretched_workload(loaded, duration_s, rate_rps if multiplier == 1 else nominal * multiplier, stretch, s))
 
 
 def trace_source(path: str, trace_format: str, speedup: float | None, rate_rps: float | None) -> WorkloadSource:

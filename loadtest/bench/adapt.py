@@ -17,7 +17,7 @@ from collections.abc import Iterator
 
 from fleet.simulator.policies import POLICIES
 from fleet.simulator.run import SimResult, simulate
-from loadtest.scenario import builtin_names
+from loadtest.scenario import builtin_names, load_scenario
 from loadtest.simulate import budget_from_args, capacity_from_args, in_processes, stretched_workload
 
 NAMED = ("stationary", "drift-step", "drift-ramp", "diurnal", "flash-crowd", "tenant-mix")
@@ -79,7 +79,7 @@ def main_bench(args: argparse.Namespace) -> int:
 def _run_in_worker(args: argparse.Namespace, scenario: str, policy: str, duration_s: float) -> tuple[SimResult, int]:
     """One run in a worker process: its result and its capacity model's evaluations."""
     capacity = capacity_from_args(args)
-    workload = stretched_workload(scenario, duration_s, args.rate, args.stretch, args.seed)
+    workload = stretched_workload(load_scenario(scenario), duration_s, args.rate, args.stretch, args.seed)
     return simulate(workload, policy, budget_from_args(args), capacity, args.model), capacity.num_evaluations
 
 
@@ -89,7 +89,7 @@ def _runs(args: argparse.Namespace, scenarios: tuple[str, ...], policies: tuple[
     if args.workers <= 1:
         capacity, budget = capacity_from_args(args), budget_from_args(args)
         for name in scenarios:
-            workload = stretched_workload(name, duration_s, args.rate, args.stretch, args.seed)
+            workload = stretched_workload(load_scenario(name), duration_s, args.rate, args.stretch, args.seed)
             for policy in policies:
                 before = capacity.num_evaluations
                 result = simulate(workload, policy, budget, capacity, args.model)

@@ -100,9 +100,10 @@ def test_fleet_never_imports_loadtest() -> None:
 
 
 def test_stretched_workload_moves_the_drift_onset_and_keeps_the_rate() -> None:
+    from loadtest.scenario import load_scenario
     from loadtest.simulate import parse_fleet, stretched_workload
 
-    workload = stretched_workload("drift-step", 1200.0, 5.0, 2.0, None)
+    workload = stretched_workload(load_scenario("drift-step"), 1200.0, 5.0, 2.0, None)
     assert workload.drift_onsets_s == (600.0,) and workload.duration_s == 1200.0
     assert abs(workload.target_rate_rps - 5.0) < 0.5
     assert parse_fleet("H100-SXM:4,H200:4") == {"H100-SXM": 4, "H200": 4}
