@@ -80,10 +80,6 @@ class Plan:
         return dict(self.pool_to_num_replicas)
 
 
-def single_window(demand: Mapping[str, float]) -> tuple[tuple[tuple[str, float], ...], ...]:
-    return (tuple(sorted(demand.items())),)
-
-
 def _shape_totals(problem: PlanProblem) -> dict[str, float]:
     totals: dict[str, float] = {}
     for demand, omega in zip(problem.window_demands, problem.window_weights, strict=True):

@@ -17,7 +17,6 @@ import socket
 import subprocess
 import sys
 import threading
-import time
 import urllib.error
 import urllib.request
 from collections.abc import Mapping, Sequence
@@ -158,20 +157,6 @@ class LocalActuator:
         replica = LocalReplica(spec, f"http://{self.host}:{port}", process, log_path)
         self.replicas.append(replica)
         return replica
-
-    def wait_healthy(self, replicas: Sequence[LocalReplica], timeout_s: float) -> list[LocalReplica]:
-        """Block until each replica answers ``/health`` with 200; return those that never did."""
-        deadline = time.monotonic() + timeout_s
-        pending = list(replicas)
-        while pending and time.monotonic() < deadline:
-            for replica in list(pending):
-                if replica.process.poll() is not None:
-                    continue
-                if answers_health(replica.url):
-                    pending.remove(replica)
-            if pending:
-                time.sleep(0.1)
-        return pending
 
     def stop(self, replica: LocalReplica, grace_s: float = 5.0) -> None:
         if replica.process.poll() is None:

@@ -65,10 +65,6 @@ class FaultSpec:
     def to_dict(self) -> dict[str, object]:
         return asdict(self)
 
-    @property
-    def is_active(self) -> bool:
-        return self != FaultSpec(seed=self.seed)
-
 
 def _coerce(key: str, type_text: str, value: object) -> object:
     if value is None:
