@@ -9,6 +9,7 @@ the plots mark. See README.md for the schema and the built-in scenarios in ``sce
 
 from __future__ import annotations
 
+import re
 import zlib
 from dataclasses import dataclass, replace
 from importlib import resources
@@ -17,7 +18,7 @@ from typing import Any
 
 import numpy as np
 
-from kernels.yamlsrc import ConfigError, parse_yaml
+from kernels.yamlsrc import ConfigError, YamlDoc, parse_yaml
 from loadtest.arrivals import ArrivalProcess, arrival_times
 from loadtest.lengths import LengthDist, fitted_data, parse_length
 from loadtest.spec import HASH_BLOCK_TOKENS, RequestSpec, Workload, make_workload
@@ -97,20 +98,27 @@ def load_scenario(name_or_path: str | Path) -> Scenario:
 
 def parse_scenario(text: str, source: str) -> Scenario:
     try:
-        data = parse_yaml(text, source).data
+        doc = parse_yaml(text, source)
     except ConfigError as exc:  # invalid YAML, or a key given twice
         raise ScenarioError(str(exc)) from None
-    return _Parser(source).scenario(data)
+    return _Parser(doc).scenario(doc.data)
+
+
+_PATH_PART = re.compile(r"([^.\[\]]+)|\[(\d+)\]")
 
 
 class _Parser:
-    """Validates the YAML tree, naming the field of every error."""
+    """Validates the YAML tree, naming the field and line of every error."""
 
-    def __init__(self, source: str) -> None:
-        self._source = source
+    def __init__(self, doc: YamlDoc) -> None:
+        self._doc = doc
 
     def fail(self, where: str, reason: str) -> ScenarioError:
-        return ScenarioError(f"{self._source}: {where}: {reason}")
+        """``where`` (``streams[0].phases[1].at_s``) is also the path of its line in the file, or of its
+        nearest ancestor's (a stream's lone ``classes:`` is named as its ``phases[0]``)."""
+        path = tuple(int(index) if index else key for key, index in _PATH_PART.findall(where))
+        line = self._doc.line_of(path)
+        return ScenarioError(f"{self._doc.file}:{line}: {where}: {reason}" if line else f"{self._doc.file}: {where}: {reason}")
 
     def mapping(self, value: Any, where: str) -> dict[str, Any]:
         if not isinstance(value, dict):
@@ -140,7 +148,7 @@ class _Parser:
         if not isinstance(streams, list) or not streams:
             raise self.fail("streams", "expected a non-empty list of streams")
         return Scenario(
-            name=str(root.get("name", Path(self._source).stem)),
+            name=str(root.get("name", Path(self._doc.file).stem)),
             description=str(root.get("description", "")).strip(),
             duration_s=self.number(root.get("duration_s", 600), "duration_s", 1e-9),
             seed=int(self.number(root.get("seed", 0), "seed")),

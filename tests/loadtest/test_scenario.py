@@ -107,6 +107,14 @@ def test_bad_scenarios_name_file_and_field(text: str, message: str) -> None:
     assert str(caught.value).startswith("mine.yaml")
 
 
+def test_a_bad_field_names_its_line() -> None:
+    text = ("name: lines\nstreams:\n  - arrival: {process: poisson, rate_rps: 1}\n    phases:\n"
+            "      - at_s: 0\n        classes: [{lengths: azure-conv}]\n      - at_s: -5\n        classes: [{lengths: azure-conv}]\n")
+    with pytest.raises(ScenarioError) as caught:
+        parse_scenario(text, "mine.yaml")
+    assert str(caught.value).startswith("mine.yaml:7: streams[0].phases[1].at_s: expected a number >= 0"), caught.value
+
+
 def test_unknown_scenario_name_lists_the_builtins() -> None:
     with pytest.raises(ScenarioError, match="not a built-in .*drift-step"):
         load_scenario("no-such-scenario")
