@@ -11,7 +11,7 @@ from dataclasses import replace
 from pathlib import Path
 
 from kernels.tiers import DEFAULT_TIERS, FALLBACK_TIER, TierSlo
-from kernels.yamlsrc import load_yaml
+from kernels.yamlsrc import FieldPath, load_yaml
 from loadtest.record import RequestRecord
 
 
@@ -28,19 +28,21 @@ def meets_slo(record: RequestRecord, slo: TierSlo) -> bool:
 def load_slos(path: Path | str) -> dict[str, TierSlo]:
     """Defaults overridden by the file's ``tiers:`` (``ttft_p99_s``/``tpot_p99_s`` per tier)."""
     path = Path(path)
-    data = load_yaml(path).data  # a ConfigError (a ValueError) names the file and line
+    doc = load_yaml(path)  # a ConfigError (a ValueError) names the file and line, as every error below
+    data = doc.data
+    within: FieldPath = ("tiers",) if isinstance(data, dict) and "tiers" in data else ()
     tiers = data.get("tiers", data) if isinstance(data, dict) else None
     if not isinstance(tiers, dict):
-        raise ValueError(f"{path}: expected a `tiers:` mapping of tier -> {{ttft_p99_s, tpot_p99_s}}")
+        raise doc.error(within, "expected a `tiers:` mapping of tier -> {ttft_p99_s, tpot_p99_s}")
     tier_to_slo = dict(DEFAULT_TIERS)
     for tier, values in tiers.items():
         if not isinstance(values, dict):
-            raise ValueError(f"{path}: tiers.{tier} must be a mapping with ttft_p99_s and tpot_p99_s")
+            raise doc.error((*within, tier), "must be a mapping with ttft_p99_s and tpot_p99_s")
         base = tier_to_slo.get(str(tier), DEFAULT_TIERS[FALLBACK_TIER])
         tier_to_slo[str(tier)] = replace(
             base,
-            ttft_p99_s=_seconds(values.get("ttft_p99_s", base.ttft_p99_s), f"{path}: tiers.{tier}.ttft_p99_s"),
-            tpot_p99_s=_seconds(values.get("tpot_p99_s", base.tpot_p99_s), f"{path}: tiers.{tier}.tpot_p99_s"),
+            ttft_p99_s=_seconds(values.get("ttft_p99_s", base.ttft_p99_s), doc.where((*within, tier, "ttft_p99_s"))),
+            tpot_p99_s=_seconds(values.get("tpot_p99_s", base.tpot_p99_s), doc.where((*within, tier, "tpot_p99_s"))),
         )
     return tier_to_slo
 

@@ -47,13 +47,14 @@ def build_workload_from_args(args: argparse.Namespace) -> Workload:
 
 
 def _rules(path: Path) -> list[AssignRule]:
-    data = load_yaml(path).data  # a ConfigError (a ValueError) names the file and line
+    doc = load_yaml(path)  # a ConfigError (a ValueError) names the file and line, as every error below
+    data = doc.data
     if not isinstance(data, list):
-        raise ValueError(f"{path}: expected a list of rules like {{set: tier, to: batch, min_input_tokens: 4096}}")
+        raise doc.error((), "expected a list of rules like {set: tier, to: batch, min_input_tokens: 4096}")
     rules = []
     for index, item in enumerate(data):
         if not isinstance(item, dict) or "set" not in item or "to" not in item:
-            raise ValueError(f"{path}: rule {index} needs `set:` (tenant, tier or domain) and `to:`")
+            raise doc.error((index,), "a rule needs `set:` (tenant, tier or domain) and `to:`")
         conditions = {key: value for key, value in item.items() if key not in ("set", "to")}
         for key in ("domains", "tenants"):
             if key in conditions:
@@ -61,5 +62,5 @@ def _rules(path: Path) -> list[AssignRule]:
         try:
             rules.append(AssignRule(field=str(item["set"]), value=str(item["to"]), **conditions))
         except TypeError as exc:
-            raise ValueError(f"{path}: rule {index}: {exc}") from None
+            raise doc.error((index,), str(exc)) from None
     return rules

@@ -99,7 +99,7 @@ def test_compare_of_a_missing_run_is_a_clear_error(tmp_path: Path, capsys: pytes
     assert "not a loadtest output folder" in capsys.readouterr().out
 
 
-def test_dry_run_applies_rules_domains_and_fractions(tmp_path: Path) -> None:
+def test_dry_run_applies_rules_domains_and_fractions(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     rules = tmp_path / "rules.yaml"
     rules.write_text("- {set: tier, to: batch, min_input_tokens: 800}\n- {set: tenant, to: coder, domains: [code]}\n")
     assert main(["loadtest", "--trace", str(FIXTURES / "azure_small.csv"), "--format", "azure", "--domains", "code",
@@ -107,6 +107,7 @@ def test_dry_run_applies_rules_domains_and_fractions(tmp_path: Path) -> None:
     rows = [json.loads(line) for line in (tmp_path / "workload.jsonl").read_text().splitlines()]
     assert [row["tier"] for row in rows] == ["standard", "standard", "batch", "standard"]
     assert {row["tenant"] for row in rows} == {"coder"} and {row["domain"] for row in rows} == {"code"}
-    rules.write_text("- {set: tier, to: batch, colour: red}\n")
+    rules.write_text("- {set: tier, to: batch}\n- {set: tier, to: batch, colour: red}\n")
     assert main(["loadtest", "--trace", str(FIXTURES / "azure_small.csv"), "--format", "azure",
                  "--assign", str(rules), "--dry-run", "--out", str(tmp_path)]) == 2
+    assert f"{rules}:2: [1]: " in capsys.readouterr().err  # the file and the line of the rule
