@@ -6,9 +6,9 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from kernels.yamlsrc import load_yaml
+from kernels.yamlsrc import FieldReader, load_yaml
 from loadtest.spec import Workload
-from loadtest.transform import AssignRule
+from loadtest.transform import ASSIGNABLE_FIELDS, AssignRule
 
 
 def build_workload_from_args(args: argparse.Namespace) -> Workload:
@@ -46,21 +46,24 @@ def build_workload_from_args(args: argparse.Namespace) -> Workload:
     return workload
 
 
+_BOUNDS = ("min_input_tokens", "max_input_tokens", "min_output_tokens", "max_output_tokens")
+_RULE_FIELDS = {"set", "to", *_BOUNDS, "domains", "tenants"}
+
+
 def _rules(path: Path) -> list[AssignRule]:
     doc = load_yaml(path)  # a ConfigError (a ValueError) names the file and line, as every error below
-    data = doc.data
-    if not isinstance(data, list):
+    if not isinstance(doc.data, list):
         raise doc.error((), "expected a list of rules like {set: tier, to: batch, min_input_tokens: 4096}")
     rules = []
-    for index, item in enumerate(data):
-        if not isinstance(item, dict) or "set" not in item or "to" not in item:
+    for index, item in enumerate(doc.data):
+        fields = FieldReader(doc, (index,), item, _RULE_FIELDS)
+        field, value = fields.text("set", None), fields.text("to", None)
+        if field is None or value is None:
             raise doc.error((index,), "a rule needs `set:` (tenant, tier or domain) and `to:`")
-        conditions = {key: value for key, value in item.items() if key not in ("set", "to")}
-        for key in ("domains", "tenants"):
-            if key in conditions:
-                conditions[key] = frozenset(conditions[key])
-        try:
-            rules.append(AssignRule(field=str(item["set"]), value=str(item["to"]), **conditions))
-        except TypeError as exc:
-            raise doc.error((index,), str(exc)) from None
+        if field not in ASSIGNABLE_FIELDS:
+            raise fields.error("set", f"cannot assign {field!r}; assignable fields: {', '.join(ASSIGNABLE_FIELDS)}")
+        bounds = {key: fields.number(key, 0, integer=True) for key in _BOUNDS if key in item}
+        domains, tenants = fields.names("domains", None), fields.names("tenants", None)
+        rules.append(AssignRule(field, value, **bounds, domains=None if domains is None else frozenset(domains),
+                                tenants=None if tenants is None else frozenset(tenants)))
     return rules

@@ -110,4 +110,12 @@ def test_dry_run_applies_rules_domains_and_fractions(tmp_path: Path, capsys: pyt
     rules.write_text("- {set: tier, to: batch}\n- {set: tier, to: batch, colour: red}\n")
     assert main(["loadtest", "--trace", str(FIXTURES / "azure_small.csv"), "--format", "azure",
                  "--assign", str(rules), "--dry-run", "--out", str(tmp_path)]) == 2
-    assert f"{rules}:2: [1]: " in capsys.readouterr().err  # the file and the line of the rule
+    assert f"{rules}:2: [1].colour: unknown field" in capsys.readouterr().err  # the file and the line of the rule
+    for rule, says in (("{set: tier, to: batch, min_input_tokens: abc}", "[0].min_input_tokens: must be an integer"),
+                       ("{set: tenant, to: coder, domains: code}", "[0].domains: must be a list of strings"),
+                       ("{set: tier, to: [batch]}", "[0].to: must be a string"),
+                       ("{set: colour, to: red}", "[0].set: cannot assign 'colour'")):
+        rules.write_text(f"- {rule}\n")  # a traceback, a silent {c, o, d, e}, a silent '[batch]', and no line before
+        assert main(["loadtest", "--trace", str(FIXTURES / "azure_small.csv"), "--format", "azure",
+                     "--assign", str(rules), "--dry-run", "--out", str(tmp_path)]) == 2
+        assert f"{rules}:1: {says}" in capsys.readouterr().err
