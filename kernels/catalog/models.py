@@ -7,14 +7,14 @@ import json
 import os
 import re
 from collections.abc import Mapping
-from dataclasses import asdict, dataclass, fields, replace
+from dataclasses import MISSING, asdict, dataclass, fields, replace
 from importlib import resources
 from pathlib import Path
 from typing import Any
 
 import yaml
 
-from kernels.yamlsrc import load_yaml, parse_yaml
+from kernels.yamlsrc import FieldReader, YamlDoc, load_yaml, parse_yaml
 
 _WEIGHT_DTYPES = ("bf16", "fp8", "mxfp4_experts")
 USER_CATALOG_ENV = "POLYMORPH_MODEL_CATALOG"
@@ -170,12 +170,40 @@ def user_catalog_path() -> Path:
 
 
 def _user_entries(path: Path) -> dict[str, dict[str, Any]]:
+    """The user catalog's entries, each checked as ``_check_user_entry`` says: the file is the user's to
+    edit, and a wrong field would otherwise surface as a TypeError wherever the model is first used."""
     if not path.is_file():
         return {}
-    raw = load_yaml(path).data or {}  # a ConfigError (a ValueError) names the file and line
-    if not isinstance(raw, dict) or not all(isinstance(entry, dict) for entry in raw.values()):
-        raise ValueError(f"user model catalog {path}: expected a mapping of model names to their fields")
+    doc = load_yaml(path)  # a ConfigError (a ValueError) names the file and line, as every error below
+    raw = doc.data or {}
+    if not isinstance(raw, dict):
+        raise doc.error((), "the user model catalog must be a mapping of model names to their fields")
+    for name, entry in raw.items():
+        _check_user_entry(doc, str(name), entry)
     return raw
+
+
+def _check_user_entry(doc: YamlDoc, name: str, entry: object) -> None:
+    """Every field one of ModelSpec's and of its type, and the transformer's shape given."""
+    spec_fields = {f.name: f for f in fields(ModelSpec) if f.name != "name"}
+    reader = FieldReader(doc, (name,), entry, set(spec_fields))
+    for field in spec_fields.values():
+        if field.name not in reader.data:
+            if field.default is MISSING:
+                raise reader.error(field.name, "required: the model's shape needs num_layers, hidden_size, num_heads, "
+                                   "num_kv_heads, head_dim, intermediate_size and vocab_size")
+        elif field.type in ("int", "float"):
+            reader.number(field.name, 0, integer=field.type == "int")
+        elif field.type == "bool":
+            reader.flag(field.name, False)
+        elif field.type == "str":
+            reader.text(field.name, None)
+        elif field.name == "aliases":
+            reader.names(field.name, None)
+        else:  # drafts: algorithm -> the draft's Hugging Face repo
+            drafts = reader.data[field.name]
+            if not isinstance(drafts, dict) or not all(isinstance(v, str) for v in drafts.values()):
+                raise reader.error(field.name, "must be a mapping of algorithm -> draft repo")
 
 
 def add_model(config_path: Path, name: str | None = None, catalog_path: Path | None = None) -> tuple[ModelSpec, Path]:

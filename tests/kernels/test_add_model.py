@@ -63,3 +63,14 @@ def test_add_model_refuses_what_it_cannot_add(tmp_path: Path) -> None:
     assert not catalog.exists()  # nothing was written
     done = _polymorph(catalog, "kernels", "predict", "--model", "my-moe", "--gpu", "H100", "--isl", "8", "--osl", "8")
     assert done.returncode != 0 and "add-model" in done.stderr
+
+
+def test_a_hand_edited_entry_with_a_wrong_field_is_an_error_with_its_line(tmp_path: Path) -> None:
+    catalog = tmp_path / "models.yaml"
+    for text, says in (("my-model:\n  num_layers: 32\n  hidden_size: lots\n", ":3: my-model.hidden_size: must be an integer"),
+                       ("my-model:\n  num_layers: 32\n", ":1: my-model.hidden_size: required"),
+                       ("my-model:\n  colour: red\n", ":2: my-model.colour: unknown field"),
+                       ("- my-model\n", ":1: the user model catalog must be a mapping")):
+        catalog.write_text(text)  # each was a TypeError from ModelSpec, wherever the model was first used
+        done = _polymorph(catalog, "kernels", "predict", "--model", "my-model", "--gpu", "H100", "--isl", "8", "--osl", "8")
+        assert done.returncode != 0 and f"{catalog}{says}" in done.stderr and "Traceback" not in done.stderr, done.stderr
