@@ -102,10 +102,13 @@ def _tenant_keys(value: str | None) -> dict[str, str]:
         return {}
     path = Path(value)
     if path.is_file():
-        data = load_yaml(path).data
-        if not isinstance(data, dict):
-            raise ValueError(f"{path}: expected a mapping of tenant -> API key")
-        return {str(tenant): str(key) for tenant, key in data.items()}
+        doc = load_yaml(path)
+        if not isinstance(doc.data, dict):
+            raise doc.error((), "expected a mapping of tenant -> API key")
+        for tenant, key in doc.data.items():
+            if not isinstance(key, str) or not key:  # a list or a number here is a mistake, not a key
+                raise doc.error((tenant,), f"an API key must be a non-empty string (quote one of digits), not {key!r}")
+        return {str(tenant): key for tenant, key in doc.data.items()}
     pairs = [part.partition("=") for part in value.split(",") if part.strip()]
     if any(not sep or not tenant for tenant, sep, _ in pairs):
         raise ValueError(f"--tenant-keys {value!r}: expected TENANT=KEY[,TENANT=KEY] or a file")

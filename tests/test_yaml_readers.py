@@ -70,6 +70,13 @@ def test_a_key_given_twice_is_refused_with_the_file_and_both_lines(name: str, tm
     assert f"duplicate key (first given on line {first})" in message, message
 
 
+def test_a_tenant_key_that_is_not_a_string_is_refused_with_its_line(tmp_path: Path) -> None:
+    path = tmp_path / "keys.yaml"
+    path.write_text("acme: sk-1\nglobex: [sk-2]\n")  # was used as the key '['sk-2']'
+    with pytest.raises(ValueError, match=f"{path}:2: globex: an API key must be a non-empty string"):
+        _tenant_keys(str(path))
+
+
 YAML_READS = frozenset({"safe_load", "load", "full_load", "unsafe_load", "safe_load_all", "load_all", "compose", "compose_all"})
 
 
