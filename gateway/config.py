@@ -27,7 +27,7 @@ from fleet.engines.load import ENGINE_KINDS
 from fleet.kubernetes_manifests import KubernetesSettings
 from fleet.router import RouterSettings
 from fleet.router_steps import STEPS
-from kernels.tiers import DEFAULT_TIERS, TierSlo
+from kernels.tiers import DEFAULT_TIERS, TierSlo, read_tier_slo
 from kernels.yamlsrc import FieldPath, FieldReader, YamlDoc, load_yaml
 from loadtest.demo_credentials import DEMO_ADMIN_TOKEN, DEMO_API_KEY
 
@@ -280,21 +280,6 @@ def _upstream(doc: YamlDoc) -> UpstreamSettings:
     )
 
 
-def _objectives(doc: YamlDoc, path: FieldPath, data: object, base: TierSlo | None) -> TierSlo:
-    r = FieldReader(doc, path, data, {"ttft_p99_s", "tpot_p99_s", "deadline_s", "priority"})
-    if base is None:
-        for key in ("ttft_p99_s", "tpot_p99_s"):
-            if key not in r.data:
-                raise doc.error(path, f"missing {key}")
-        base = TierSlo(0.0, 0.0, priority=1, deadline_s=3600.0)
-    return TierSlo(
-        ttft_p99_s=r.number("ttft_p99_s", base.ttft_p99_s, lo=0.001, hi=86400),
-        tpot_p99_s=r.number("tpot_p99_s", base.tpot_p99_s, lo=0.0001, hi=3600),
-        deadline_s=r.number("deadline_s", base.deadline_s, lo=0.01, hi=86400),
-        priority=r.number("priority", base.priority, lo=0, hi=100, integer=True),
-    )
-
-
 def _tiers(doc: YamlDoc) -> dict[str, TierSlo]:
     raw = doc.data.get("tiers")
     if raw is None:
@@ -305,7 +290,7 @@ def _tiers(doc: YamlDoc) -> dict[str, TierSlo]:
     for name, body in raw.items():
         if not isinstance(name, str) or not _NAME.match(name):
             raise doc.error(("tiers", str(name)), "tier names are letters, digits, '-', '_', '.' or ':'")
-        tiers[name] = _objectives(doc, ("tiers", name), body, DEFAULT_TIERS.get(name))
+        tiers[name] = read_tier_slo(doc, ("tiers", name), body, DEFAULT_TIERS.get(name))
     return tiers
 
 
@@ -778,7 +763,7 @@ def parse_tenant(doc: YamlDoc, tiers: Mapping[str, TierSlo]) -> Tenant:
     for tier, body in overrides.items():
         if tier not in tiers:
             raise doc.error(("objectives", tier), f"unknown tier (configured tiers: {', '.join(tiers)})")
-        objectives[tier] = _objectives(doc, ("objectives", tier), body, tiers[tier])
+        objectives[tier] = read_tier_slo(doc, ("objectives", tier), body, tiers[tier])
     limits = FieldReader(doc, ("rate_limits",), r.data.get("rate_limits"), {"requests_per_min", "tokens_per_min"})
     budget = FieldReader(doc, ("budget",), r.data.get("budget"), {"monthly_usd"})
     return Tenant(

@@ -10,6 +10,8 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass, replace
 
+from kernels.yamlsrc import FieldPath, FieldReader, YamlDoc
+
 
 @dataclass(frozen=True, slots=True)
 class TierSlo:
@@ -44,3 +46,22 @@ FALLBACK_TIER = "standard"  # an unknown tier is held to this one's objectives
 def slo_for(tiers: Mapping[str, TierSlo], tier: str) -> TierSlo:
     """The tier's objectives; an unknown tier is held to the standard tier's."""
     return tiers.get(tier) or tiers.get(FALLBACK_TIER) or DEFAULT_TIERS[FALLBACK_TIER]
+
+
+def read_tier_slo(doc: YamlDoc, path: FieldPath, data: object, base: TierSlo | None) -> TierSlo:
+    """One tier's objectives at ``path`` of a YAML document (a gateway config's ``tiers:`` or a tenant's
+    ``objectives:``, a load test's ``--slo`` file), over ``base``; None: a new tier, which must give both
+    latencies (the load tester starts a new tier from the standard tier's instead). Errors name the
+    file, the line and the field."""
+    r = FieldReader(doc, path, data, {"ttft_p99_s", "tpot_p99_s", "deadline_s", "priority"})
+    if base is None:
+        for key in ("ttft_p99_s", "tpot_p99_s"):
+            if key not in r.data:
+                raise doc.error(path, f"missing {key}")
+        base = TierSlo(0.0, 0.0, priority=1, deadline_s=3600.0)
+    return TierSlo(
+        ttft_p99_s=r.number("ttft_p99_s", base.ttft_p99_s, lo=0.001, hi=86400),
+        tpot_p99_s=r.number("tpot_p99_s", base.tpot_p99_s, lo=0.0001, hi=3600),
+        deadline_s=r.number("deadline_s", base.deadline_s, lo=0.01, hi=86400),
+        priority=r.number("priority", base.priority, lo=0, hi=100, integer=True),
+    )

@@ -47,10 +47,6 @@ class YamlDoc:
     def error(self, path: FieldPath, reason: str) -> ConfigError:
         return ConfigError(self.file, self.line_of(path), format_path(path), reason)
 
-    def where(self, path: FieldPath) -> str:
-        """``file:line: field``, as an error about ``path`` begins."""
-        return str(self.error(path, "")).removesuffix(": ")
-
 
 def format_path(path: FieldPath) -> str:
     text = ""

@@ -10,7 +10,7 @@ from collections.abc import Mapping
 from dataclasses import replace
 from pathlib import Path
 
-from kernels.tiers import DEFAULT_TIERS, FALLBACK_TIER, TierSlo
+from kernels.tiers import DEFAULT_TIERS, FALLBACK_TIER, TierSlo, read_tier_slo
 from kernels.yamlsrc import FieldPath, load_yaml
 from loadtest.record import RequestRecord
 
@@ -35,15 +35,9 @@ def load_slos(path: Path | str) -> dict[str, TierSlo]:
     if not isinstance(tiers, dict):
         raise doc.error(within, "expected a `tiers:` mapping of tier -> {ttft_p99_s, tpot_p99_s}")
     tier_to_slo = dict(DEFAULT_TIERS)
-    for tier, values in tiers.items():
-        if not isinstance(values, dict):
-            raise doc.error((*within, tier), "must be a mapping with ttft_p99_s and tpot_p99_s")
+    for tier, values in tiers.items():  # read as the gateway reads its tiers: the same fields and bounds
         base = tier_to_slo.get(str(tier), DEFAULT_TIERS[FALLBACK_TIER])
-        tier_to_slo[str(tier)] = replace(
-            base,
-            ttft_p99_s=_seconds(values.get("ttft_p99_s", base.ttft_p99_s), doc.where((*within, tier, "ttft_p99_s"))),
-            tpot_p99_s=_seconds(values.get("tpot_p99_s", base.tpot_p99_s), doc.where((*within, tier, "tpot_p99_s"))),
-        )
+        tier_to_slo[str(tier)] = read_tier_slo(doc, (*within, tier), values, base)
     return tier_to_slo
 
 

@@ -28,9 +28,10 @@ def test_file_and_flag_overrides(tmp_path: Path) -> None:
 @pytest.mark.parametrize(
     ("text", "message"),
     [("tiers: 5", r"slo.yaml:1: tiers: expected a `tiers:` mapping"),
-     ("tiers:\n  batch: {ttft_p99_s: -1}", r"slo.yaml:2: tiers.batch.ttft_p99_s: must be > 0"),
-     ("tiers:\n  standard: {}\n  batch:\n    ttft_p99_s: soon", r"slo.yaml:4: tiers.batch.ttft_p99_s: expected seconds"),
-     ("interactive: {ttft_p99_s: 1}\nbatch: 7", r"slo.yaml:2: batch: must be a mapping")],
+     ("tiers:\n  batch: {ttft_p99_s: -1}", r"slo.yaml:2: tiers.batch.ttft_p99_s: must be between 0.001 and 86400"),
+     ("tiers:\n  standard: {}\n  batch:\n    ttft_p99_s: soon", r"slo.yaml:4: tiers.batch.ttft_p99_s: must be a number"),
+     ("interactive: {ttft_p99_s: 1}\nbatch: 7", r"slo.yaml:2: batch: must be a mapping"),
+     ("tiers:\n  batch:\n    ttft_p99: 9", r"slo.yaml:3: tiers.batch.ttft_p99: unknown field")],  # was ignored
 )
 def test_bad_slo_files_are_clear_errors_with_their_line(tmp_path: Path, text: str, message: str) -> None:
     path = tmp_path / "slo.yaml"
