@@ -23,6 +23,7 @@ from fleet.capacity import CapacityModel, PerfCapacity
 from fleet.compile_sources import CompileSettings, VirtualTimeConfigSource
 from fleet.decisions import DecisionLog
 from fleet.simulator.run import simulate, simulate_outcomes
+from kernels.catalog import get_gpu, get_model
 from kernels.compiler import Budget, StoreError, TrialStore
 from loadtest.capacity import (
     DEFAULT_MAX_POINTS,
@@ -52,6 +53,7 @@ def parse_fleet(text: str) -> dict[str, int]:
         gpu, _, count = part.strip().partition(":")
         if not gpu or not count.isdigit() or int(count) < 1:
             raise ValueError(f"--fleet wants GPU:COUNT pairs separated by commas, got {part!r}")
+        get_gpu(gpu)  # an unknown kind is refused here, with the known ones, not deep in a run
         budget[gpu] = budget.get(gpu, 0) + int(count)
     return budget
 
@@ -69,11 +71,15 @@ def scale_fleet(budget: Mapping[str, int], num_gpus: int) -> dict[str, int]:
 
 def budget_from_args(args: argparse.Namespace) -> dict[str, int]:
     budget = parse_fleet(args.fleet)
-    return scale_fleet(budget, args.gpus) if args.gpus else budget
+    if args.gpus is not None and args.gpus < 1:  # 0 was taken as "not given"
+        raise ValueError(f"--gpus must be >= 1, got {args.gpus}")
+    return budget if args.gpus is None else scale_fleet(budget, args.gpus)
 
 
 def capacity_from_args(args: argparse.Namespace) -> PerfCapacity:
-    """The capacity model of ``--model``, over ``--capacity-cache`` unless ``--no-cache``."""
+    """The capacity model of ``--model``, over ``--capacity-cache`` unless ``--no-cache``; ValueError for
+    a model the catalog does not know (the model itself is read at the first evaluation)."""
+    get_model(args.model)
     return PerfCapacity(args.model, None if args.no_cache else Path(args.capacity_cache))
 
 
@@ -139,6 +145,8 @@ def scenario_rate_rps(scenario: Scenario, duration_s: float | None, rate_rps: fl
     """The mean rate ``stretched_workload`` aims at (fleet req/s): ``rate_rps``, or the scenario's own
     rate spread over its stretched time axis."""
     duration = _stretched_duration_s(scenario, duration_s, stretch)
+    if rate_rps is not None and not rate_rps > 0:
+        raise ValueError(f"--rate must be > 0 req/s, got {rate_rps:g}")
     return rate_rps if rate_rps is not None else scenario.mean_rate_rps(duration / stretch) / stretch
 
 
@@ -321,10 +329,10 @@ def main_simulate(args: argparse.Namespace) -> int:
     try:
         budget = budget_from_args(args)
         workload = None if args.capacity else load_workload(args)
+        capacity = capacity_from_args(args)
     except (ValueError, OSError) as exc:
         print(f"polymorph simulate: {exc}", file=sys.stderr)
         return 2
-    capacity = capacity_from_args(args)
     if workload is None:
         return _main_capacity(args, budget, capacity)
     log = DecisionLog(Path(args.decisions) if args.decisions else None)

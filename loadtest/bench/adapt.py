@@ -17,8 +17,9 @@ from collections.abc import Iterator
 
 from fleet.simulator.policies import POLICIES
 from fleet.simulator.run import SimResult, simulate
+from kernels.catalog import get_model
 from loadtest.scenario import builtin_names, load_scenario
-from loadtest.simulate import budget_from_args, capacity_from_args, in_processes, stretched_workload
+from loadtest.simulate import budget_from_args, capacity_from_args, in_processes, scenario_rate_rps, stretched_workload
 
 NAMED = ("stationary", "drift-step", "drift-ramp", "diurnal", "flash-crowd", "tenant-mix")
 
@@ -43,6 +44,10 @@ def main_bench(args: argparse.Namespace) -> int:
         print("polymorph bench adapt: --draws judges the points of --metric capacity; a goodput run is one draw", file=sys.stderr)
         return 2
     policies = tuple(args.policies.split(",")) if args.policies else POLICIES
+    problem = _argument_problem(args, scenarios, policies)
+    if problem:
+        print(f"polymorph bench adapt: {problem}", file=sys.stderr)
+        return 2
     if args.metric == "capacity":
         from loadtest.bench.adapt_capacity import main_capacity
 
@@ -74,6 +79,22 @@ def main_bench(args: argparse.Namespace) -> int:
     summary["capacity_evaluations"] = num_evaluations
     print(json.dumps(summary, sort_keys=True))
     return 0
+
+
+def _argument_problem(args: argparse.Namespace, scenarios: tuple[str, ...], policies: tuple[str, ...]) -> str | None:
+    """What is wrong with the flags every run reads, found before the first run rather than inside one
+    (a worker's error would end the bench in a traceback), by the checks the runs themselves make."""
+    unknown = [p for p in policies if p not in POLICIES]
+    if unknown or not policies:
+        return f"unknown policies {unknown} (choose from {', '.join(POLICIES)})"
+    try:
+        get_model(args.model)
+        budget_from_args(args)
+        for name in scenarios:
+            scenario_rate_rps(load_scenario(name), 240.0 if args.quick else args.duration, args.rate, args.stretch)
+    except ValueError as exc:
+        return str(exc)
+    return None
 
 
 def _run_in_worker(args: argparse.Namespace, scenario: str, policy: str, duration_s: float) -> tuple[SimResult, int]:

@@ -167,6 +167,22 @@ def test_a_scenario_with_no_positive_duration_or_stretch_is_refused_by_name(caps
         assert f"{flag} must be > 0" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("command", [["simulate", "--scenario", "stationary", "--duration", "60"],
+                                     ["bench", "adapt", "--scenarios", "stationary", "--policies", "adaptive", "--no-progress"]])
+def test_bad_flags_of_simulate_and_bench_adapt_are_refused_before_any_run(command: list[str], capsys: pytest.CaptureFixture[str]) -> None:
+    """Each of these ended in a traceback (--rate 0 and a bad --model, --fleet or policy in bench adapt),
+    was reported as "a workload with no rate" (--rate 0 in simulate), or was silently ignored (--gpus 0)."""
+    bad = [(["--rate", "0"], "--rate must be > 0 req/s"), (["--gpus", "0"], "--gpus must be >= 1"),
+           (["--model", "nope"], "unknown model 'nope'"), (["--fleet", "nope:2"], "unknown GPU 'nope'"),
+           (["--stretch", "0"], "--stretch must be > 0")]
+    if command[0] == "bench":
+        bad.append((["--policies", "adaptive,nope"], "unknown policies ['nope']"))
+    for extra, says in bad:
+        assert main([*command, "--no-cache", *extra]) == 2, extra
+        err = capsys.readouterr().err
+        assert says in err and "Traceback" not in err, err
+
+
 def test_smallest_passing_finds_the_fewest_gpus() -> None:
     asked: list[int] = []
 
