@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import argparse
 
+from kernels.argtypes import count, count_or_zero, fraction, positive
+
 
 def register(commands: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     """Add this package's top-level subcommands."""
@@ -26,21 +28,21 @@ def register(commands: argparse._SubParsersAction) -> None:  # type: ignore[type
                    help='engine config: a YAML/JSON file of EngineConfig fields, or inline JSON starting with "{"')
     p.add_argument("--port", type=int, required=True, help="TCP port to listen on")
     p.add_argument("--host", default="127.0.0.1", help="address to listen on")
-    p.add_argument("--speed", type=float, default=1.0, help="engine seconds per wall second (2 runs twice as fast)")
+    p.add_argument("--speed", type=positive, default=1.0, help="engine seconds per wall second (2 runs twice as fast)")
     p.add_argument("--served-model-name", default=None, help="model id reported to clients (default: the catalogue name)")
     p.add_argument("--adapter", action="append", default=[], metavar="NAME=PATH",
                    help="a LoRA adapter requests may name (repeatable); a replica with adapters answers 404 for other models, as vLLM does")
     faults = p.add_argument_group("fault injection")
-    faults.add_argument("--fail-after-requests", type=int, default=None, metavar="N",
+    faults.add_argument("--fail-after-requests", type=count_or_zero, default=None, metavar="N",
                         help="answer every inference request after the Nth with --error-status")
-    faults.add_argument("--error-rate", type=float, default=0.0, help="fraction of inference requests answered with --error-status")
+    faults.add_argument("--error-rate", type=fraction, default=0.0, help="fraction of inference requests answered with --error-status")
     faults.add_argument("--error-status", type=int, default=503, help="HTTP status of injected errors")
-    faults.add_argument("--slowdown", type=float, default=1.0, help="engine iterations take this many times longer")
+    faults.add_argument("--slowdown", type=positive, default=1.0, help="engine iterations take this many times longer")
     faults.add_argument("--hang-before-first-byte-s", type=float, default=0.0,
                         help="wait this long before answering (negative: until the client leaves)")
-    faults.add_argument("--stall-after-tokens", type=int, default=None, metavar="K", help="pause each response after K tokens...")
+    faults.add_argument("--stall-after-tokens", type=count_or_zero, default=None, metavar="K", help="pause each response after K tokens...")
     faults.add_argument("--stall-s", type=float, default=0.0, help="...for this many seconds (negative: forever)")
-    faults.add_argument("--crash-after-tokens", type=int, default=None, metavar="K", help="kill each response after K tokens...")
+    faults.add_argument("--crash-after-tokens", type=count_or_zero, default=None, metavar="K", help="kill each response after K tokens...")
     faults.add_argument("--crash-mode", choices=("cut", "exit"), default="cut",
                         help="...by cutting its connection, or by exiting the whole process")
     faults.add_argument("--refuse-connections-s", type=float, default=0.0,
@@ -71,8 +73,8 @@ def register_bench(benches: argparse._SubParsersAction) -> None:  # type: ignore
     p.add_argument("--model", default="llama-3.1-8b", help="catalogue model")
     p.add_argument("--gpu", default="H100-SXM", help="catalogue GPU")
     p.add_argument("--concurrency", default="32,64,128,256,512,1024", help="comma-separated stream counts to try")
-    p.add_argument("--tokens", type=int, default=200, help="output tokens per request (ignore_eos)")
-    p.add_argument("--max-drift", type=float, default=0.05, help="timing drift allowed (0.05 = 5%%)")
+    p.add_argument("--tokens", type=count, default=200, help="output tokens per request (ignore_eos)")
+    p.add_argument("--max-drift", type=positive, default=0.05, help="timing drift allowed (0.05 = 5%%)")
     p.set_defaults(handler=_run_bench_emulator)
 
 

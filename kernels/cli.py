@@ -7,6 +7,8 @@ import argparse
 import json
 from pathlib import Path
 
+from kernels.argtypes import count, positive
+
 _FMT = argparse.ArgumentDefaultsHelpFormatter
 
 
@@ -29,13 +31,13 @@ def register(commands: argparse._SubParsersAction) -> None:  # type: ignore[type
     predict.add_argument("--gpu", required=True, help="GPU name or alias, e.g. H100, H200-SXM-141GB, B200")
     predict.add_argument("--config", type=Path, help="YAML/JSON file with EngineConfig keys (tp, kv_cache_dtype, ...)")
     predict.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override one EngineConfig key (repeatable)")
-    predict.add_argument("--isl", type=int, required=True, help="prompt tokens per request")
-    predict.add_argument("--osl", type=int, required=True, help="output tokens per request")
+    predict.add_argument("--isl", type=count, required=True, help="prompt tokens per request")
+    predict.add_argument("--osl", type=count, required=True, help="output tokens per request")
     load = predict.add_mutually_exclusive_group()
-    load.add_argument("--concurrency", type=int, help="closed-loop clients")
-    load.add_argument("--rate", type=float, help="Poisson arrival rate, requests/s")
+    load.add_argument("--concurrency", type=count, help="closed-loop clients")
+    load.add_argument("--rate", type=positive, help="Poisson arrival rate, requests/s")
     predict.add_argument("--domain", default="chat", help="request domain (speculative acceptance depends on it)")
-    predict.add_argument("--num-requests", type=int, help="simulated requests (default: a few per client, 400 for --rate)")
+    predict.add_argument("--num-requests", type=count, help="simulated requests (default: a few per client, 400 for --rate)")
     predict.add_argument("--seed", type=int, default=0, help="seed of the simulated arrivals")
     predict.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
     predict.set_defaults(handler=_run_predict)
@@ -48,7 +50,7 @@ def register(commands: argparse._SubParsersAction) -> None:  # type: ignore[type
         "trials in that trial store (every third trial held back) and keep it there for later probe compiles.",
     )
     fit.add_argument("--data", type=Path, help="calibration CSV (default: ../shared/calibration/calibration.csv)")
-    fit.add_argument("--max-evals", type=int, default=6,
+    fit.add_argument("--max-evals", type=count, default=6,
                      help="optimiser steps (each costs ~10 scorings of the CSV, ~1 min on 2 cores)")
     fit.add_argument("--dry-run", action="store_true", help="print the fit without writing the parameter file (or the store)")
     fit.add_argument("--store", type=Path, help="fit corrections to this trial store's measured probe trials instead")
@@ -83,7 +85,7 @@ def _register_compile(commands: argparse._SubParsersAction) -> None:  # type: ig
     )
     compile_.add_argument("--model", help="catalog name, alias, HF repo id or path to a config.json (required)")
     compile_.add_argument("--gpu", help="GPU name or alias, e.g. H100, H200 (required)")
-    compile_.add_argument("--gpus", type=int, default=1, help="GPUs per replica (TP x DP)")
+    compile_.add_argument("--gpus", type=count, default=1, help="GPUs per replica (TP x DP)")
     compile_.add_argument("--shape", help="built-in traffic shape: short-chat, long-context, reasoning, batch")
     compile_.add_argument("--trace", type=Path, help="summarise this request trace as the shape instead")
     compile_.add_argument("--format", choices=("azure", "burstgpt", "mooncake", "native"), help="format of --trace")
@@ -105,12 +107,12 @@ def _register_compile(commands: argparse._SubParsersAction) -> None:  # type: ig
                           "sglang needs one)")
     compile_.add_argument("--devices", help="--evaluator probe on a GPU: the device ids the engine gets (CUDA_VISIBLE_DEVICES), "
                           "e.g. 0 or 2,3 (default 0)")
-    compile_.add_argument("--probe-requests", type=int, default=12,
+    compile_.add_argument("--probe-requests", type=count, default=12,
                           help="requests per rate of a probe's ladder (fewer: a quicker, noisier measurement)")
     compile_.add_argument("--objective", default="goodput", choices=("goodput", "cost"),
                           help="maximise goodput per GPU, or minimise USD per million tokens at the SLOs")
-    compile_.add_argument("--budget", type=int, default=60, help="most evaluations (gate rejections are free)")
-    compile_.add_argument("--seconds", type=float, default=120.0, help="most wall seconds of search")
+    compile_.add_argument("--budget", type=count, default=60, help="most evaluations (gate rejections are free)")
+    compile_.add_argument("--seconds", type=positive, default=120.0, help="most wall seconds of search")
     compile_.add_argument("--store", type=Path, help="trial store (SQLite); default $POLYMORPH_COMPILER_STORE or "
                           "~/.cache/polymorph/compiler.sqlite3")
     compile_.add_argument("--no-store", action="store_true", help="remember nothing (no warm start)")
@@ -132,7 +134,7 @@ def _register_compile(commands: argparse._SubParsersAction) -> None:  # type: ig
     history.add_argument("--store", type=Path, help="trial store (default as for `polymorph compile`)")
     history.add_argument("--model", help="only this model")
     history.add_argument("--gpu", help="only this GPU kind")
-    history.add_argument("--limit", type=int, default=20, help="most compiles to list")
+    history.add_argument("--limit", type=count, default=20, help="most compiles to list")
     history.add_argument("--trials", action="store_true", help="also list every trial of each compile")
     history.set_defaults(handler=_run_compile_history)
 
@@ -167,12 +169,12 @@ def register_bench(benches: argparse._SubParsersAction) -> None:  # type: ignore
     compile_bench.add_argument("--shapes", nargs="+",
                                help="built-in traffic shapes (default: short-chat long-context reasoning batch; "
                                "with --evaluate probe: short-chat long-context)")
-    compile_bench.add_argument("--drift", type=float, default=1.3, help="length scale of the drifted shape")
-    compile_bench.add_argument("--budget", type=int,
+    compile_bench.add_argument("--drift", type=positive, default=1.3, help="length scale of the drifted shape")
+    compile_bench.add_argument("--budget", type=count,
                                help="most evaluations per compile (default 60; with --evaluate probe: measured candidates, default 4)")
     compile_bench.add_argument("--engines", nargs="+", help="--evaluate probe: llamacpp and/or vllm (default: both)")
     compile_bench.add_argument("--model", default="tiny-llama", help="--evaluate probe: the model the engines serve")
-    compile_bench.add_argument("--probe-requests", type=int, default=12, help="--evaluate probe: requests a ladder step")
+    compile_bench.add_argument("--probe-requests", type=count, default=12, help="--evaluate probe: requests a ladder step")
     compile_bench.add_argument("--tier", choices=("interactive", "standard", "batch"), default="interactive",
                                help="--evaluate probe: whose objectives goodput is measured against (the tiers' GPU figures: "
                                "vLLM's CPU build on one core meets no interactive one; standard allows 3 s TTFT, 100 ms TPOT)")
@@ -180,8 +182,8 @@ def register_bench(benches: argparse._SubParsersAction) -> None:  # type: ignore
                                help="--evaluate probe: take the compile's own pair instead of measuring both again side by side")
     compile_bench.add_argument("--store", type=Path,
                                help="--evaluate probe: trial store to keep (and warm-start from); default a temporary one")
-    compile_bench.add_argument("--seconds", type=float, default=300.0, help="most wall seconds per compile")
-    compile_bench.add_argument("--workers", type=int, default=2, help="cells compiled in parallel processes")
+    compile_bench.add_argument("--seconds", type=positive, default=300.0, help="most wall seconds per compile")
+    compile_bench.add_argument("--workers", type=count, default=2, help="cells compiled in parallel processes")
     compile_bench.add_argument("--no-warm", action="store_true", help="skip the drift comparison (cold compiles only)")
     compile_bench.add_argument("--allow-fp8-weights", action="store_true", help="widen the space with fp8 weights (lossy)")
     compile_bench.add_argument("--draft", action="append", choices=("EAGLE", "EAGLE3", "MTP"),

@@ -148,9 +148,6 @@ def main_agreement(args: argparse.Namespace) -> int:
     from loadtest.scenario import ScenarioError
     from loadtest.simulate import budget_from_args
 
-    if not args.speed > 0:
-        print("polymorph bench agreement: --speed must be > 0")
-        return 2
     try:
         budget = budget_from_args(args)
         workload = fleet_workload(args.scenario, args.duration, args.rate, args.seed)

@@ -6,6 +6,7 @@ import argparse
 import sys
 from pathlib import Path
 
+from kernels.argtypes import count, count_or_zero, fraction, non_negative, positive, positives
 from loadtest.bench import cli as bench_cli
 from loadtest.chaos import cli as chaos_cli
 from loadtest.sim_cli import _add_capacity_args, register_bench_adapt, register_bench_agreement, register_simulate
@@ -30,10 +31,10 @@ def _add_run_arguments(p: argparse.ArgumentParser) -> None:
     source.add_argument("--scenario", metavar="NAME|FILE", help="built-in scenario name or a scenario YAML file")
     source.add_argument("--trace", metavar="FILE", help="trace file to replay (FILE.gz is read compressed)")
     source.add_argument("--format", choices=("azure", "burstgpt", "mooncake", "native"), help="trace format")
-    source.add_argument("--duration", type=float, metavar="S", help="run length in seconds (default: the scenario's, or the whole trace)")
-    source.add_argument("--start", type=float, default=0.0, metavar="S", help="skip the first S seconds (after time scaling)")
-    source.add_argument("--rate", type=float, metavar="R", help="mean offered rate in requests/s (scenarios: scales every stream; traces: compresses time)")
-    source.add_argument("--speedup", type=float, metavar="X", help="trace time scaling: replay X times faster")
+    source.add_argument("--duration", type=positive, metavar="S", help="run length in seconds (default: the scenario's, or the whole trace)")
+    source.add_argument("--start", type=non_negative, default=0.0, metavar="S", help="skip the first S seconds (after time scaling)")
+    source.add_argument("--rate", type=positive, metavar="R", help="mean offered rate in requests/s (scenarios: scales every stream; traces: compresses time)")
+    source.add_argument("--speedup", type=positive, metavar="X", help="trace time scaling: replay X times faster")
     source.add_argument("--seed", type=int, help="seed for generation and assignment (default: the scenario's; 0 for traces)")
     source.add_argument("--tenants", metavar="A=F,B=F", help="assign tenants by fraction, e.g. acme=0.7,globex=0.3")
     source.add_argument("--tiers", metavar="T=F,...", help="assign tiers by fraction, e.g. interactive=0.6,batch=0.4")
@@ -46,9 +47,9 @@ def _add_run_arguments(p: argparse.ArgumentParser) -> None:
     target.add_argument("--model", help="model id (default: the first of GET /v1/models)")
     target.add_argument("--admin-token", help="admin token for GET /admin/decisions (fleet events on the plots)")
     target.add_argument("--no-stream", action="store_true", help="non-streaming requests (no TTFT/ITL; goodput uses end-to-end)")
-    target.add_argument("--concurrency", type=int, metavar="N", help="closed loop with N concurrent requests instead of the schedule")
-    target.add_argument("--timeout", type=float, default=600.0, metavar="S", help="per-request timeout")
-    target.add_argument("--drain-timeout", type=float, default=120.0, metavar="S", help="wait after the last send before giving up on responses")
+    target.add_argument("--concurrency", type=count, metavar="N", help="closed loop with N concurrent requests instead of the schedule")
+    target.add_argument("--timeout", type=positive, default=600.0, metavar="S", help="per-request timeout")
+    target.add_argument("--drain-timeout", type=non_negative, default=120.0, metavar="S", help="wait after the last send before giving up on responses")
     slo = p.add_argument_group("objectives")
     slo.add_argument("--slo", metavar="FILE", help="YAML with tiers: {TIER: {ttft_p99_s, tpot_p99_s}} (a Polymorph config works)")
     slo.add_argument("--slo-ttft", action="append", metavar="TIER=S", help="override one tier's TTFT objective")
@@ -63,7 +64,7 @@ def _add_run_arguments(p: argparse.ArgumentParser) -> None:
                           help="find the highest rate multiplier whose open-loop run keeps --slo-threshold (overall, per tier, per "
                           "scenario phase or 5-minute trace window): bracket and bisect, one run per point, the same seed every point; "
                           "prints the attainment curve (--out: capacity.json and each point's results)")
-    capacity.add_argument("--max-duration-s", type=float, default=900.0, metavar="S",
+    capacity.add_argument("--max-duration-s", type=positive, default=900.0, metavar="S",
                           help="capacity: wall-time budget; a point starts only if its traffic and --drain-timeout fit in what is left")
     capacity.add_argument("--json", action="store_true", help="capacity: print one JSON object instead of the curve")
 
@@ -137,10 +138,10 @@ def _register_demo(commands: argparse._SubParsersAction) -> None:  # type: ignor
     p.add_argument("--open", action="store_true", help="open the dashboard in a web browser")
     p.add_argument("--scenario", metavar="NAME|FILE",
                    help="scenario to replay: a built-in name (`polymorph loadtest scenarios`) or a file (default: examples/drift-demo.yaml)")
-    p.add_argument("--speed", type=float, metavar="X",
+    p.add_argument("--speed", type=positive, metavar="X",
                    help="replay X times faster than the scenario (default: the emulated replicas' speed, read from them)")
-    p.add_argument("--duration", type=float, metavar="S", help="fleet seconds of the scenario to play (default: all of it)")
-    p.add_argument("--rate", type=float, metavar="R", help="mean request rate in fleet time (default: the scenario's)")
+    p.add_argument("--duration", type=positive, metavar="S", help="fleet seconds of the scenario to play (default: all of it)")
+    p.add_argument("--rate", type=positive, metavar="R", help="mean request rate in fleet time (default: the scenario's)")
     p.add_argument("--seed", type=int, help="workload seed (default: the scenario's)")
     p.add_argument("--out", metavar="DIR", help="output folder (default: runs/demo-<date>-<time>)")
     p.add_argument("--no-progress", action="store_true", help="no live progress line")
@@ -157,9 +158,6 @@ def _register_demo(commands: argparse._SubParsersAction) -> None:  # type: ignor
 def _run_demo(args: argparse.Namespace) -> int:
     from loadtest.demo import DEMO_CONFIG, DEMO_SCENARIO, main_demo
 
-    if args.speed is not None and not args.speed > 0:
-        print("error: --speed must be > 0", file=sys.stderr)
-        return 2
     args.config = args.config or DEMO_CONFIG
     args.scenario = args.scenario or str(DEMO_SCENARIO)
     return main_demo(args)
@@ -170,8 +168,8 @@ def add_fast_backend_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--host", default="127.0.0.1", help="address to listen on")
     parser.add_argument("--port", type=int, default=8001, help="port to listen on")
     parser.add_argument("--model", default="fast-backend", help="model id it reports")
-    parser.add_argument("--ttft-ms", type=float, default=0.0, help="delay before the first token")
-    parser.add_argument("--itl-ms", type=float, default=0.0, help="delay between tokens")
+    parser.add_argument("--ttft-ms", type=non_negative, default=0.0, help="delay before the first token")
+    parser.add_argument("--itl-ms", type=non_negative, default=0.0, help="delay between tokens")
     parser.add_argument("--routing-headers", action="store_true", help="send x-polymorph-* routing headers")
     parser.add_argument("--decisions", type=Path, default=None, help="JSONL file served at /admin/decisions")
 
@@ -222,9 +220,9 @@ def register_bench(benches: argparse._SubParsersAction) -> None:  # type: ignore
         ),
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
-    p.add_argument("--rates", default="500,1000,1500,2000", help="comma-separated rates in requests/s")
-    p.add_argument("--duration", type=float, default=6.0, help="seconds per trial")
-    p.add_argument("--trials", type=int, default=3, help="trials per rate (each with its own seed)")
+    p.add_argument("--rates", type=positives, default="500,1000,1500,2000", help="comma-separated rates in requests/s")
+    p.add_argument("--duration", type=positive, default=6.0, help="seconds per trial")
+    p.add_argument("--trials", type=count, default=3, help="trials per rate (each with its own seed)")
     p.add_argument("--seed", type=int, default=0, help="arrival seed")
     p.set_defaults(handler=_run_bench_loadgen)
     register_bench_adapt(benches)
@@ -245,9 +243,9 @@ def _register_bench_instructions(benches: argparse._SubParsersAction) -> None:  
         ),
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
-    p.add_argument("--requests", type=int, default=200, help="requests counted per round")
-    p.add_argument("--rounds", type=int, default=3, help="rounds per tree (the figure is the median)")
-    p.add_argument("--warmup", type=int, default=40, help="requests sent before counting starts")
+    p.add_argument("--requests", type=count, default=200, help="requests counted per round")
+    p.add_argument("--rounds", type=count, default=3, help="rounds per tree (the figure is the median)")
+    p.add_argument("--warmup", type=count_or_zero, default=40, help="requests sent before counting starts")
     p.add_argument("--baseline-tree", metavar="DIR", help="another checkout to compare with (e.g. `git worktree add DIR main`)")
     p.add_argument("--run-dir", help="keep the logs and callgrind dumps here (default: a temporary folder)")
     p.set_defaults(handler=_run_bench_instructions)
@@ -271,22 +269,22 @@ def _register_bench_priority(benches: argparse._SubParsersAction) -> None:  # ty
         ),
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
-    p.add_argument("--interactive", type=int, default=12, help="interactive requests per phase")
-    p.add_argument("--interactive-every", type=float, default=0.6, metavar="S", help="seconds between interactive sends")
-    p.add_argument("--interactive-max-tokens", type=int, default=8, help="output tokens of each interactive request")
-    p.add_argument("--flood-concurrency", type=int, default=16, help="closed-loop batch clients during the flood phases")
-    p.add_argument("--flood-max-tokens", type=int, default=32, help="output tokens of each batch request (ignore_eos)")
-    p.add_argument("--flood-warmup", type=float, default=3.0, metavar="S", help="flood time before the first interactive send")
-    p.add_argument("--rounds", type=int, default=3, help="the phases run in this many rounds (each with a share of the interactive "
+    p.add_argument("--interactive", type=count, default=12, help="interactive requests per phase")
+    p.add_argument("--interactive-every", type=positive, default=0.6, metavar="S", help="seconds between interactive sends")
+    p.add_argument("--interactive-max-tokens", type=count, default=8, help="output tokens of each interactive request")
+    p.add_argument("--flood-concurrency", type=count, default=16, help="closed-loop batch clients during the flood phases")
+    p.add_argument("--flood-max-tokens", type=count, default=32, help="output tokens of each batch request (ignore_eos)")
+    p.add_argument("--flood-warmup", type=non_negative, default=3.0, metavar="S", help="flood time before the first interactive send")
+    p.add_argument("--rounds", type=count, default=3, help="the phases run in this many rounds (each with a share of the interactive "
                    "requests), side by side, so the host's other load weighs on each phase alike")
-    p.add_argument("--max-num-seqs", type=int, default=4, help="vLLM's batch size: the flood beyond it queues inside the engine")
-    p.add_argument("--urgent-reserve", type=float, default=0.25, metavar="F",
+    p.add_argument("--max-num-seqs", type=count, default=4, help="vLLM's batch size: the flood beyond it queues inside the engine")
+    p.add_argument("--urgent-reserve", type=fraction, default=0.25, metavar="F",
                    help="router.urgent_reserve of the priority pool: the share of the engine's batch the gateway keeps from batch requests "
                         "(they wait in its queue), so an interactive request starts at the next step; 0: batch may fill it")
-    p.add_argument("--urgent-window", type=float, default=30.0, metavar="S",
+    p.add_argument("--urgent-window", type=positive, default=30.0, metavar="S",
                    help="router.urgent_window_s: the reserve is the share, or the interactive requests in flight at once within this "
                         "window plus one, when more (0: the share alone)")
-    p.add_argument("--start-timeout", type=float, default=300.0, metavar="S", help="how long vLLM may take to become healthy")
+    p.add_argument("--start-timeout", type=positive, default=300.0, metavar="S", help="how long vLLM may take to become healthy")
     p.add_argument("--vllm-python", help="python of a vLLM venv (default: fleet.engines.install.vllm_python(), installed on first use)")
     p.add_argument("--model-dir", help="Hugging Face model folder (default: fleet.engines.install.tiny_model_hf())")
     p.add_argument("--run-dir", help="keep the engine's and gateway's logs and config here (default: a temporary folder)")

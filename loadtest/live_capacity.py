@@ -113,8 +113,6 @@ def main_capacity(args: argparse.Namespace, tier_to_slo: Mapping[str, TierSlo], 
         return EXIT_USAGE
     try:
         settings = capacity_settings(args)
-        if not args.max_duration_s > 0:
-            raise ValueError(f"--max-duration-s must be > 0, got {args.max_duration_s}")
         source = source_from_args(args)
         first_s = point_bound_s(source, source.build(1.0, source.seed), 1.0, args.drain_timeout)
         if first_s > args.max_duration_s:

@@ -5,16 +5,18 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from kernels.argtypes import count, fraction, positive
+
 POLICY_NAMES = ("round-robin", "static-initial", "static-hindsight", "adaptive", "oracle")
 
 
 def _add_sim_args(p: argparse.ArgumentParser, fleet: str, rate: float | None, stretch: float) -> None:
     p.add_argument("--model", default="llama-3.1-8b", help="catalogue model every pool serves")
     p.add_argument("--fleet", default=fleet, help="GPU budget per kind, GPU:COUNT pairs")
-    p.add_argument("--gpus", type=int, default=None, help="total GPUs, spread over --fleet's kinds in its proportions")
-    p.add_argument("--rate", type=float, default=rate,
+    p.add_argument("--gpus", type=count, default=None, help="total GPUs, spread over --fleet's kinds in its proportions")
+    p.add_argument("--rate", type=positive, default=rate,
                    help="scale the scenario to this mean request rate (req/s" + ("; default: the scenario's)" if rate is None else ")"))
-    p.add_argument("--stretch", type=float, default=stretch,
+    p.add_argument("--stretch", type=positive, default=stretch,
                    help="stretch the scenario's time axis this many times (phase onsets, periods, bursts), keeping --rate")
     p.add_argument("--seed", type=int, default=None, help="workload seed (default: the scenario's)")
     p.add_argument("--capacity-cache", default=str(Path.home() / ".cache" / "polymorph" / "capacity.json"),
@@ -23,15 +25,15 @@ def _add_sim_args(p: argparse.ArgumentParser, fleet: str, rate: float | None, st
 
 
 def _add_capacity_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--slo-threshold", type=float, default=0.90,
+    p.add_argument("--slo-threshold", type=fraction, default=0.90,
                    help="capacity: the SLO attainment (overall, every tier, every scenario phase or 5-minute trace window) a rate must keep")
-    p.add_argument("--resolution", type=float, default=0.02,
+    p.add_argument("--resolution", type=positive, default=0.02,
                    help="capacity: stop bisecting when the failing multiplier is within this fraction of the passing one")
-    p.add_argument("--max-points", type=int, default=16, help="capacity: at most this many runs per search")
+    p.add_argument("--max-points", type=count, default=16, help="capacity: at most this many runs per search")
 
 
 def _add_draws_arg(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--draws", type=int, default=1,
+    p.add_argument("--draws", type=count, default=1,
                    help="capacity: judge each point on this many seeds' runs pooled (--seed, --seed+1, ...; the same at "
                    "every point); one draw decides a point within its own noise (scenarios; a trace is one draw)")
 
@@ -54,11 +56,11 @@ def register_simulate(commands: argparse._SubParsersAction) -> None:  # type: ig
     source.add_argument("--scenario", help="a built-in scenario name (e.g. drift-step) or a scenario YAML path")
     source.add_argument("--trace", help="a trace file (see --format)")
     p.add_argument("--format", default="native", help="trace format: azure, burstgpt, mooncake, native")
-    p.add_argument("--speedup", type=float, default=None,
+    p.add_argument("--speedup", type=positive, default=None,
                    help="replay the trace this many times faster (inter-arrival gaps divided: bursts and mix kept); "
                    "or give a trace --rate")
     p.add_argument("--policy", default="adaptive", choices=POLICY_NAMES, help="fleet policy")
-    p.add_argument("--duration", type=float, default=None, help="seconds of traffic (default: the scenario's, times --stretch)")
+    p.add_argument("--duration", type=positive, default=None, help="seconds of traffic (default: the scenario's, times --stretch)")
     p.add_argument("--decisions", default=None, help="append the decision log (JSON lines) to this file")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
     p.add_argument("--capacity", action="store_true",
@@ -73,8 +75,8 @@ def register_simulate(commands: argparse._SubParsersAction) -> None:  # type: ig
                    "per trial later (plans made before the run, and the oracle's, get it at once)")
     p.add_argument("--compile-store", default=None,
                    help="trial store (SQLite) for --compile; default a fresh in-memory store, so runs repeat exactly")
-    p.add_argument("--compile-trials", type=int, default=40, help="trial budget of one compile")
-    p.add_argument("--compile-s-per-trial", type=float, default=1.7,
+    p.add_argument("--compile-trials", type=count, default=40, help="trial budget of one compile")
+    p.add_argument("--compile-s-per-trial", type=positive, default=1.7,
                    help="virtual seconds a compile trial takes (a perf-model trial costs the live worker ~1.7 CPU s)")
     _add_sim_args(p, "H100-SXM:8,H200:8", None, 1.0)
     p.set_defaults(handler=_run_simulate)
@@ -96,18 +98,18 @@ def register_bench_adapt(benches: argparse._SubParsersAction) -> None:  # type: 
     p.add_argument("--scenarios", default=None, help="comma-separated subset of the named scenarios (default: all); '' for "
                    "none (with --metric capacity and --trace: the traces alone)")
     p.add_argument("--policies", default=None, help=f"comma-separated subset of {', '.join(POLICY_NAMES)} (default: all)")
-    p.add_argument("--duration", type=float, default=1800.0, help="seconds of traffic per scenario")
+    p.add_argument("--duration", type=positive, default=1800.0, help="seconds of traffic per scenario")
     p.add_argument("--quick", action="store_true", help="two scenarios, 240 s each (for tests)")
     p.add_argument("--metric", default="goodput", choices=("goodput", "capacity"),
                    help="goodput: at the offered --rate; capacity: each policy's capacity at SLO (see `polymorph simulate "
                    "--capacity`) and the smallest fleet that sustains the nominal rate")
     p.add_argument("--trace", action="append", default=[], help="capacity: also this trace file (repeatable; --format, --speedup)")
     p.add_argument("--format", default="native", help="trace format of --trace")
-    p.add_argument("--speedup", type=float, default=None, help="replay --trace this many times faster (default: as recorded)")
+    p.add_argument("--speedup", type=positive, default=None, help="replay --trace this many times faster (default: as recorded)")
     p.add_argument("--no-fleet-search", action="store_true", help="capacity: skip the smallest-fleet search (GPUs saved)")
     p.add_argument("--json", action="store_true", help="capacity: print only the JSON object")
     p.add_argument("--no-progress", action="store_true", help="no progress line on stderr")
-    p.add_argument("--workers", type=int, default=2,
+    p.add_argument("--workers", type=count, default=2,
                    help="runs (goodput) or searches (capacity) in this many processes at once; the figures do not depend on it")
     _add_capacity_args(p)
     _add_draws_arg(p)
@@ -132,8 +134,8 @@ def register_bench_agreement(benches: argparse._SubParsersAction) -> None:  # ty
     )
     p.add_argument("--scenario", default=str(Path(__file__).resolve().parent.parent / "examples" / "drift-demo.yaml"),
                    help="a built-in scenario name or a scenario YAML path")
-    p.add_argument("--duration", type=float, default=None, help="fleet seconds of traffic (default: the scenario's)")
-    p.add_argument("--speed", type=float, default=10.0, help="emulated GPUs (and the controller's clock) this many times real time")
+    p.add_argument("--duration", type=positive, default=None, help="fleet seconds of traffic (default: the scenario's)")
+    p.add_argument("--speed", type=positive, default=10.0, help="emulated GPUs (and the controller's clock) this many times real time")
     p.add_argument("--out", default=None, help="folder for the live config, logs and decision logs (default: runs/agreement-<time>)")
     p.add_argument("--no-progress", action="store_true", help="no live progress line")
     _add_sim_args(p, "H100-SXM:2,H200:2", 1.5, 1.0)

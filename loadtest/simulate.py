@@ -71,8 +71,6 @@ def scale_fleet(budget: Mapping[str, int], num_gpus: int) -> dict[str, int]:
 
 def budget_from_args(args: argparse.Namespace) -> dict[str, int]:
     budget = parse_fleet(args.fleet)
-    if args.gpus is not None and args.gpus < 1:  # 0 was taken as "not given"
-        raise ValueError(f"--gpus must be >= 1, got {args.gpus}")
     return budget if args.gpus is None else scale_fleet(budget, args.gpus)
 
 
@@ -252,15 +250,13 @@ class CapacitySettings:
 
 
 def capacity_settings(args: argparse.Namespace) -> CapacitySettings:
-    if not 0 < args.slo_threshold <= 1 or not args.resolution > 0 or args.max_points < 1:
-        raise ValueError("--slo-threshold must be in (0, 1], --resolution > 0 and --max-points >= 1")
+    if not args.slo_threshold > 0:  # 0 would pass every point (argparse keeps it within 0 to 1)
+        raise ValueError("--slo-threshold must be in (0, 1]")
     return CapacitySettings(args.slo_threshold, args.resolution, args.max_points)
 
 
 def sim_capacity_settings(args: argparse.Namespace) -> CapacitySettings:
     """``capacity_settings`` and the simulator's ``--draws`` (a scenario's seeds per point)."""
-    if args.draws < 1:
-        raise ValueError(f"--draws must be >= 1, got {args.draws}")
     return replace(capacity_settings(args), draws=args.draws)
 
 
@@ -339,9 +335,6 @@ def main_simulate(args: argparse.Namespace) -> int:
     if args.compile == "off":
         result = simulate(workload, args.policy, budget, capacity, args.model, log)
     else:
-        if args.compile_trials < 1 or args.compile_s_per_trial < 0:
-            print("polymorph simulate: --compile-trials must be >= 1 and --compile-s-per-trial >= 0", file=sys.stderr)
-            return 2
         settings = CompileSettings(args.model, evaluator=args.compile, budget=Budget(trials=args.compile_trials))
         try:
             store = TrialStore(args.compile_store or ":memory:")

@@ -96,10 +96,6 @@ def _main_probe(args: argparse.Namespace, prober: Callable[[ProbeTarget], Prober
         raise SystemExit("polymorph compile: --evaluator probe needs the load tester's prober (run it as `polymorph compile`)")
     if not args.model or not args.shape:
         raise SystemExit("polymorph compile: --evaluator probe needs --model and --shape")
-    if args.probe_requests < 1:
-        raise SystemExit(f"polymorph compile: --probe-requests must be >= 1, got {args.probe_requests}")
-    if args.budget < 1:  # checked before an engine starts: the probe's budget counts measured configurations
-        raise SystemExit(f"polymorph compile: --evaluator probe needs --budget >= 1 (configurations measured), got {args.budget}")
     try:
         model, gpu, shape = get_model(args.model), get_gpu(args.gpu or "cpu"), tier_shape(args.shape, args.tier)
         target = probe_target(args.engine, gpu.name, args.engine_command, args.model_path, args.devices)

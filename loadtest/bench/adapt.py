@@ -37,9 +37,6 @@ def main_bench(args: argparse.Namespace) -> int:
     if not scenarios and not (args.metric == "capacity" and args.trace):
         print("polymorph bench adapt: --scenarios '' leaves nothing to run (with --metric capacity, give --trace)", file=sys.stderr)
         return 2
-    if args.workers < 1:
-        print(f"polymorph bench adapt: --workers must be >= 1, got {args.workers}", file=sys.stderr)
-        return 2
     if args.draws != 1 and args.metric != "capacity":
         print("polymorph bench adapt: --draws judges the points of --metric capacity; a goodput run is one draw", file=sys.stderr)
         return 2

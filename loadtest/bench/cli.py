@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 
+from kernels.argtypes import count, counts, non_negative, positive
 from loadtest.sim_cli import _add_capacity_args
 
 _DESCRIPTION = """\
@@ -26,11 +27,11 @@ def register_bench(benches: argparse._SubParsersAction) -> None:  # type: ignore
         description=_DESCRIPTION,
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
-    parser.add_argument("--duration", type=float, default=10.0, help="seconds per measurement")
-    parser.add_argument("--rounds", type=int, default=3, help="alternating rounds per phase (figures are medians)")
-    parser.add_argument("--soak-s", type=float, default=300.0, help="seconds of the memory soak (0 skips it)")
+    parser.add_argument("--duration", type=positive, default=10.0, help="seconds per measurement")
+    parser.add_argument("--rounds", type=count, default=3, help="alternating rounds per phase (figures are medians)")
+    parser.add_argument("--soak-s", type=non_negative, default=300.0, help="seconds of the memory soak (0 skips it)")
     parser.add_argument(
-        "--connections", type=_positive_ints, default=(16, 64, 128),
+        "--connections", type=counts, default=(16, 64, 128),
         help="comma-separated connection counts swept to find each variant's peak",
     )
     parser.add_argument(
@@ -63,11 +64,11 @@ def _register_dashboard(benches: argparse._SubParsersAction) -> None:  # type: i
         ),
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
-    parser.add_argument("--rate", type=float, default=500.0, help="constant request rate in req/s")
-    parser.add_argument("--duration", type=float, default=10.0, help="seconds per run")
-    parser.add_argument("--rounds", type=int, default=4, help="rounds, each measuring the three runs in alternating order")
-    parser.add_argument("--clients", type=int, default=1, help="dashboard pages polling at once")
-    parser.add_argument("--poll-s", type=float, default=2.0, help="seconds between a page's polls (the page's POLL_MS)")
+    parser.add_argument("--rate", type=positive, default=500.0, help="constant request rate in req/s")
+    parser.add_argument("--duration", type=positive, default=10.0, help="seconds per run")
+    parser.add_argument("--rounds", type=count, default=4, help="rounds, each measuring the three runs in alternating order")
+    parser.add_argument("--clients", type=count, default=1, help="dashboard pages polling at once")
+    parser.add_argument("--poll-s", type=positive, default=2.0, help="seconds between a page's polls (the page's POLL_MS)")
     parser.add_argument("--json-only", action="store_true", help="print only the JSON line on stdout")
     parser.add_argument("--no-pin", action="store_true", help="do not pin processes to CPUs with taskset")
     parser.add_argument("--no-install", action="store_true", help="never apt-get install missing wrk/nginx")
@@ -75,8 +76,6 @@ def _register_dashboard(benches: argparse._SubParsersAction) -> None:  # type: i
 
 
 def _run_bench_dashboard(args: argparse.Namespace) -> int:
-    if not (args.rate > 0 and args.duration > 0 and args.poll_s > 0) or args.rounds < 1 or args.clients < 1:
-        raise SystemExit("bench dashboard: --rate, --duration and --poll-s must be > 0, --rounds and --clients >= 1")
     from loadtest.bench.dashboard_cost import main_bench_dashboard
 
     return main_bench_dashboard(args)
@@ -127,34 +126,34 @@ def _register_peers(benches: argparse._SubParsersAction) -> None:  # type: ignor
         help="short runs (about 5 minutes in all): a smoke check, noisier figures",
     )
     parser.add_argument(
-        "--duration", type=float, default=None,
+        "--duration", type=positive, default=None,
         help="raw part: seconds per wrk run (default 5; 2 with --quick)",
     )
     parser.add_argument(
-        "--rounds", type=int, default=None,
+        "--rounds", type=count, default=None,
         help="raw part: alternating rounds (default 3; 2 with --quick)",
     )
     parser.add_argument(
-        "--connections", type=_positive_ints, default=(16, 64), help="raw part: connection counts swept for each peak",
+        "--connections", type=counts, default=(16, 64), help="raw part: connection counts swept for each peak",
     )
     parser.add_argument(
-        "--rate", type=float, default=0.0,
+        "--rate", type=non_negative, default=0.0,
         help="raw part: the common rate in req/s (0: half the slowest peer's peak)",
     )
     parser.add_argument(
-        "--routing-duration", type=float, default=None,
+        "--routing-duration", type=positive, default=None,
         help="routing part: engine seconds of workload per run (default 15; 8 with --quick)",
     )
     parser.add_argument(
-        "--routing-rounds", type=int, default=None,
+        "--routing-rounds", type=count, default=None,
         help="routing part: alternating rounds (default 2; 1 with --quick)",
     )
     parser.add_argument(
-        "--routing-rate", type=float, default=0.0,
+        "--routing-rate", type=non_negative, default=0.0,
         help="routing part: mean offered req/s in engine time (0: the scenario's own, 100 req/s)",
     )
     parser.add_argument(
-        "--speed", type=float, default=0.5,
+        "--speed", type=positive, default=0.5,
         help="routing part: emulated GPUs run this many times real time (below 1: slower GPUs, fewer requests per wall second)",
     )
     parser.add_argument("--seed", type=int, default=7, help="routing part: workload seed")
@@ -166,7 +165,7 @@ def _register_peers(benches: argparse._SubParsersAction) -> None:  # type: ignor
     _add_capacity_args(parser)
     parser.set_defaults(resolution=0.15, max_points=5)  # a live point takes --routing-duration / --speed wall seconds
     parser.add_argument(
-        "--num-prompts", type=int, default=None,
+        "--num-prompts", type=count, default=None,
         help="bench-serving: requests sent (default 200; 60 with --quick)",
     )
     parser.add_argument("--json-only", action="store_true", help="print only the JSON line on stdout")
@@ -188,30 +187,16 @@ def _run_bench_peers(args: argparse.Namespace) -> int:
                                ("routing_rounds", 2, 1), ("num_prompts", 200, 60)):
         if getattr(args, field) is None:
             setattr(args, field, short if quick else full)
-    if min(args.duration, args.routing_duration, args.num_prompts) <= 0 or min(args.rounds, args.routing_rounds) < 1:
-        raise SystemExit("bench peers: --duration, --routing-duration and --num-prompts must be > 0, rounds >= 1")
     from loadtest.bench.peers_routing_capacity import MAX_POINTS
 
-    if not 0 < args.slo_threshold <= 1 or not args.resolution > 0 or not 1 <= args.max_points <= MAX_POINTS:
-        raise SystemExit(f"bench peers: --slo-threshold must be in (0, 1], --resolution > 0 and --max-points 1 to {MAX_POINTS}")
+    if not args.slo_threshold > 0 or args.max_points > MAX_POINTS:
+        raise SystemExit(f"bench peers: --slo-threshold must be in (0, 1] and --max-points at most {MAX_POINTS}")
     from loadtest.bench.peers import main_bench_peers
 
     return main_bench_peers(args)
 
 
-def _positive_ints(text: str) -> tuple[int, ...]:
-    try:
-        values = tuple(int(part) for part in text.split(",") if part.strip())
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
-    if not values or min(values) < 1:
-        raise argparse.ArgumentTypeError(f"expected positive integers, got {text!r}")
-    return values
-
-
 def _run_bench_gateway(args: argparse.Namespace) -> int:
-    if args.duration <= 0 or args.rounds < 1 or args.soak_s < 0:
-        raise SystemExit("bench gateway: --duration must be > 0, --rounds >= 1 and --soak-s >= 0")
     from loadtest.bench.harness import main_bench
 
     return main_bench(args)

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import argparse
 
+from kernels.argtypes import count, count_or_zero, positive
+
 _DESCRIPTION = """\
 Break a real deployment (emulated replicas and a gateway, all local processes) and count what
 happens to every request: sent, succeeded, retried, failed with a clear error, and lost (no
@@ -31,21 +33,19 @@ def register_bench(benches: argparse._SubParsersAction) -> None:  # type: ignore
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
     parser.add_argument("--scenarios", default="", help="comma-separated subset (default: all)")
-    parser.add_argument("--rate", type=float, default=100.0, help="requests per second during fault scenarios")
-    parser.add_argument("--duration", type=float, default=4.0, help="seconds of load per fault scenario")
-    parser.add_argument("--reload-rate", type=float, default=300.0, help="requests per second while config files are broken")
-    parser.add_argument("--overload-s", type=float, default=30.0, help="seconds of 3x overload")
-    parser.add_argument("--idle-streams", type=int, default=10000, help="idle streaming clients held open at once")
-    parser.add_argument("--hostile-requests", type=int, default=2000, help="hostile requests (fixed corpus, then mutations)")
-    parser.add_argument("--tricklers", type=int, default=50, help="slowloris clients trickling their bodies meanwhile")
-    parser.add_argument("--schemathesis-examples", type=int, default=50, help="schemathesis examples per operation")
+    parser.add_argument("--rate", type=positive, default=100.0, help="requests per second during fault scenarios")
+    parser.add_argument("--duration", type=positive, default=4.0, help="seconds of load per fault scenario")
+    parser.add_argument("--reload-rate", type=positive, default=300.0, help="requests per second while config files are broken")
+    parser.add_argument("--overload-s", type=positive, default=30.0, help="seconds of 3x overload")
+    parser.add_argument("--idle-streams", type=count_or_zero, default=10000, help="idle streaming clients held open at once")
+    parser.add_argument("--hostile-requests", type=count_or_zero, default=2000, help="hostile requests (fixed corpus, then mutations)")
+    parser.add_argument("--tricklers", type=count_or_zero, default=50, help="slowloris clients trickling their bodies meanwhile")
+    parser.add_argument("--schemathesis-examples", type=count, default=50, help="schemathesis examples per operation")
     parser.add_argument("--json-only", action="store_true", help="print only the JSON line on stdout")
     parser.set_defaults(handler=_run_bench_chaos)
 
 
 def _run_bench_chaos(args: argparse.Namespace) -> int:
-    if args.rate <= 0 or args.duration <= 0 or args.idle_streams < 0:
-        raise SystemExit("bench chaos: --rate and --duration must be > 0, --idle-streams >= 0")
     from loadtest.chaos.runner import main_bench
 
     return main_bench(args)

@@ -163,24 +163,27 @@ def test_draws_without_a_capacity_search_are_refused(bursty_trace: Path, capsys:
 
 def test_a_scenario_with_no_positive_duration_or_stretch_is_refused_by_name(capsys: pytest.CaptureFixture[str]) -> None:
     for flag, value in (("--duration", "-5"), ("--duration", "0"), ("--stretch", "0")):
-        assert main(["simulate", "--scenario", "drift-step", flag, value, "--no-cache"]) == 2
-        assert f"{flag} must be > 0" in capsys.readouterr().err
+        with pytest.raises(SystemExit) as stopped:
+            main(["simulate", "--scenario", "drift-step", flag, value, "--no-cache"])
+        assert stopped.value.code == 2 and f"argument {flag}: must be > 0" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("command", [["simulate", "--scenario", "stationary", "--duration", "60"],
                                      ["bench", "adapt", "--scenarios", "stationary", "--policies", "adaptive", "--no-progress"]])
 def test_bad_flags_of_simulate_and_bench_adapt_are_refused_before_any_run(command: list[str], capsys: pytest.CaptureFixture[str]) -> None:
-    """Each of these ended in a traceback (--rate 0 and a bad --model, --fleet or policy in bench adapt),
-    was reported as "a workload with no rate" (--rate 0 in simulate), or was silently ignored (--gpus 0)."""
-    bad = [(["--rate", "0"], "--rate must be > 0 req/s"), (["--gpus", "0"], "--gpus must be >= 1"),
-           (["--model", "nope"], "unknown model 'nope'"), (["--fleet", "nope:2"], "unknown GPU 'nope'"),
-           (["--stretch", "0"], "--stretch must be > 0")]
+    """Each of these ended in a traceback in bench adapt (a bad --model, --fleet or policy; --rate 0), was
+    reported as "a workload with no rate" (--rate 0 in simulate), or was silently ignored (--gpus 0)."""
+    bad = [(["--model", "nope"], "unknown model 'nope'"), (["--fleet", "nope:2"], "unknown GPU 'nope'")]
     if command[0] == "bench":
         bad.append((["--policies", "adaptive,nope"], "unknown policies ['nope']"))
     for extra, says in bad:
         assert main([*command, "--no-cache", *extra]) == 2, extra
         err = capsys.readouterr().err
         assert says in err and "Traceback" not in err, err
+    for extra, says in ((["--rate", "0"], "argument --rate: must be > 0"), (["--gpus", "0"], "argument --gpus: must be an integer >= 1")):
+        with pytest.raises(SystemExit) as stopped:  # refused by argparse (kernels.argtypes)
+            main([*command, "--no-cache", *extra])
+        assert stopped.value.code == 2 and says in capsys.readouterr().err
 
 
 def test_smallest_passing_finds_the_fewest_gpus() -> None:
@@ -346,5 +349,6 @@ def test_in_processes_hands_on_each_jobs_progress_before_its_result() -> None:
 
 
 def test_bench_adapt_refuses_no_workers(capsys: pytest.CaptureFixture[str]) -> None:
-    assert main(["bench", "adapt", "--workers", "0"]) == 2
-    assert "--workers must be >= 1" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as stopped:
+        main(["bench", "adapt", "--workers", "0"])
+    assert stopped.value.code == 2 and "argument --workers: must be an integer >= 1" in capsys.readouterr().err

@@ -115,7 +115,7 @@ def test_the_time_budget_stops_the_search_with_the_bracket_so_far() -> None:
 @pytest.mark.parametrize(("flags", "message"), [
     (["--concurrency", "4"], "runs open loop"),
     (["--max-duration-s", "5"], "leaves no time for one point"),
-    (["--resolution", "0"], "--resolution > 0"),
+    (["--slo-threshold", "0"], "--slo-threshold must be in (0, 1]"),
 ])
 def test_capacity_refuses_flags_it_cannot_honour(flags: list[str], message: str, capsys: pytest.CaptureFixture[str]) -> None:
     code = main(["loadtest", "--target", "http://127.0.0.1:9", "--scenario", str(FIXTURES / "short-drift.yaml"), "--capacity",

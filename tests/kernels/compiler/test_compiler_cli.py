@@ -44,15 +44,15 @@ def test_compile_reports_bad_input_plainly(tmp_path: Path) -> None:
     assert done.returncode != 0 and "not a readable SQLite trial store" in done.stderr
     (tmp_path / "a-file").write_text("")
     base = ("compile", "--model", "llama-3.1-8b", "--gpu", "H100", "--shape", "reasoning")
-    for extra, says in ((("--budget", "0", "--no-store"), "budget needs trials >= 1"),
-                        (("--seconds", "-1", "--no-store"), "seconds > 0"),
-                        (("--gpus", "0", "--no-store"), "at least one GPU, got 0"),
+    for extra, says in ((("--budget", "0", "--no-store"), "argument --budget: must be an integer >= 1"),
+                        (("--seconds", "-1", "--no-store"), "argument --seconds: must be > 0"),
+                        (("--gpus", "0", "--no-store"), "argument --gpus: must be an integer >= 1"),
                         (("--budget", "2", "--store", str(tmp_path / "a-file" / "trials.sqlite3")), "cannot create the trial store's folder")):
         done = _polymorph(*base, *extra)  # each was a traceback
         assert done.returncode != 0 and says in done.stderr and "Traceback" not in done.stderr, done.stderr
     done = _polymorph("compile", "--evaluator", "probe", "--engine", "llamacpp", "--model", "llama-3.1-8b", "--shape", "short-chat",
-                      "--budget", "0", "--no-store")  # a ValueError from probe_compile, after the engine's set-up
-    assert done.returncode != 0 and "needs --budget >= 1" in done.stderr and "Traceback" not in done.stderr, done.stderr
+                      "--budget", "0", "--no-store")  # was a ValueError from probe_compile, after the engine's set-up
+    assert done.returncode == 2 and "argument --budget: must be an integer >= 1" in done.stderr and "Traceback" not in done.stderr, done.stderr
 
 
 def test_trace_becomes_a_shape_and_a_replay(tmp_path: Path) -> None:

@@ -1,0 +1,80 @@
+"""argparse types for numbers that have a floor: a count of at least one, a positive or non-negative
+amount, a fraction. Every command's flags use them, so a zero, a negative or a NaN is refused by
+argparse as ``argument --rate: must be > 0, got '0'`` with exit 2 before anything runs, rather than
+ending in a traceback, a hang or a silent default deep inside a run."""
+
+from __future__ import annotations
+
+import argparse
+import math
+
+
+def count(text: str) -> int:
+    """An integer >= 1 (requests, rounds, workers, GPUs, trials)."""
+    return _integer(text, 1)
+
+
+def count_or_zero(text: str) -> int:
+    """An integer >= 0 (a warm-up of none)."""
+    return _integer(text, 0)
+
+
+def positive(text: str) -> float:
+    """A finite number > 0 (a rate, a duration, a speed)."""
+    value = _number(text)
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"must be > 0, got {text!r}")
+    return value
+
+
+def non_negative(text: str) -> float:
+    """A finite number >= 0 (a delay, an offset; 0: none)."""
+    value = _number(text)
+    if not value >= 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {text!r}")
+    return value
+
+
+def fraction(text: str) -> float:
+    """A number from 0 to 1."""
+    value = _number(text)
+    if not 0 <= value <= 1:
+        raise argparse.ArgumentTypeError(f"must be between 0 and 1, got {text!r}")
+    return value
+
+
+def _integer(text: str, minimum: int) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be an integer >= {minimum}, got {text!r}") from None
+    if value < minimum:
+        raise argparse.ArgumentTypeError(f"must be an integer >= {minimum}, got {text!r}")
+    return value
+
+
+def _number(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a number, got {text!r}") from None
+    if not math.isfinite(value):
+        raise argparse.ArgumentTypeError(f"must be a finite number, got {text!r}")
+    return value
+
+
+def counts(text: str) -> tuple[int, ...]:
+    """Comma-separated integers, each >= 1 (``16,64,128``)."""
+    return tuple(count(part) for part in _parts(text))
+
+
+def positives(text: str) -> tuple[float, ...]:
+    """Comma-separated numbers, each > 0 (``500,1000``)."""
+    return tuple(positive(part) for part in _parts(text))
+
+
+def _parts(text: str) -> list[str]:
+    parts = [part.strip() for part in text.split(",") if part.strip()]
+    if not parts:
+        raise argparse.ArgumentTypeError(f"expected comma-separated values, got {text!r}")
+    return parts
