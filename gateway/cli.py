@@ -8,6 +8,7 @@ import their heavy modules lazily so that ``polymorph --help`` stays instant.
 from __future__ import annotations
 
 import argparse
+import importlib.metadata
 import sys
 from collections.abc import Iterator, Sequence
 from typing import TYPE_CHECKING
@@ -54,6 +55,7 @@ def build_parser() -> argparse.ArgumentParser:
         ),
         epilog="Run `polymorph <command> --help` for each command's options.",
     )
+    parser.add_argument("--version", action="version", version=f"%(prog)s {importlib.metadata.version('polymorph')}")
     commands = parser.add_subparsers(dest="command", metavar="<command>", required=True)
     bench = commands.add_parser(
         "bench",

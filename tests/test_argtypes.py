@@ -7,7 +7,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from gateway.cli import build_parser
+from gateway.cli import _parsers, build_parser
 from kernels.argtypes import count, count_or_zero, counts, fraction, non_negative, positive, positives
 
 # Flags whose plain int or float is meant: any value is a seed, a port, a status, or a time whose negative
@@ -25,34 +25,26 @@ def test_each_type_takes_its_range_and_refuses_the_rest() -> None:
             kind(text)
 
 
-def _commands(parser: argparse.ArgumentParser, path: tuple[str, ...] = ()) -> Iterator[tuple[tuple[str, ...], argparse.ArgumentParser]]:
-    yield path, parser
-    for action in parser._actions:
-        if isinstance(action, argparse._SubParsersAction):
-            for name, sub in action.choices.items():
-                yield from _commands(sub, (*path, name))
-
-
-def _numeric_flags() -> Iterator[tuple[tuple[str, ...], str, object]]:
-    for path, parser in _commands(build_parser()):
+def _numeric_flags() -> Iterator[tuple[argparse.ArgumentParser, str, object]]:
+    for parser in _parsers(build_parser()):
         for action in parser._actions:
             if action.option_strings and action.type is not None:
-                yield path, action.option_strings[-1], action.type
+                yield parser, action.option_strings[-1], action.type
 
 
 def test_no_numeric_flag_takes_any_number_but_seeds_ports_and_forever_delays() -> None:
-    plain = [f"{' '.join(path)} {flag}" for path, flag, kind in _numeric_flags() if kind in (int, float) and flag not in PLAIN]
+    plain = [f"{parser.prog} {flag}" for parser, flag, kind in _numeric_flags() if kind in (int, float) and flag not in PLAIN]
     assert plain == []
 
 
 def test_a_zero_or_a_negative_is_refused_where_the_flag_needs_more(capsys: pytest.CaptureFixture[str]) -> None:
     floors = {count: "0", positive: "0", counts: "0", positives: "0", non_negative: "-1", count_or_zero: "-1", fraction: "2"}
     checked = 0
-    for path, flag, kind in _numeric_flags():
+    for parser, flag, kind in _numeric_flags():
         if kind in floors:
             with pytest.raises(SystemExit) as stopped:
-                build_parser().parse_args([*path, flag, floors[kind]])  # type: ignore[index]
+                parser.parse_args([flag, floors[kind]])
             err = capsys.readouterr().err  # the flag's own error, not a missing required one
-            assert stopped.value.code == 2 and f"argument {flag}" in err and "must be" in err, (path, flag, err)
+            assert stopped.value.code == 2 and f"argument {flag}" in err and "must be" in err, (parser.prog, flag, err)
             checked += 1
     assert checked > 80  # the sweep reached the commands' flags

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import importlib.metadata
 import re
+
+import pytest
 
 from gateway.cli import _parsers, build_parser
 
@@ -24,3 +27,9 @@ def test_a_default_the_help_does_not_state_is_shown() -> None:
     assert "--rate RATE scale the scenario to this mean request rate (req/s) (default: 30.0)" in helps["polymorph bench adapt"]
     assert "--rate RATE scale the scenario to this mean request rate (req/s; default: the scenario's) --stretch" in helps["polymorph simulate"]
     assert "this many processes at once; the figures do not depend on it (default: 2)" in helps["polymorph bench adapt"]
+
+
+def test_version_is_the_installed_packages(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as stopped:
+        build_parser().parse_args(["--version"])
+    assert stopped.value.code == 0 and capsys.readouterr().out.strip() == f"polymorph {importlib.metadata.version('polymorph')}"
