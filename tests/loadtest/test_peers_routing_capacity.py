@@ -47,7 +47,7 @@ def test_capacity_options_parse_with_short_live_defaults() -> None:
 
 def test_more_points_than_fresh_prefix_salts_are_refused() -> None:
     args = _args(["--parts", "routing", "--metric", "capacity", "--max-points", "16"])
-    with pytest.raises(SystemExit, match="--max-points 1 to 15"):
+    with pytest.raises(SystemExit, match="--max-points at most 15"):
         args.handler(args)
 
 
