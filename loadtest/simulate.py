@@ -326,6 +326,8 @@ def main_simulate(args: argparse.Namespace) -> int:
         budget = budget_from_args(args)
         workload = None if args.capacity else load_workload(args)
         capacity = capacity_from_args(args)
+        if args.decisions:  # opened now, so a path it cannot write ends the command before the run, not after
+            Path(args.decisions).open("a", encoding="utf-8").close()
     except (ValueError, OSError) as exc:
         print(f"polymorph simulate: {exc}", file=sys.stderr)
         return 2

@@ -186,6 +186,12 @@ def test_bad_flags_of_simulate_and_bench_adapt_are_refused_before_any_run(comman
         assert stopped.value.code == 2 and says in capsys.readouterr().err
 
 
+def test_a_decision_log_that_cannot_be_written_ends_simulate_before_the_run(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    # before, the run went to its end, then the log said it could not write and kept the lines in memory
+    assert main(["simulate", "--scenario", "drift-step", "--no-cache", "--decisions", str(tmp_path / "no-folder" / "d.jsonl")]) == 2
+    assert "polymorph simulate: [Errno 2] No such file or directory" in capsys.readouterr().err
+
+
 def test_smallest_passing_finds_the_fewest_gpus() -> None:
     asked: list[int] = []
 
