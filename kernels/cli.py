@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 from pathlib import Path
 
 from kernels.argtypes import count, positive
@@ -202,6 +203,7 @@ def _data_path(path: Path | None) -> Path:
 
 def _run_predict(args: argparse.Namespace) -> int:
     from kernels.catalog import get_gpu, get_model
+    from kernels.compiler.gates import check_constraints
     from kernels.config import EngineConfig
     from kernels.perf import PerfModel
     from kernels.predict import Workload, predict
@@ -226,6 +228,13 @@ def _run_predict(args: argparse.Namespace) -> int:
         result = predict(perf, Workload(args.isl, args.osl, args.concurrency, args.rate, args.domain, args.num_requests), seed=args.seed)
     except ValueError as exc:
         raise SystemExit(str(exc)) from exc
+    # predicted all the same (the model can price what an engine would refuse), but said: a figure for a
+    # configuration sglang will not launch, or for requests longer than the model's context, misleads
+    gate = check_constraints(perf.model, perf.gpu, perf.config.tp * perf.config.dp, perf.config)
+    for problem in ([gate.reason] if gate.rejected else []) + (
+            [f"--isl + --osl ({args.isl + args.osl}) exceed {perf.model.name}'s context of {perf.model.max_context} tokens"]
+            if args.isl + args.osl > perf.model.max_context else []):
+        print(f"polymorph kernels predict: warning: {problem}; predicted anyway", file=sys.stderr)
     report = {"model": perf.model.name, "gpu": perf.gpu.name, "num_gpus": perf.config.num_gpus,
               "kv_capacity_tokens": perf.kv_capacity_tokens, **result.to_dict()}
     if args.json:

@@ -74,3 +74,14 @@ def test_a_hand_edited_entry_with_a_wrong_field_is_an_error_with_its_line(tmp_pa
         catalog.write_text(text)  # each was a TypeError from ModelSpec, wherever the model was first used
         done = _polymorph(catalog, "kernels", "predict", "--model", "my-model", "--gpu", "H100", "--isl", "8", "--osl", "8")
         assert done.returncode != 0 and f"{catalog}{says}" in done.stderr and "Traceback" not in done.stderr, done.stderr
+
+
+def test_predict_warns_of_a_configuration_an_engine_would_refuse_and_of_requests_past_the_context(tmp_path: Path) -> None:
+    base = ("kernels", "predict", "--model", "llama-3.1-8b", "--gpu", "H100", "--osl", "8", "--json")
+    done = _polymorph(tmp_path / "none.yaml", *base, "--isl", "8", "--set", "tp=3")
+    assert done.returncode == 0 and json.loads(done.stdout)["num_gpus"] == 3  # predicted all the same
+    assert "warning: tp 3 does not divide the 32 attention heads" in done.stderr
+    done = _polymorph(tmp_path / "none.yaml", *base, "--isl", "200000")
+    assert done.returncode == 0 and "exceed Llama-3.1-8B's context of 131072 tokens" in done.stderr
+    done = _polymorph(tmp_path / "none.yaml", *base, "--isl", "8")
+    assert done.returncode == 0 and "warning" not in done.stderr
