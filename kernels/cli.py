@@ -230,10 +230,13 @@ def _run_predict(args: argparse.Namespace) -> int:
         raise SystemExit(str(exc)) from exc
     # predicted all the same (the model can price what an engine would refuse), but said: a figure for a
     # configuration sglang will not launch, or for requests longer than the model's context, misleads
+    problems = []
     gate = check_constraints(perf.model, perf.gpu, perf.config.tp * perf.config.dp, perf.config)
-    for problem in ([gate.reason] if gate.rejected else []) + (
-            [f"--isl + --osl ({args.isl + args.osl}) exceed {perf.model.name}'s context of {perf.model.max_context} tokens"]
-            if args.isl + args.osl > perf.model.max_context else []):
+    if gate.rejected:
+        problems.append(gate.reason)
+    if args.isl + args.osl > perf.model.max_context:
+        problems.append(f"--isl + --osl ({args.isl + args.osl}) exceed {perf.model.name}'s context of {perf.model.max_context} tokens")
+    for problem in problems:
         print(f"polymorph kernels predict: warning: {problem}; predicted anyway", file=sys.stderr)
     report = {"model": perf.model.name, "gpu": perf.gpu.name, "num_gpus": perf.config.num_gpus,
               "kv_capacity_tokens": perf.kv_capacity_tokens, **result.to_dict()}
