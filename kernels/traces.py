@@ -156,7 +156,7 @@ def _csv_rows(text: str, source: str, columns: tuple[str, ...], fmt: str) -> Ite
     missing = [column for column in columns if column not in header]
     if missing:
         raise TraceFormatError(
-            f"{source} is not a {fmt} CSV: header {header or '(empty)'} lacks {', '.join(missing)}; "
+            f"{source} is not {fmt} CSV: header {header or '(empty)'} lacks {', '.join(missing)}; "
             f"{_guess_hint(text, fmt)}"
         )
     reader.fieldnames = header
