@@ -27,6 +27,7 @@ from fleet.engines.load import ENGINE_KINDS
 from fleet.kubernetes_manifests import KubernetesSettings
 from fleet.router import RouterSettings
 from fleet.router_steps import STEPS
+from kernels.argtypes import is_http_url
 from kernels.tiers import DEFAULT_TIERS, TierSlo, read_tier_slo
 from kernels.yamlsrc import FieldPath, FieldReader, YamlDoc, load_yaml
 from loadtest.demo_credentials import DEMO_ADMIN_TOKEN, DEMO_API_KEY
@@ -335,7 +336,7 @@ def _pool(doc: YamlDoc, i: int, body: object, shape_names: tuple[str, ...]) -> P
     rr = FieldReader(doc, (*path, "replicas"), r.data.get("replicas"), {"urls", "emulated", "launch"})
     urls = rr.names("urls", []) or []
     for j, url in enumerate(urls):
-        if not re.match(r"^https?://[^\s/]+", url):
+        if not is_http_url(url):
             raise doc.error((*path, "replicas", "urls", j), f"{url!r} is not an http(s) URL")
     if "emulated" in rr.data and launch.kind != "emulated":
         raise rr.error("emulated", f"this pool's engine is {launch.kind!r}: give `launch: N` for replicas the actuator starts")
@@ -577,7 +578,7 @@ def _controller(doc: YamlDoc, base: Path, raw: object) -> ControllerSettingsFile
     if mode not in ("embedded", "external"):
         raise r.error("mode", f"must be 'embedded' or 'external', not {mode!r}")
     url = r.text("url", None)
-    if url is not None and not url.startswith(("http://", "https://")):
+    if url is not None and not is_http_url(url):
         raise r.error("url", f"must be an http:// or https:// URL, not {url!r}")
     if mode == "external" and url is None:
         raise r.error("url", "is required with mode: external (where `polymorph controller` listens)")

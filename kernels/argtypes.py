@@ -1,12 +1,13 @@
-"""argparse types for numbers that have a floor: a count of at least one, a positive or non-negative
-amount, a fraction. Every command's flags use them, so a zero, a negative or a NaN is refused by
-argparse as ``argument --rate: must be > 0, got '0'`` with exit 2 before anything runs, rather than
-ending in a traceback, a hang or a silent default deep inside a run."""
+"""argparse types for numbers that have a floor (a count of at least one, a positive or non-negative
+amount, a fraction) and for URLs. Every command's flags use them, so a zero, a negative, a NaN or an
+``ftp://`` target is refused by argparse as ``argument --rate: must be > 0, got '0'`` with exit 2
+before anything runs, rather than ending in a traceback, a hang or a silent default deep inside a run."""
 
 from __future__ import annotations
 
 import argparse
 import math
+from urllib.parse import urlsplit
 
 
 def count(text: str) -> int:
@@ -78,3 +79,21 @@ def _parts(text: str) -> list[str]:
     if not parts:
         raise argparse.ArgumentTypeError(f"expected comma-separated values, got {text!r}")
     return parts
+
+
+def is_http_url(text: str) -> bool:
+    """An http:// or https:// URL with a host and no whitespace: what aiohttp can send a request to.
+    The gateway config's replica and controller URLs are checked with it too."""
+    try:
+        parts = urlsplit(text)
+        _port = parts.port  # a port that is not a number raises here, not at the first request
+    except ValueError:
+        return False
+    return parts.scheme in ("http", "https") and bool(parts.hostname) and not any(c.isspace() for c in text)
+
+
+def http_url(text: str) -> str:
+    """A base URL (``http://127.0.0.1:8080``), without its trailing slash."""
+    if not is_http_url(text):
+        raise argparse.ArgumentTypeError(f"must be an http:// or https:// URL with a host, got {text!r}")
+    return text.rstrip("/")

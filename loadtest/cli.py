@@ -6,7 +6,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from kernels.argtypes import count, count_or_zero, fraction, non_negative, positive, positives
+from kernels.argtypes import count, count_or_zero, fraction, http_url, non_negative, positive, positives
 from loadtest.bench import cli as bench_cli
 from loadtest.chaos import cli as chaos_cli
 from loadtest.sim_cli import _add_capacity_args, register_bench_adapt, register_bench_agreement, register_simulate
@@ -41,7 +41,7 @@ def _add_run_arguments(p: argparse.ArgumentParser) -> None:
     source.add_argument("--domains", metavar="D=F,...", help="assign domains by fraction (traces carry none; default chat)")
     source.add_argument("--assign", metavar="FILE", help="YAML list of rules, e.g. [{set: tier, to: batch, min_input_tokens: 4096}]")
     target = p.add_argument_group("target")
-    target.add_argument("--target", metavar="URL", help="base URL of the endpoint, e.g. http://127.0.0.1:8080")
+    target.add_argument("--target", type=http_url, metavar="URL", help="base URL of the endpoint, e.g. http://127.0.0.1:8080")
     target.add_argument("--api-key", metavar="K", help="API key sent as a Bearer token")
     target.add_argument("--tenant-keys", metavar="MAP|FILE", help="per-tenant keys: acme=sk-1,globex=sk-2 or a YAML file (default: --api-key)")
     target.add_argument("--model", help="model id (default: the first of GET /v1/models)")
@@ -132,7 +132,7 @@ def _register_demo(commands: argparse._SubParsersAction) -> None:  # type: ignor
         description=_DEMO_DESCRIPTION,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    p.add_argument("--url", default="http://127.0.0.1:8080", help="the gateway's base URL (default: %(default)s)")
+    p.add_argument("--url", type=http_url, default="http://127.0.0.1:8080", help="the gateway's base URL (default: %(default)s)")
     p.add_argument("--admin-token", default=DEMO_ADMIN_TOKEN, help="the gateway's admin token (default: the demo's)")
     p.add_argument("--api-key", default=DEMO_API_KEY, help="the API key requests are sent with (default: the demo tenant's)")
     p.add_argument("--open", action="store_true", help="open the dashboard in a web browser")

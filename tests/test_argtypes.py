@@ -1,4 +1,4 @@
-"""Numeric flags are refused by argparse when out of range (kernels.argtypes), on every command."""
+"""Numeric flags out of range and URLs that are not http(s) are refused by argparse (kernels.argtypes), on every command."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from collections.abc import Iterator
 import pytest
 
 from gateway.cli import _parsers, build_parser
-from kernels.argtypes import count, count_or_zero, counts, fraction, non_negative, positive, positives
+from kernels.argtypes import count, count_or_zero, counts, fraction, http_url, is_http_url, non_negative, positive, positives
 
 # Flags whose plain int or float is meant: any value is a seed, a port, a status, or a time whose negative
 # value means "forever" (the emulator's faults).
@@ -25,7 +25,7 @@ def test_each_type_takes_its_range_and_refuses_the_rest() -> None:
             kind(text)
 
 
-def _numeric_flags() -> Iterator[tuple[argparse.ArgumentParser, str, object]]:
+def _typed_flags() -> Iterator[tuple[argparse.ArgumentParser, str, object]]:
     for parser in _parsers(build_parser()):
         for action in parser._actions:
             if action.option_strings and action.type is not None:
@@ -33,14 +33,14 @@ def _numeric_flags() -> Iterator[tuple[argparse.ArgumentParser, str, object]]:
 
 
 def test_no_numeric_flag_takes_any_number_but_seeds_ports_and_forever_delays() -> None:
-    plain = [f"{parser.prog} {flag}" for parser, flag, kind in _numeric_flags() if kind in (int, float) and flag not in PLAIN]
+    plain = [f"{parser.prog} {flag}" for parser, flag, kind in _typed_flags() if kind in (int, float) and flag not in PLAIN]
     assert plain == []
 
 
 def test_a_zero_or_a_negative_is_refused_where_the_flag_needs_more(capsys: pytest.CaptureFixture[str]) -> None:
     floors = {count: "0", positive: "0", counts: "0", positives: "0", non_negative: "-1", count_or_zero: "-1", fraction: "2"}
     checked = 0
-    for parser, flag, kind in _numeric_flags():
+    for parser, flag, kind in _typed_flags():
         if kind in floors:
             with pytest.raises(SystemExit) as stopped:
                 parser.parse_args([flag, floors[kind]])
@@ -48,3 +48,22 @@ def test_a_zero_or_a_negative_is_refused_where_the_flag_needs_more(capsys: pytes
             assert stopped.value.code == 2 and f"argument {flag}" in err and "must be" in err, (parser.prog, flag, err)
             checked += 1
     assert checked > 80  # the sweep reached the commands' flags
+
+
+def test_a_url_needs_http_or_https_and_a_host() -> None:
+    assert http_url("http://127.0.0.1:8080/") == "http://127.0.0.1:8080" and is_http_url("https://[::1]:443/v1")
+    for text in ("ftp://x", "127.0.0.1:8080", "http://", "http://a b", "http://a:port"):
+        assert not is_http_url(text), text
+        with pytest.raises(argparse.ArgumentTypeError):
+            http_url(text)
+
+
+def test_every_url_flag_is_checked(capsys: pytest.CaptureFixture[str]) -> None:
+    """--upstream, --target and demo's --url: before, `serve --upstream ftp://x` served, and failed each request."""
+    url_flags = [(parser, flag) for parser, flag, kind in _typed_flags() if kind is http_url]
+    assert {flag for _, flag in url_flags} >= {"--upstream", "--target", "--url"}
+    for parser, flag in url_flags:
+        with pytest.raises(SystemExit) as stopped:
+            parser.parse_args([flag, "ftp://x"])
+        err = capsys.readouterr().err
+        assert stopped.value.code == 2 and f"argument {flag}" in err and "http://" in err, (parser.prog, flag, err)

@@ -18,6 +18,8 @@ import orjson
 import uvloop
 from aiohttp import ClientSession, TCPConnector, web
 
+from kernels.argtypes import http_url
+
 _FORWARDED_HEADERS = ("Content-Type", "Authorization", "Accept")
 _SESSION_KEY = web.AppKey("session", ClientSession)
 
@@ -76,7 +78,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         description="Minimal aiohttp pass-through proxy: the ceiling a Python proxy can reach.",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
-    parser.add_argument("--upstream", required=True, help="base URL to forward to, e.g. http://127.0.0.1:8080")
+    parser.add_argument("--upstream", type=http_url, required=True, help="base URL to forward to, e.g. http://127.0.0.1:8080")
     parser.add_argument("--host", default="127.0.0.1", help="address to listen on")
     parser.add_argument("--port", type=int, required=True, help="port to listen on")
     args = parser.parse_args(argv)

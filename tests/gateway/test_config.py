@@ -165,6 +165,15 @@ def test_bad_engine_launch_settings_name_file_line_and_field(tmp_path: Path, old
     assert info.value.line == _line_of(path, line_with)
 
 
+@pytest.mark.parametrize("url", ["ftp://10.0.0.5:30000", "http://10.0.0.5:port", "10.0.0.5:30000"])
+def test_a_replica_url_that_is_not_http_names_its_line(tmp_path: Path, url: str) -> None:
+    """The same check as `serve --upstream`'s (kernels.argtypes.is_http_url): a port that is not a number
+    is refused here, not at the first request."""
+    err = _error_for(tmp_path, "replicas: { emulated: 2 }", f"replicas: {{ urls: ['{url}'] }}")
+    assert err.field == "fleet.pools[0].replicas.urls[0]"
+    assert err.line == _line_of(Path(err.file), url) and "not an http(s) URL" in err.reason
+
+
 def test_router_settings_are_read_and_a_bad_one_names_its_line(tmp_path: Path) -> None:
     assert load_config(REPO / "config.example.yaml").router.good_chance == 0.9
     err = _error_for(tmp_path, "  good_chance: 0.9", "  good_chance: 1.5")
