@@ -186,6 +186,9 @@ def _print_result(result: CompileResult) -> None:
     print(f"changed from sglang's defaults: {json.dumps(changed) if changed else 'nothing'}")
     print("sglang: python -m sglang.launch_server " + " ".join(result.sglang_args()))
     print(f"why: {result.reason}")
+    if result.proposer_notes:
+        first = result.proposer_notes[0]
+        print(f"warning: {len(result.proposer_notes)} proposer round(s) fell back; the first: {first}", file=sys.stderr)
 
 
 def main_history(args: argparse.Namespace) -> int:

@@ -85,6 +85,9 @@ class CompileResult:
     history: tuple[Trial, ...] = field(default=(), repr=False)
     sglang_target: SglangTarget | None = field(default=None, repr=False)  # the release the parser gate ran, if any
     num_screened: int = 0  # evaluations stopped after the screen: they could not have won
+    # one per proposer round that fell back (an agent that did not answer): a configured agent that never
+    # answered is said, not hidden in the trials
+    proposer_notes: tuple[str, ...] = ()
 
     @property
     def speedup(self) -> float:
@@ -106,6 +109,7 @@ class CompileResult:
             "warm_start": self.warm_start, "store": self.store_path,
             "shape": self.shape.name, "shape_fingerprint": shape_fingerprint(self.shape), "objective": self.objective,
             "evaluator": self.evaluator, "rejected": self.num_rejected, "screened": self.num_screened, "reason": self.reason,
+            "proposer_notes": list(self.proposer_notes),
         }
 
 
@@ -200,6 +204,7 @@ class _Run:
     incumbent: Trial | None = None
     incumbent_at: int = 0
     fresh: dict[str, Metrics] = field(default_factory=dict)  # config key -> stored metrics still valid
+    proposer_notes: list[str] = field(default_factory=list)
 
     def execute(self) -> CompileResult | None:
         self.started_at = self.clock()
@@ -213,6 +218,8 @@ class _Run:
         idle_rounds = 0
         while not self._out_of_budget() and not (seeds and idle_rounds >= self.budget.warm_patience_rounds):
             batch = self.proposer.propose(self._context(), _BATCH_SIZE)
+            if batch.note:
+                self.proposer_notes.append(batch.note)
             if not batch.proposals:
                 break
             before, incumbent = len(self.tried), self.incumbent
@@ -374,6 +381,7 @@ class _Run:
             num_gpus=self.num_gpus, run_id=self.run_id, reason=reason, elapsed_s=self.clock() - self.started_at,
             store_path=None if self.store is None else str(self.store.path), history=tuple(self.history),
             sglang_target=self.parser_gate.target(), num_screened=sum(1 for t in self.history if t.screened),
+            proposer_notes=tuple(self.proposer_notes),
         )
         if self.store is not None:
             self.store.record_artefact(self.run_id, self.wall_clock(), self.model, self.gpu, self.num_gpus, self.fingerprints,

@@ -108,6 +108,8 @@ def test_agent_proposals_cannot_bypass_a_gate(llm_server) -> None:
     # The malformed and failed rounds fell back to the deterministic proposer and said so.
     notes = [t.note for t in result.history if t.proposer == "coordinate"]
     assert any("agent reply is not JSON" in n for n in notes) and any("HTTP 500" in n for n in notes)
+    assert [n.split(";")[0] for n in result.proposer_notes] == [
+        "agent unavailable (agent reply is not JSON: Expecting value at 0)", f"agent unavailable (HTTP 500 from {url}/chat/completions)"]
     first = json.loads(requests[0]["messages"][1]["content"])
     assert first["bottleneck"] in ("memory-bound", "compute-bound", "kv-capacity", "queueing")
     assert first["shape"]["name"] == "reasoning" and first["trials"][0]["config"] == {"tp": 1}
@@ -119,6 +121,19 @@ def test_no_endpoint_means_the_deterministic_proposer(monkeypatch) -> None:
     assert AgentProposer.from_environment() is None
     monkeypatch.setenv(LLM_URL_ENV, "http://127.0.0.1:9/v1")
     assert AgentProposer.from_environment().url == "http://127.0.0.1:9/v1/chat/completions"
+
+
+def test_compile_says_when_the_configured_agent_never_answered(monkeypatch, capsys) -> None:
+    """Before, `polymorph compile` with $POLYMORPH_COMPILER_LLM_URL on a dead endpoint printed a result
+    as if the agent had proposed; only the trial store's notes said otherwise."""
+    from gateway.cli import build_parser
+
+    monkeypatch.setenv(LLM_URL_ENV, f"http://127.0.0.1:{free_port()}/v1")
+    args = build_parser().parse_args(["compile", "--model", "llama-3.1-8b", "--gpu", "H100", "--shape", "short-chat",
+                                      "--budget", "3", "--no-store", "--evaluator", "analytic"])
+    assert args.handler(args) == 0
+    err = capsys.readouterr().err
+    assert "warning: 1 proposer round(s) fell back" in err and "Connection refused" in err and "coordinate proposer used" in err
 
 
 def test_parse_candidates_accepts_fenced_json_and_rejects_the_rest() -> None:
