@@ -11,6 +11,7 @@ import hashlib
 import json
 import random
 import re
+from collections import Counter
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from functools import cache
@@ -238,8 +239,16 @@ def grouped_folds(examples: Sequence[Example], seed: int = 0) -> Iterator[tuple[
     """
     from sklearn.model_selection import StratifiedGroupKFold
 
-    folds = StratifiedGroupKFold(n_splits=round(1 / TEST_FRACTION), shuffle=True, random_state=seed)
+    num_folds = round(1 / TEST_FRACTION)
     labels = [example.label for example in examples]
+    # scikit-learn's own refusals ("n_splits=4 cannot be greater than the number of members in each
+    # class") name none of the user's terms: say what the file lacks
+    num_groups, largest = len({example.group for example in examples}), max(Counter(labels).values(), default=0)
+    if num_groups < num_folds or largest < num_folds:
+        raise ValueError(f"the held-out scores need {num_folds} folds: at least {num_folds} rows of one label and "
+                         f"{num_folds} groups (rows without a \"group\", or distinct \"group\" values); "
+                         f"got {len(labels)} rows in {num_groups} groups, the largest label {largest} rows")
+    folds = StratifiedGroupKFold(n_splits=num_folds, shuffle=True, random_state=seed)
     for train_rows, test_rows in folds.split(labels, labels, [example.group for example in examples]):
         yield [examples[i] for i in train_rows], [examples[i] for i in test_rows]
 

@@ -127,9 +127,13 @@ def dataset_weights(examples: Sequence[Example]) -> np.ndarray:
     ])
 
 
-def fit_pipeline(examples: Sequence[Example], max_features: int = MAX_FEATURES, c: float = REGULARIZATION_C) -> Any:
+def _check_two_labels(examples: Sequence[Example]) -> None:
     if len({example.label for example in examples}) < 2:
         raise ValueError("training needs at least two distinct labels")
+
+
+def fit_pipeline(examples: Sequence[Example], max_features: int = MAX_FEATURES, c: float = REGULARIZATION_C) -> Any:
+    _check_two_labels(examples)
     pipeline = build_pipeline(max_features, c)
     pipeline.fit([example.text for example in examples], [example.label for example in examples],
                  linear__sample_weight=dataset_weights(examples))
@@ -258,6 +262,7 @@ def train_and_score(
     """
     rng = random.Random(seed)
     examples = list(examples)
+    _check_two_labels(examples)  # before the folds, whose own refusal would speak of their count
     classes = sorted({example.label for example in examples})
     tested: list[Example] = []
     fold_scores: list[np.ndarray] = []

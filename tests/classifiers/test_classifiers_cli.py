@@ -103,8 +103,14 @@ def test_train_on_a_missing_or_malformed_set_or_an_unwritable_out_says_why_witho
     good = tmp_path / "labelled.jsonl"
     good.write_text("".join(json.dumps({"text": f"{text} {i}", "label": label, "group": f"{label}{i % 4}"}) + "\n"
                             for label, text in (("code", "write a python function"), ("math", "how many apples are left")) for i in range(8)))
+    one_label = tmp_path / "one-label.jsonl"
+    one_label.write_text("".join(json.dumps({"text": f"hi {i}", "label": "chat"}) + "\n" for i in range(8)))
+    too_few = tmp_path / "too-few.jsonl"  # before: scikit-learn's "n_splits=4 cannot be greater than ..."
+    too_few.write_text("".join(json.dumps({"text": f"hi {i}", "label": label}) + "\n" for i in range(2) for label in ("chat", "code")))
     for argv, says in ((["--data", str(tmp_path / "missing.jsonl")], "No such file"),
                        (["--data", str(bad)], f"{bad}:1: expected"),
+                       (["--data", str(one_label)], "at least two distinct labels"),
+                       (["--data", str(too_few)], "need 4 folds: at least 4 rows of one label and 4 groups"),
                        (["--shared", str(tmp_path)], "no labelled prompts"),
                        (["--data", str(good), "--out", str(blocker / "model")], "a-file")):
         result = _polymorph("classifiers", "train", *argv)
