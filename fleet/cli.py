@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from kernels.argtypes import count, count_or_zero, fraction, positive
+from kernels.argtypes import count, count_or_zero, fraction, port, positive
 
 
 def register(commands: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
@@ -26,7 +26,7 @@ def register(commands: argparse._SubParsersAction) -> None:  # type: ignore[type
     p.add_argument("--gpu", required=True, help="catalogue GPU name or alias (e.g. H100-SXM)")
     p.add_argument("--config", default=None,
                    help='engine config: a YAML/JSON file of EngineConfig fields, or inline JSON starting with "{"')
-    p.add_argument("--port", type=int, required=True, help="TCP port to listen on")
+    p.add_argument("--port", type=port, required=True, help="TCP port to listen on")
     p.add_argument("--host", default="127.0.0.1", help="address to listen on")
     p.add_argument("--speed", type=positive, default=1.0, help="engine seconds per wall second (2 runs twice as fast)")
     p.add_argument("--served-model-name", default=None, help="model id reported to clients (default: the catalogue name)")

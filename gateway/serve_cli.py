@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING
 from gateway import controller_cli
 from gateway.config import GatewayConfig, PoolSpec
 from gateway.listen import hold_address
-from kernels.argtypes import count, http_url
+from kernels.argtypes import count, http_url, port
 from loadtest.demo_credentials import DEMO_ADMIN_TOKEN, DEMO_API_KEY
 
 if TYPE_CHECKING:
@@ -53,7 +53,7 @@ def register(commands: argparse._SubParsersAction) -> None:  # type: ignore[type
     source.add_argument("--config", type=Path, help="gateway config file (see config.example.yaml)")
     source.add_argument("--upstream", action="append", type=http_url, metavar="URL", help="an OpenAI-compatible replica (repeat for more)")
     p.add_argument("--host", help="listen address (default: the config's server.host, else 127.0.0.1)")
-    p.add_argument("--port", type=int, help="listen port (default: the config's server.port, else 8080)")
+    p.add_argument("--port", type=port, help="listen port (default: the config's server.port, else 8080)")
     p.add_argument("--workers", type=count, default=1, help="gateway processes sharing the port (SO_REUSEPORT)")
     p.add_argument("--no-access-log", action="store_true", help="do not write the JSON access log to stderr")
     p.add_argument("--replica-logs", type=Path, help="where launched replicas write their logs (default: a temp dir)")

@@ -44,6 +44,15 @@ def fraction(text: str) -> float:
     return value
 
 
+def port(text: str) -> int:
+    """A TCP port, 0 to 65535 (0: any free port). Before, ``--port 70000`` wrapped round to 4464 in
+    getaddrinfo and the server said it listened on 70000."""
+    value = _integer(text, 0)
+    if value > 65535:
+        raise argparse.ArgumentTypeError(f"must be a port from 0 to 65535, got {text!r}")
+    return value
+
+
 def _integer(text: str, minimum: int) -> int:
     try:
         value = int(text)

@@ -6,7 +6,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from kernels.argtypes import count, count_or_zero, fraction, http_url, non_negative, positive, positives
+from kernels.argtypes import count, count_or_zero, fraction, http_url, non_negative, port, positive, positives
 from loadtest.bench import cli as bench_cli
 from loadtest.chaos import cli as chaos_cli
 from loadtest.sim_cli import _add_capacity_args, register_bench_adapt, register_bench_agreement, register_simulate
@@ -166,7 +166,7 @@ def _run_demo(args: argparse.Namespace) -> int:
 def add_fast_backend_arguments(parser: argparse.ArgumentParser) -> None:
     """The fast stub backend's options (here, so that `polymorph --help` imports no server code)."""
     parser.add_argument("--host", default="127.0.0.1", help="address to listen on")
-    parser.add_argument("--port", type=int, default=8001, help="port to listen on")
+    parser.add_argument("--port", type=port, default=8001, help="port to listen on")
     parser.add_argument("--model", default="fast-backend", help="model id it reports")
     parser.add_argument("--ttft-ms", type=non_negative, default=0.0, help="delay before the first token")
     parser.add_argument("--itl-ms", type=non_negative, default=0.0, help="delay between tokens")

@@ -8,19 +8,20 @@ from collections.abc import Iterator
 import pytest
 
 from gateway.cli import _parsers, build_parser
-from kernels.argtypes import count, count_or_zero, counts, fraction, http_url, is_http_url, non_negative, positive, positives
+from kernels.argtypes import count, count_or_zero, counts, fraction, http_url, is_http_url, non_negative, port, positive, positives
 
-# Flags whose plain int or float is meant: any value is a seed, a port, a status, or a time whose negative
+# Flags whose plain int or float is meant: any value is a seed, a status, or a time whose negative
 # value means "forever" (the emulator's faults).
-PLAIN = frozenset({"--seed", "--fault-seed", "--port", "--error-status", "--hang-before-first-byte-s", "--stall-s",
+PLAIN = frozenset({"--seed", "--fault-seed", "--error-status", "--hang-before-first-byte-s", "--stall-s",
                    "--refuse-connections-s"})
 
 
 def test_each_type_takes_its_range_and_refuses_the_rest() -> None:
     assert (count("3"), count_or_zero("0"), positive("0.5"), non_negative("0"), fraction("1")) == (3, 0, 0.5, 0.0, 1.0)
-    assert counts("16, 64") == (16, 64) and positives("500,1e3") == (500.0, 1000.0)
+    assert counts("16, 64") == (16, 64) and positives("500,1e3") == (500.0, 1000.0) and (port("0"), port("65535")) == (0, 65535)
     for kind, text in ((count, "0"), (count, "1.5"), (count_or_zero, "-1"), (positive, "0"), (positive, "nan"),
-                       (positive, "inf"), (non_negative, "-0.1"), (fraction, "1.5"), (counts, "16,0"), (positives, ",")):
+                       (positive, "inf"), (non_negative, "-0.1"), (fraction, "1.5"), (counts, "16,0"), (positives, ","),
+                       (port, "-1"), (port, "65536")):
         with pytest.raises(argparse.ArgumentTypeError):
             kind(text)
 
@@ -32,13 +33,14 @@ def _typed_flags() -> Iterator[tuple[argparse.ArgumentParser, str, object]]:
                 yield parser, action.option_strings[-1], action.type
 
 
-def test_no_numeric_flag_takes_any_number_but_seeds_ports_and_forever_delays() -> None:
+def test_no_numeric_flag_takes_any_number_but_seeds_a_status_and_forever_delays() -> None:
     plain = [f"{parser.prog} {flag}" for parser, flag, kind in _typed_flags() if kind in (int, float) and flag not in PLAIN]
     assert plain == []
 
 
 def test_a_zero_or_a_negative_is_refused_where_the_flag_needs_more(capsys: pytest.CaptureFixture[str]) -> None:
-    floors = {count: "0", positive: "0", counts: "0", positives: "0", non_negative: "-1", count_or_zero: "-1", fraction: "2"}
+    floors = {count: "0", positive: "0", counts: "0", positives: "0", non_negative: "-1", count_or_zero: "-1", fraction: "2",
+              port: "70000"}
     checked = 0
     for parser, flag, kind in _typed_flags():
         if kind in floors:

@@ -18,7 +18,7 @@ import orjson
 import uvloop
 from aiohttp import ClientSession, TCPConnector, web
 
-from kernels.argtypes import http_url
+from kernels.argtypes import http_url, port
 
 _FORWARDED_HEADERS = ("Content-Type", "Authorization", "Accept")
 _SESSION_KEY = web.AppKey("session", ClientSession)
@@ -80,7 +80,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     parser.add_argument("--upstream", type=http_url, required=True, help="base URL to forward to, e.g. http://127.0.0.1:8080")
     parser.add_argument("--host", default="127.0.0.1", help="address to listen on")
-    parser.add_argument("--port", type=int, required=True, help="port to listen on")
+    parser.add_argument("--port", type=port, required=True, help="port to listen on")
     args = parser.parse_args(argv)
     uvloop.run(serve(args.upstream, args.host, args.port))
     return 0
