@@ -20,6 +20,7 @@ from fleet.commands import Activate, Command, Stop, TickOutput
 from fleet.decisions import Decision, Move
 from fleet.evidence import RollbackEvidence, StepEvidence, VerifyEvidence
 from fleet.rollout import Mover, SlotState
+from kernels.catalog import get_gpu
 
 
 class MoveRefused(ValueError):
@@ -59,8 +60,10 @@ class OperatorMoves:
         """The replica being moved (or moved back)."""
         return self._op.move.slot if self._op is not None else None
 
-    def request(self, now: float, slots: list[SlotState], replica: str, to_pool: str, config_json: str) -> TickOutput:
-        """Begin moving ``replica`` into ``to_pool`` with ``config_json``. Raises ``MoveRefused``."""
+    def request(self, now: float, slots: list[SlotState], replica: str, to_pool: str, config_json: str,
+                to_gpu: str | None = None) -> TickOutput:
+        """Begin moving ``replica`` into ``to_pool`` (whose device kind is ``to_gpu``; None: the pool names
+        none) with ``config_json``. Raises ``MoveRefused``."""
         if self._op is not None:
             raise MoveRefused(409, f"replica {self._op.move.slot} is being moved; one move at a time")
         by_name = {s.slot: s for s in slots}
@@ -69,6 +72,12 @@ class OperatorMoves:
             raise MoveRefused(404, f"no replica named {replica!r} is launched by this gateway")
         if not found.alive:
             raise MoveRefused(409, f"replica {replica!r} is not running")
+        if to_gpu is not None and _kind(found.gpu) != _kind(to_gpu):
+            # a replica restarts on its own devices: an H100 replica in an H200 pool would run the H200
+            # pool's configuration (memory fraction, batch caps) on an H100, and every plan would count it
+            # as an H200. The controller's own moves never cross kinds (fleet.rollout.diff_moves).
+            raise MoveRefused(409, f"replica {replica!r} runs on {found.gpu} and pool {to_pool!r} on {to_gpu}; "
+                                   "a replica moves only into a pool of its own device kind")
         if found.pool == to_pool and found.config_json == config_json:
             raise MoveRefused(409, f"replica {replica!r} already serves in {to_pool!r} with that configuration")
         move = Move(replica, found.pool, to_pool, config_json)
@@ -120,6 +129,14 @@ class OperatorMoves:
         return [Decision(now, VerifyEvidence(source="operator", ok=True, healthy=True, warmed_up=True, drain_s=drain_s,
                                              start_to_healthy_s=start_to_healthy_s, drain_deadline_stops=forced, config=move.config_json),
                          (move,))]
+
+
+def _kind(gpu: str) -> str:
+    """The catalog's name of a device kind, so that an alias (``H100``) and its name (``H100-SXM``) agree."""
+    try:
+        return get_gpu(gpu).name
+    except ValueError:  # a kind the catalog does not know is compared as written
+        return gpu
 
 
 def _round(end: float | None, start: float | None) -> float | None:

@@ -152,7 +152,7 @@ class AdminHandlers:
         follow it in ``/admin/decisions`` and ``/admin/state``)."""
         try:
             self._check_admin(request)
-            body = await _posted_object(request, "{\"replica\": NAME, \"to_pool\": POOL}")
+            body = await _posted_object(request, "{\"replica\": NAME, \"to_pool\": POOL}", frozenset({"replica", "to_pool"}))
             for key in ("replica", "to_pool"):
                 if not isinstance(body.get(key), str) or not body[key]:
                     raise ApiError(400, f"{key!r} must be a non-empty string.", "invalid_value", key)
@@ -175,7 +175,7 @@ class AdminHandlers:
         or rolled back by the canary judge (fleet.canary; 202: begun; the verdict is a ``canary`` decision)."""
         try:
             self._check_admin(request)
-            body = await _posted_object(request, "{\"pool\": POOL, \"config\": {...}}")
+            body = await _posted_object(request, "{\"pool\": POOL, \"config\": {...}}", frozenset({"pool", "config"}))
             if not isinstance(body.get("pool"), str) or not body["pool"]:
                 raise ApiError(400, "'pool' must be a non-empty string.", "invalid_value", "pool")
             config = body.get("config")
@@ -208,8 +208,10 @@ class AdminHandlers:
         return web.Response(body=orjson.dumps({"decisions": entries, "log": self.state.decisions.health()}), content_type=_JSON)
 
 
-async def _posted_object(request: web.Request, shape: str) -> dict[str, Any]:
-    """The JSON object an admin action was POSTed with (``shape`` tells a wrong method how to call it)."""
+async def _posted_object(request: web.Request, shape: str, fields: frozenset[str]) -> dict[str, Any]:
+    """The JSON object an admin action was POSTed with (``shape`` tells a wrong method how to call it).
+    A field other than ``fields`` is refused: these calls restart replicas, and a ``"dry_run": true``
+    that was silently ignored would do what it meant to prevent."""
     if request.method != "POST":
         raise ApiError(405, f"Use POST with {shape}.", "method_not_allowed")
     try:
@@ -218,4 +220,7 @@ async def _posted_object(request: web.Request, shape: str) -> dict[str, Any]:
         raise ApiError(400, "The body must be a JSON object.", "invalid_json") from None
     if not isinstance(body, dict):
         raise ApiError(400, "The body must be a JSON object.", "invalid_json")
+    unknown = sorted(set(body) - fields)
+    if unknown:
+        raise ApiError(400, f"Unknown field {unknown[0]!r}: the body is {shape}.", "unknown_field", unknown[0])
     return body

@@ -225,7 +225,7 @@ class LiveFleet:
         if self.canary.busy:
             raise MoveRefused(409, f"a canary of pool {self.canary.pool!r} is running; try again when it is done")
         now = self.now()
-        out = self.operator.request(now, self.snapshot(now), replica, to_pool, config_json)
+        out = self.operator.request(now, self.snapshot(now), replica, to_pool, config_json, self._pool_gpu(to_pool))
         self._apply(out, now)
         return out.decisions
 
@@ -284,6 +284,17 @@ class LiveFleet:
             if slot.alive:
                 pool_to_texts.setdefault(slot.pool, set()).add(slot.config_json)
         return {pool: next(iter(texts)) for pool, texts in pool_to_texts.items() if len(texts) == 1}
+
+    def _pool_gpu(self, pool: str) -> str | None:
+        """The device kind of a config pool, or of a pool a controller made (None: the pool names none)."""
+        for spec in self.state.runtime.config.pools:
+            if spec.name == pool:
+                return spec.gpu
+        for controller in self.controller.model_to_controller.values() if self.controller is not None else ():
+            found = next((option.gpu for option in controller.options.pools if option.name == pool), None) if controller.options else None
+            if found is not None:
+                return found
+        return None
 
     def _pool_model(self, pool: str) -> str | None:
         """The model a config pool serves, or the model whose controller made the pool (None: unknown)."""

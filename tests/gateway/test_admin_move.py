@@ -134,9 +134,13 @@ def test_an_emulated_replica_moves_between_pools_under_load_without_failing_a_re
          "engine": {"max_running_requests": 64}, "replicas": {"emulated": 1}},
         {"name": "long", "model": "llama-3.1-8b", "gpu": "H100-SXM", "shapes": ["long-context"],
          "engine": {"max_running_requests": 8, "chunked_prefill_size": 8192}, "replicas": {"emulated": 1}},
+        {"name": "big", "model": "llama-3.1-8b", "gpu": "H200", "shapes": ["reasoning"], "replicas": {"launch": 0}},
     ]
     gateway = start_gateway(tmp_path, ["--config", str(_config(tmp_path, pools, emulator_speed=20.0))])
     try:
+        # before, this moved: the H100 replica restarted with the H200 pool's configuration and counted as an H200
+        other_kind = _admin(gateway.url, "/admin/move", {"replica": "chat-0", "to_pool": "big"})
+        dry_run = _admin(gateway.url, "/admin/move", {"replica": "chat-0", "to_pool": "long", "dry_run": True})  # before: it moved
         before = _replica(_admin(gateway.url, "/admin/state")[1], "chat-0")
         load, decisions = _move_and_watch(gateway, "chat-0", "long", "llama-3.1-8b", 16, 60)
         after = _replica(_admin(gateway.url, "/admin/state")[1], "chat-0")
@@ -156,6 +160,8 @@ def test_an_emulated_replica_moves_between_pools_under_load_without_failing_a_re
     assert verify["evidence"]["ok"] is True and verify["evidence"]["start_to_healthy_s"] is not None
     assert refused[0] == 409 and "already serves" in refused[1]["error"]["message"]
     assert unknown[0] == 404 and bad[0] == 400 and bad[1]["error"]["param"] == "to_pool"
+    assert dry_run[0] == 400 and dry_run[1]["error"]["param"] == "dry_run"
+    assert other_kind[0] == 409 and "runs on H100-SXM and pool 'big' on H200" in other_kind[1]["error"]["message"]
 
 
 def test_requests_read_while_a_moved_replica_comes_back_are_routed_on_the_pools_that_hold_it(tmp_path: Path) -> None:

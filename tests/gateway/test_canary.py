@@ -52,6 +52,8 @@ def test_the_canary_api_answers_bad_requests_with_openai_errors(tmp_path: Path) 
     try:
         answers = {
             "no config": _admin(gateway.url, "/admin/canary", {"pool": "chat"}),
+            # before, an unknown field was ignored and the canary began
+            "dry run": _admin(gateway.url, "/admin/canary", {"pool": "chat", "config": {"max_running_requests": 8}, "dry_run": True}),
             "unknown knob": _admin(gateway.url, "/admin/canary", {"pool": "chat", "config": {"kind": "vllm"}}),
             "more devices": _admin(gateway.url, "/admin/canary", {"pool": "chat", "config": {"tp": 2}}),
             "unknown pool": _admin(gateway.url, "/admin/canary", {"pool": "nope", "config": {"max_running_requests": 8}}),
@@ -64,10 +66,11 @@ def test_the_canary_api_answers_bad_requests_with_openai_errors(tmp_path: Path) 
     finally:
         gateway.stop()
     status = {name: code for name, (code, _) in answers.items()}
-    assert status == {"no config": 400, "unknown knob": 400, "more devices": 400, "unknown pool": 404, "pool of one": 409,
+    assert status == {"no config": 400, "dry run": 400, "unknown knob": 400, "more devices": 400, "unknown pool": 404, "pool of one": 409,
                       "same config": 409, "begun": 202, "second": 409, "move meanwhile": 409}, answers
     assert answers["no config"][1]["error"]["param"] == "config" and answers["unknown knob"][1]["error"]["param"] == "config"
     assert "unknown engine config key 'kind'" in answers["unknown knob"][1]["error"]["message"]
+    assert answers["dry run"][1]["error"]["param"] == "dry_run" and answers["dry run"][1]["error"]["code"] == "unknown_field"
     assert answers["begun"][1]["canary"] == {"pool": "chat", "config": {"max_running_requests": 8}}
     assert "one trial at a time" in answers["second"][1]["error"]["message"]
 
