@@ -17,6 +17,10 @@ import yaml
 from kernels.yamlsrc import FieldReader, YamlDoc, load_yaml, parse_yaml
 
 _WEIGHT_DTYPES = ("bf16", "fp8", "mxfp4_experts")
+# the shape fields the performance model divides by (heads per KV head, head size, layers): 0 is a
+# ZeroDivisionError wherever the model is first used
+_AT_LEAST_ONE = frozenset({"num_layers", "hidden_size", "num_heads", "num_kv_heads", "head_dim", "intermediate_size", "vocab_size",
+                           "max_context"})
 USER_CATALOG_ENV = "POLYMORPH_MODEL_CATALOG"
 
 
@@ -193,7 +197,7 @@ def _check_user_entry(doc: YamlDoc, name: str, entry: object) -> None:
                 raise reader.error(field.name, "required: the model's shape needs num_layers, hidden_size, num_heads, "
                                    "num_kv_heads, head_dim, intermediate_size and vocab_size")
         elif field.type in ("int", "float"):
-            reader.number(field.name, 0, integer=field.type == "int")
+            reader.number(field.name, 0, integer=field.type == "int", lo=1 if field.name in _AT_LEAST_ONE else 0)
         elif field.type == "bool":
             reader.flag(field.name, False)
         elif field.type == "str":
@@ -212,10 +216,7 @@ def add_model(config_path: Path, name: str | None = None, catalog_path: Path | N
     A built-in model's name is refused: the user catalog adds models, it does not change published ones."""
     if not config_path.is_file() and not (config_path / "config.json").is_file():
         raise ValueError(f"no config.json at {config_path}")
-    try:
-        parsed = get_model(config_path)
-    except json.JSONDecodeError as exc:
-        raise ValueError(f"{config_path} is not JSON: {exc}") from exc
+    parsed = get_model(config_path)
     spec = replace(parsed, name=name or parsed.name, source=f"Hugging Face config {config_path.resolve()} (polymorph kernels add-model)")
     if _normalise(spec.name) in _alias_to_name():
         raise ValueError(f"{spec.name!r} is a built-in model (or one of its aliases); pass --name to add it under another name")
@@ -256,7 +257,14 @@ def get_model(name_or_path: str | Path) -> ModelSpec:
     if path.is_dir() and (path / "config.json").is_file():
         path = path / "config.json"
     if path.suffix == ".json" and path.is_file():
-        return model_from_hf_config(json.loads(path.read_text()), name=path.parent.name or path.stem)
+        try:
+            config = json.loads(path.read_text())
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"{path} is not JSON: {exc}") from None
+        try:
+            return model_from_hf_config(config, name=path.parent.name or path.stem)
+        except ValueError as exc:
+            raise ValueError(f"{path}: {exc}") from None
     text = str(name_or_path)
     table = _alias_to_name()
     for key in (_normalise(text), _normalise(text.split("/")[-1])):
@@ -269,33 +277,48 @@ def get_model(name_or_path: str | Path) -> ModelSpec:
                      f"(or pass a config.json path, or add one with `polymorph kernels add-model`)")
 
 
-def _first_int(config: Mapping[str, object], *keys: str, default: int | None = None) -> int:
-    """The first of `keys` that config sets, as an int; `default` when none is; TypeError when none is and no default."""
+class _Missing(ValueError):
+    """None of a required field's keys is set."""
+
+
+def _first_int(config: Mapping[str, object], *keys: str, default: int | None = None, minimum: int = 0) -> int:
+    """The first of `keys` that config sets, as an int of at least `minimum`; `default` when none is
+    (_Missing when there is no default). A value that is not a whole number is a ValueError naming its key."""
     for key in keys:
         value = config.get(key)
         if value is None:
             continue
-        if not isinstance(value, int | float | str):
-            raise TypeError(f"{key} is {value!r}, not a number")
+        if isinstance(value, bool) or not isinstance(value, int | float) or (isinstance(value, float) and not value.is_integer()):
+            raise ValueError(f"{key} must be a whole number, not {value!r}")
+        if value < minimum:
+            raise ValueError(f"{key} must be at least {minimum}, not {value!r}")
         return int(value)
     if default is None:
-        raise TypeError(f"none of {keys} is set")
+        raise _Missing(f"none of {keys} is set")
     return default
 
 
 def model_from_hf_config(config: Mapping[str, object], name: str = "custom") -> ModelSpec:
-    """Parse llama / qwen2-3 / qwen3-moe / mixtral / deepseek-v3 / gpt-oss style config.json keys."""
+    """Parse llama / qwen2-3 / qwen3-moe / mixtral / deepseek-v3 / gpt-oss style config.json keys.
+    Raises ValueError naming the key: a shape field that is missing, not a whole number, or (for the
+    fields every layer divides by) below 1."""
+    if not isinstance(config, Mapping):
+        raise ValueError("the config is not a JSON object")
+    try:
+        return _parse_hf_config(config, name)
+    except _Missing as exc:
+        raise ValueError("the config lacks hidden_size / num_hidden_layers / num_attention_heads") from exc
+
+
+def _parse_hf_config(config: Mapping[str, object], name: str) -> ModelSpec:
     text = config.get("text_config")
     if isinstance(text, Mapping):
         config = {**config, **text}
-    try:
-        hidden = _first_int(config, "hidden_size", "d_model")
-        num_layers = _first_int(config, "num_hidden_layers", "n_layer", "num_layers")
-        num_heads = _first_int(config, "num_attention_heads", "n_head")
-    except TypeError as exc:
-        raise ValueError(f"config for {name!r} lacks hidden_size / num_hidden_layers / num_attention_heads") from exc
+    hidden = _first_int(config, "hidden_size", "d_model", minimum=1)
+    num_layers = _first_int(config, "num_hidden_layers", "n_layer", "num_layers", minimum=1)
+    num_heads = _first_int(config, "num_attention_heads", "n_head", minimum=1)
     num_experts = _first_int(config, "num_local_experts", "n_routed_experts", "num_experts", default=0)
-    intermediate = _first_int(config, "intermediate_size", "ffn_dim", default=4 * hidden)
+    intermediate = _first_int(config, "intermediate_size", "ffn_dim", default=4 * hidden, minimum=1)
     sliding_window = _first_int(config, "sliding_window", default=0)
     layer_types = config.get("layer_types")
     num_sliding = sum(1 for kind in layer_types if kind == "sliding_attention") if isinstance(layer_types, list) else 0
@@ -307,11 +330,11 @@ def model_from_hf_config(config: Mapping[str, object], name: str = "custom") -> 
         num_layers=num_layers,
         hidden_size=hidden,
         num_heads=num_heads,
-        num_kv_heads=_first_int(config, "num_key_value_heads", default=num_heads),
-        head_dim=_first_int(config, "head_dim", default=hidden // num_heads),
+        num_kv_heads=_first_int(config, "num_key_value_heads", default=num_heads, minimum=1),
+        head_dim=_first_int(config, "head_dim", default=max(1, hidden // num_heads), minimum=1),
         intermediate_size=intermediate,
-        vocab_size=_first_int(config, "vocab_size", default=32000),
-        max_context=_first_int(config, "max_position_embeddings", default=131072),
+        vocab_size=_first_int(config, "vocab_size", default=32000, minimum=1),
+        max_context=_first_int(config, "max_position_embeddings", default=131072, minimum=1),
         num_experts=num_experts,
         num_experts_per_tok=_first_int(config, "num_experts_per_tok", "num_experts_per_token", "experts_per_token", default=0) if num_experts else 0,
         num_shared_experts=_first_int(config, "n_shared_experts", default=0),

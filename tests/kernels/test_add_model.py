@@ -58,6 +58,20 @@ def test_add_model_refuses_what_it_cannot_add(tmp_path: Path) -> None:
     config.write_text(json.dumps({"vocab_size": 32000}))
     done = _polymorph(catalog, "kernels", "add-model", "--hf-config", str(config), "--name", "broken")
     assert done.returncode != 0 and "lacks hidden_size" in done.stderr and "Traceback" not in done.stderr
+    # before: a ZeroDivisionError traceback, int()'s "invalid literal" without the key, and a context of -5 added
+    for change, says in (({"num_attention_heads": 0}, "num_attention_heads must be at least 1, not 0"),
+                         ({"hidden_size": "wide"}, "hidden_size must be a whole number, not 'wide'"),
+                         ({"max_position_embeddings": -5}, "max_position_embeddings must be at least 1"),
+                         ({"num_key_value_heads": 2.5}, "num_key_value_heads must be a whole number")):
+        config.write_text(json.dumps({**QWEN3_MOE, **change}))
+        done = _polymorph(catalog, "kernels", "add-model", "--hf-config", str(config), "--name", "broken")
+        assert done.returncode != 0 and f"{config}: {says}" in done.stderr and "Traceback" not in done.stderr, done.stderr
+    config.write_text("[1, 2]")
+    done = _polymorph(catalog, "kernels", "add-model", "--hf-config", str(config), "--name", "broken")
+    assert done.returncode != 0 and f"{config}: the config is not a JSON object" in done.stderr and "Traceback" not in done.stderr, done.stderr
+    config.write_text("{")
+    done = _polymorph(catalog, "kernels", "add-model", "--hf-config", str(config), "--name", "broken")
+    assert done.returncode != 0 and f"{config} is not JSON" in done.stderr and "Traceback" not in done.stderr, done.stderr
     done = _polymorph(catalog, "kernels", "add-model", "--hf-config", str(tmp_path / "absent"))
     assert done.returncode != 0 and "no config.json" in done.stderr
     assert not catalog.exists()  # nothing was written
@@ -69,6 +83,7 @@ def test_a_hand_edited_entry_with_a_wrong_field_is_an_error_with_its_line(tmp_pa
     catalog = tmp_path / "models.yaml"
     for text, says in (("my-model:\n  num_layers: 32\n  hidden_size: lots\n", ":3: my-model.hidden_size: must be an integer"),
                        ("my-model:\n  num_layers: 32\n", ":1: my-model.hidden_size: required"),
+                       ("my-model:\n  num_layers: 0\n", ":2: my-model.num_layers: must be between 1 and inf"),
                        ("my-model:\n  colour: red\n", ":2: my-model.colour: unknown field"),
                        ("- my-model\n", ":1: the user model catalog must be a mapping")):
         catalog.write_text(text)  # each was a TypeError from ModelSpec, wherever the model was first used
