@@ -18,6 +18,7 @@ from typing import Any
 
 import numpy as np
 
+from classifiers.shape import DOMAINS
 from kernels.yamlsrc import ConfigError, YamlDoc, parse_yaml
 from loadtest.arrivals import ArrivalProcess, arrival_times
 from loadtest.lengths import LengthDist, fitted_data, parse_length
@@ -115,7 +116,7 @@ class _Parser:
 
     def fail(self, where: str, reason: str) -> ScenarioError:
         """``where`` (``streams[0].phases[1].at_s``) is also the path of its line in the file, or of its
-        nearest ancestor's (a stream's lone ``classes:`` is named as its ``phases[0]``)."""
+        nearest ancestor's."""
         path = tuple(int(index) if index else key for key, index in _PATH_PART.findall(where))
         line = self._doc.line_of(path)
         return ScenarioError(f"{self._doc.file}:{line}: {where}: {reason}" if line else f"{self._doc.file}: {where}: {reason}")
@@ -124,6 +125,12 @@ class _Parser:
         if not isinstance(value, dict):
             raise self.fail(where, f"expected a mapping, got {value!r}")
         return value
+
+    def known_keys(self, data: dict[str, Any], where: str, allowed: tuple[str, ...]) -> None:
+        """A misspelt key (``wieght``, ``ends_s``) is an error: ignored, it would leave its default in force."""
+        unknown = sorted(str(key) for key in data if key not in allowed)
+        if unknown:
+            raise self.fail(where, f"unknown keys {unknown} (allowed: {', '.join(allowed)})")
 
     def number(self, value: Any, where: str, minimum: float = 0.0) -> float:
         if isinstance(value, bool) or not isinstance(value, (int, float)) or value < minimum:
@@ -141,9 +148,7 @@ class _Parser:
 
     def scenario(self, data: Any) -> Scenario:
         root = self.mapping(data, "scenario")
-        unknown = set(root) - {"name", "description", "duration_s", "seed", "streams"}
-        if unknown:
-            raise self.fail("scenario", f"unknown keys {sorted(unknown)} (allowed: name, description, duration_s, seed, streams)")
+        self.known_keys(root, "scenario", ("name", "description", "duration_s", "seed", "streams"))
         streams = root.get("streams")
         if not isinstance(streams, list) or not streams:
             raise self.fail("streams", "expected a non-empty list of streams")
@@ -158,6 +163,7 @@ class _Parser:
     def stream(self, value: Any, index: int) -> Stream:
         where = f"streams[{index}]"
         data = self.mapping(value, where)
+        self.known_keys(data, where, ("name", "arrival", "start_s", "end_s", "tenants", "tenant", "phases", "classes"))
         if "phases" in data:
             phases_data = data["phases"]
         elif "classes" in data:
@@ -166,7 +172,9 @@ class _Parser:
             raise self.fail(where, "needs `classes:` or `phases:`")
         if not isinstance(phases_data, list) or not phases_data:
             raise self.fail(f"{where}.phases", "expected a non-empty list")
-        phases = tuple(self.phase(item, f"{where}.phases[{index}]") for index, item in enumerate(phases_data))
+        # a lone `classes:` is its stream's one phase, and its errors are named where the file has them
+        phases = tuple(self.phase(item, f"{where}.phases[{index}]" if "phases" in data else where)
+                       for index, item in enumerate(phases_data))
         if [phase.at_s for phase in phases] != sorted(phase.at_s for phase in phases):
             raise self.fail(f"{where}.phases", "phases must be in order of at_s")
         end = data.get("end_s")
@@ -194,6 +202,7 @@ class _Parser:
 
     def phase(self, value: Any, where: str) -> Phase:
         data = self.mapping(value, where)
+        self.known_keys(data, where, ("at_s", "ramp_s", "classes"))
         classes = data.get("classes")
         if not isinstance(classes, list) or not classes:
             raise self.fail(f"{where}.classes", "expected a non-empty list of request classes")
@@ -205,7 +214,10 @@ class _Parser:
 
     def request_class(self, value: Any, where: str) -> RequestClass:
         data = self.mapping(value, where)
-        domain = str(data.get("domain", "chat"))
+        self.known_keys(data, where, ("name", "weight", "domain", "input", "output", "lengths", "tier", "prefix_tokens"))
+        domain = data.get("domain", "chat")
+        if domain not in DOMAINS:  # an unknown one would be sent chat prompts under its own label
+            raise self.fail(f"{where}.domain", f"unknown domain {domain!r}; domains: {', '.join(DOMAINS)}")
         lengths = data.get("lengths")
         try:
             input_dist = parse_length(data.get("input", lengths), "input")

@@ -115,6 +115,8 @@ def parse_fractions(text: str) -> dict[str, float]:
         if not part:
             continue
         name, sep, share = part.partition("=")
+        if name.strip() in result:  # before, the last share silently won
+            raise ValueError(f"bad fractions {text!r}: {name.strip()!r} is given twice")
         try:
             result[name.strip()] = float(share) if sep else 1.0
         except ValueError:

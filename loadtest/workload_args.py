@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from classifiers.shape import DOMAINS
 from kernels.yamlsrc import FieldReader, load_yaml
 from loadtest.spec import Workload
 from loadtest.transform import ASSIGNABLE_FIELDS, AssignRule
@@ -40,7 +41,11 @@ def build_workload_from_args(args: argparse.Namespace) -> Workload:
     seed = args.seed if args.seed is not None else 0
     for number, (field, text) in enumerate((("domain", args.domains), ("tenant", args.tenants), ("tier", args.tiers))):
         if text:
-            workload = transform.assign_fractions(workload, field, transform.parse_fractions(text), seed + number)
+            fractions = transform.parse_fractions(text)
+            unknown = sorted(set(fractions) - set(DOMAINS)) if field == "domain" else []
+            if unknown:  # a request of an unknown domain would be sent chat prompts under its own label
+                raise ValueError(f"--domains: unknown domain {unknown[0]!r}; domains: {', '.join(DOMAINS)}")
+            workload = transform.assign_fractions(workload, field, fractions, seed + number)
     if args.assign:
         workload = transform.assign_by_rules(workload, _rules(Path(args.assign)))
     return workload
@@ -62,8 +67,10 @@ def _rules(path: Path) -> list[AssignRule]:
             raise doc.error((index,), "a rule needs `set:` (tenant, tier or domain) and `to:`")
         if field not in ASSIGNABLE_FIELDS:
             raise fields.error("set", f"cannot assign {field!r}; assignable fields: {', '.join(ASSIGNABLE_FIELDS)}")
+        if field == "domain" and value not in DOMAINS:
+            raise fields.error("to", f"unknown domain {value!r}; domains: {', '.join(DOMAINS)}")
         bounds = {key: fields.number(key, 0, integer=True) for key in _BOUNDS if key in item}
-        domains, tenants = fields.names("domains", None), fields.names("tenants", None)
+        domains, tenants = fields.names("domains", None, DOMAINS), fields.names("tenants", None)
         rules.append(AssignRule(field, value, **bounds, domains=None if domains is None else frozenset(domains),
                                 tenants=None if tenants is None else frozenset(tenants)))
     return rules

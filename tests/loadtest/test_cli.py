@@ -114,8 +114,16 @@ def test_dry_run_applies_rules_domains_and_fractions(tmp_path: Path, capsys: pyt
     for rule, says in (("{set: tier, to: batch, min_input_tokens: abc}", "[0].min_input_tokens: must be an integer"),
                        ("{set: tenant, to: coder, domains: code}", "[0].domains: must be a list of strings"),
                        ("{set: tier, to: [batch]}", "[0].to: must be a string"),
-                       ("{set: colour, to: red}", "[0].set: cannot assign 'colour'")):
+                       ("{set: colour, to: red}", "[0].set: cannot assign 'colour'"),
+                       # an unknown domain was sent chat prompts under its own label
+                       ("{set: domain, to: coding}", "[0].to: unknown domain 'coding'"),
+                       ("{set: tier, to: batch, domains: [coding]}", "[0].domains[0]: 'coding' is not one of")):
         rules.write_text(f"- {rule}\n")  # a traceback, a silent {c, o, d, e}, a silent '[batch]', and no line before
         assert main(["loadtest", "--trace", str(FIXTURES / "azure_small.csv"), "--format", "azure",
                      "--assign", str(rules), "--dry-run", "--out", str(tmp_path)]) == 2
         assert f"{rules}:1: {says}" in capsys.readouterr().err
+    for flag, value, says in (("--domains", "code=1,coding=1", "--domains: unknown domain 'coding'"),
+                              ("--tenants", "acme=0.7,acme=0.3", "'acme' is given twice")):
+        assert main(["loadtest", "--trace", str(FIXTURES / "azure_small.csv"), "--format", "azure", flag, value,
+                     "--dry-run", "--out", str(tmp_path)]) == 2
+        assert says in capsys.readouterr().err

@@ -74,3 +74,5 @@ def test_parse_fractions() -> None:
     assert parse_fractions("batch") == {"batch": 1.0}
     with pytest.raises(ValueError, match="NAME=NUMBER"):
         parse_fractions("a=x")
+    with pytest.raises(ValueError, match="'a' is given twice"):  # before, the last share won
+        parse_fractions("a=0.7,a=0.3")
