@@ -73,6 +73,10 @@ def profile(name: str, kind: str) -> LengthDist:
     return LengthDist(components, int(fit["min"]), int(fit["max"]))
 
 
+def _is_number(value: object) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
+
+
 def parse_length(value: object, kind: str) -> LengthDist:
     """A length from a scenario: a profile name, an integer, or {lognormal: {median, sigma}, min, max}."""
     if isinstance(value, bool):
@@ -85,13 +89,18 @@ def parse_length(value: object, kind: str) -> LengthDist:
         return profile(value, kind)
     if isinstance(value, dict) and isinstance(value.get("lognormal"), dict):
         params = value["lognormal"]
-        try:
-            median, sigma = float(params["median"]), float(params["sigma"])
-        except (KeyError, TypeError, ValueError):
-            raise ValueError(f"{kind}: lognormal needs numeric median and sigma, got {params!r}") from None
+        unknown = sorted(str(key) for key in (*set(value) - {"lognormal", "min", "max"}, *set(params) - {"median", "sigma"}))
+        if unknown:  # a misspelt `mx` would leave the 131,072-token default in force
+            raise ValueError(f"{kind}: unknown keys {unknown} in {{lognormal: {{median, sigma}}, min, max}}")
+        median, sigma = params.get("median"), params.get("sigma")
+        if not (_is_number(median) and _is_number(sigma)):
+            raise ValueError(f"{kind}: lognormal needs numeric median and sigma, got {params!r}")
         if median < 1 or sigma < 0:
             raise ValueError(f"{kind}: lognormal median must be >= 1 and sigma >= 0, got {params!r}")
-        return lognormal(median, sigma, int(value.get("min", 1)), int(value.get("max", 131_072)))
+        low, high = value.get("min", 1), value.get("max", 131_072)
+        if not all(isinstance(bound, int) and not isinstance(bound, bool) and bound >= 1 for bound in (low, high)) or low > high:
+            raise ValueError(f"{kind}: min and max must be whole token counts >= 1 with min <= max, got min {low!r}, max {high!r}")
+        return lognormal(float(median), float(sigma), low, high)
     raise ValueError(
         f"{kind} length must be a profile name ({', '.join(profile_names())}), an integer, "
         f"or {{lognormal: {{median: M, sigma: S}}, min: A, max: B}}; got {value!r}"

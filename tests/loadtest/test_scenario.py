@@ -101,6 +101,15 @@ def test_fitted_arrival_shape_reference() -> None:
          r"streams\[0\]\.classes\[0\]: unknown keys \['wieght'\]"),
         ("streams: [{arrival: {process: poisson, rate_rps: 1}, classes: [{domain: coding, lengths: azure-conv}]}]",
          r"streams\[0\]\.classes\[0\]\.domain: unknown domain 'coding'"),
+        # a misspelt bound kept the 131,072-token default; min > max, a NaN median or a text bound passed or crashed
+        ("streams: [{arrival: {process: poisson, rate_rps: 1}, classes: [{input: {lognormal: {median: 500, sigma: 0.5}, mx: 900}, "
+         "output: 5}]}]", r"input: unknown keys \['mx'\]"),
+        ("streams: [{arrival: {process: poisson, rate_rps: 1}, classes: [{input: {lognormal: {median: 500, sigma: 0.5}, min: 900, "
+         "max: 100}, output: 5}]}]", "min <= max"),
+        ("streams: [{arrival: {process: poisson, rate_rps: 1}, classes: [{input: {lognormal: {median: .nan, sigma: 0.5}}, output: 5}]}]",
+         "numeric median and sigma"),
+        ("streams: [{arrival: {process: poisson, rate_rps: 1}, classes: [{input: {lognormal: {median: 500, sigma: 0.5}, min: abc}, "
+         "output: 5}]}]", "whole token counts"),
         ("streams: [{arrival: {fitted: nowhere}, classes: [{lengths: azure-conv}]}]", "unknown fitted arrival shape"),
         ("duration_s: -3\nstreams: [{arrival: {process: poisson, rate_rps: 1}, classes: [{lengths: azure-conv}]}]",
          "duration_s: expected a number"),
