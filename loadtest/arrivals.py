@@ -13,7 +13,14 @@ from dataclasses import dataclass
 
 import numpy as np
 
-PROCESSES: tuple[str, ...] = ("poisson", "gamma", "mmpp", "diurnal")
+# each process and the parameters it reads (a scenario giving another, `cv` to poisson, is refused)
+PROCESS_PARAMS: dict[str, tuple[str, ...]] = {
+    "poisson": ("rate_rps",),
+    "gamma": ("rate_rps", "cv"),
+    "mmpp": ("rate_rps", "burst_rate_rps", "mean_calm_s", "mean_burst_s"),
+    "diurnal": ("rate_rps", "period_s", "peak_to_trough", "peak_at_s"),
+}
+PROCESSES: tuple[str, ...] = tuple(PROCESS_PARAMS)
 
 
 @dataclass(frozen=True, slots=True)

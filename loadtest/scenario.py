@@ -9,6 +9,7 @@ the plots mark. See README.md for the schema and the built-in scenarios in ``sce
 
 from __future__ import annotations
 
+import math
 import re
 import zlib
 from dataclasses import dataclass, replace
@@ -20,7 +21,7 @@ import numpy as np
 
 from classifiers.shape import DOMAINS
 from kernels.yamlsrc import ConfigError, YamlDoc, parse_yaml
-from loadtest.arrivals import ArrivalProcess, arrival_times
+from loadtest.arrivals import PROCESS_PARAMS, ArrivalProcess, arrival_times
 from loadtest.lengths import LengthDist, fitted_data, parse_length
 from loadtest.spec import HASH_BLOCK_TOKENS, RequestSpec, Workload, make_workload
 
@@ -133,8 +134,8 @@ class _Parser:
             raise self.fail(where, f"unknown keys {unknown} (allowed: {', '.join(allowed)})")
 
     def number(self, value: Any, where: str, minimum: float = 0.0) -> float:
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or value < minimum:
-            raise self.fail(where, f"expected a number >= {minimum}, got {value!r}")
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < minimum:
+            raise self.fail(where, f"expected a finite number >= {minimum:g}, got {value!r}")
         return float(value)
 
     def fractions(self, value: Any, where: str) -> tuple[tuple[str, float], ...]:
@@ -195,9 +196,19 @@ class _Parser:
             if fitted not in shapes:
                 raise self.fail(f"{where}.fitted", f"unknown fitted arrival shape {fitted!r}; known: {', '.join(shapes)}")
             data = {"process": "gamma", "rate_rps": shapes[fitted]["rate_rps"], "cv": shapes[fitted]["iat_cv"], **data}
+        process = data.pop("process", None)
+        if process not in PROCESS_PARAMS:
+            raise self.fail(f"{where}.process", f"unknown arrival process {process!r}; choose one of {', '.join(PROCESS_PARAMS)}")
+        params = PROCESS_PARAMS[process]
+        unknown = sorted(str(key) for key in data if key not in params)
+        if unknown:  # a `cv` given to poisson would be ignored, and the stream not as bursty as written
+            raise self.fail(where, f"{process} takes {', '.join(params)}, not {', '.join(unknown)}")
+        if "rate_rps" not in data:
+            raise self.fail(where, f"{process} needs rate_rps")
+        values = {key: self.number(value, f"{where}.{key}") for key, value in data.items()}
         try:
-            return ArrivalProcess(**data)
-        except (TypeError, ValueError) as exc:
+            return ArrivalProcess(process, **values)
+        except ValueError as exc:
             raise self.fail(where, str(exc)) from None
 
     def phase(self, value: Any, where: str) -> Phase:

@@ -89,7 +89,7 @@ def test_fitted_arrival_shape_reference() -> None:
         ("streams: []", "streams: expected a non-empty list"),
         ("streams: [{arrival: {process: poisson, rate_rps: 1}}]", r"streams\[0\]: needs `classes:` or `phases:`"),
         ("streams: [{arrival: {process: nope, rate_rps: 1}, classes: [{domain: chat, lengths: azure-conv}]}]",
-         r"streams\[0\]\.arrival: unknown arrival process"),
+         r"streams\[0\]\.arrival\.process: unknown arrival process"),
         ("streams: [{arrival: {process: poisson, rate_rps: 1}, classes: [{input: bogus, output: 5}]}]",
          r"streams\[0\]\.classes\[0\]: unknown length profile 'bogus'"),
         # a misspelt key below the top, or an unknown domain, was ignored (the default held, chat prompts were sent)
@@ -111,8 +111,16 @@ def test_fitted_arrival_shape_reference() -> None:
         ("streams: [{arrival: {process: poisson, rate_rps: 1}, classes: [{input: {lognormal: {median: 500, sigma: 0.5}, min: abc}, "
          "output: 5}]}]", "whole token counts"),
         ("streams: [{arrival: {fitted: nowhere}, classes: [{lengths: azure-conv}]}]", "unknown fitted arrival shape"),
+        # before: cv was ignored for poisson, an infinite rate passed, a text rate was a TypeError's words
+        ("streams: [{arrival: {process: poisson, rate_rps: 1, cv: 3}, classes: [{lengths: azure-conv}]}]",
+         r"streams\[0\]\.arrival: poisson takes rate_rps, not cv"),
+        ("streams: [{arrival: {process: poisson, rate_rps: .inf}, classes: [{lengths: azure-conv}]}]",
+         r"streams\[0\]\.arrival\.rate_rps: expected a finite number"),
+        ("streams: [{arrival: {process: gamma, rate_rps: fast}, classes: [{lengths: azure-conv}]}]",
+         r"streams\[0\]\.arrival\.rate_rps: expected a finite number >= 0, got 'fast'"),
+        ("streams: [{arrival: {process: poisson}, classes: [{lengths: azure-conv}]}]", "poisson needs rate_rps"),
         ("duration_s: -3\nstreams: [{arrival: {process: poisson, rate_rps: 1}, classes: [{lengths: azure-conv}]}]",
-         "duration_s: expected a number"),
+         "duration_s: expected a finite number"),
         ("colour: red\nstreams: []", "unknown keys"),
         ("streams: [{arrival: {process: poisson, rate_rps: 1}, phases: [{at_s: 5, classes: [{lengths: azure-conv}]}, "
          "{at_s: 1, classes: [{lengths: azure-conv}]}]}]", "phases must be in order"),
@@ -130,7 +138,7 @@ def test_a_bad_field_names_its_line() -> None:
             "      - at_s: 0\n        classes: [{lengths: azure-conv}]\n      - at_s: -5\n        classes: [{lengths: azure-conv}]\n")
     with pytest.raises(ScenarioError) as caught:
         parse_scenario(text, "mine.yaml")
-    assert str(caught.value).startswith("mine.yaml:7: streams[0].phases[1].at_s: expected a number >= 0"), caught.value
+    assert str(caught.value).startswith("mine.yaml:7: streams[0].phases[1].at_s: expected a finite number >= 0, got -5"), caught.value
 
 
 def test_unknown_scenario_name_lists_the_builtins() -> None:
