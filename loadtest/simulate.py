@@ -47,14 +47,15 @@ DEFAULT_FLEET = "H100-SXM:8,H200:8"
 
 
 def parse_fleet(text: str) -> dict[str, int]:
-    """``H100-SXM:8,H200:8`` -> {"H100-SXM": 8, "H200": 8}."""
+    """``H100:8,H200:8`` -> {"H100-SXM": 8, "H200": 8}: each kind by its catalog name, so that an alias and
+    its name are one kind (before, ``H100:2,H100-SXM:3`` planned two kinds of the same GPU)."""
     budget: dict[str, int] = {}
     for part in text.split(","):
         gpu, _, count = part.strip().partition(":")
         if not gpu or not count.isdigit() or int(count) < 1:
             raise ValueError(f"--fleet wants GPU:COUNT pairs separated by commas, got {part!r}")
-        get_gpu(gpu)  # an unknown kind is refused here, with the known ones, not deep in a run
-        budget[gpu] = budget.get(gpu, 0) + int(count)
+        name = get_gpu(gpu).name  # an unknown kind is refused here, with the known ones, not deep in a run
+        budget[name] = budget.get(name, 0) + int(count)
     return budget
 
 

@@ -107,6 +107,7 @@ def test_stretched_workload_moves_the_drift_onset_and_keeps_the_rate() -> None:
     assert workload.drift_onsets_s == (600.0,) and workload.duration_s == 1200.0
     assert abs(workload.target_rate_rps - 5.0) < 0.5
     assert parse_fleet("H100-SXM:4,H200:4") == {"H100-SXM": 4, "H200": 4}
+    assert parse_fleet("H100:2,H100-SXM:3,h200:1") == {"H100-SXM": 5, "H200": 1}  # an alias is its kind
 
 
 def test_fill_budget_deploys_every_gpu_and_prefers_undoing_a_shrink() -> None:
