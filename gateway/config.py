@@ -350,6 +350,7 @@ def _pool(doc: YamlDoc, i: int, body: object, shape_names: tuple[str, ...]) -> P
     # the catalog knows the devices (GPU kinds, and `cpu`) and the models the performance model times;
     # a real engine may serve a model it does not know (the controller then stays off, see serve_cli)
     _check_engine(doc, path, model if emulated else None, gpu, engine)
+    gpu = _gpu_kind(gpu) if gpu is not None else None  # checked just above
     num_replicas = len(urls) + num_launched
     return PoolSpec(
         name=name,
@@ -672,13 +673,19 @@ def _devices(doc: YamlDoc, raw: object, pools: tuple[PoolSpec, ...]) -> dict[str
         d = FieldReader(doc, ("fleet", "devices", kind), r.data[kind], {"ids", "count"})
         if ("ids" in d.data) == ("count" in d.data):
             raise r.error(kind, "give the device ids (`ids: [0, 1]`) or their number (`count: N`)")
+        try:
+            name = _gpu_kind(str(kind))
+        except ValueError as exc:
+            raise r.error(kind, str(exc)) from None
+        if name in out:
+            raise r.error(kind, f"{kind!r} is {name}, whose devices are already declared")
         if "ids" in d.data:
             ids = d.data["ids"]
             if not isinstance(ids, list) or not ids or not all(isinstance(i, (int, str)) and not isinstance(i, bool) for i in ids):
                 raise d.error("ids", "must be a non-empty list of device ids")
-            out[str(kind)] = tuple(str(i) for i in ids)
+            out[name] = tuple(str(i) for i in ids)
         else:
-            out[str(kind)] = tuple(str(i) for i in range(d.number("count", 1, lo=1, hi=100000, integer=True)))
+            out[name] = tuple(str(i) for i in range(d.number("count", 1, lo=1, hi=100000, integer=True)))
     if out:
         need: dict[str, int] = {}
         for pool in pools:
@@ -688,6 +695,14 @@ def _devices(doc: YamlDoc, raw: object, pools: tuple[PoolSpec, ...]) -> dict[str
             if n > len(out.get(kind, ())):
                 raise doc.error(("fleet", "devices"), f"the pools launch replicas on {n} {kind} devices; {len(out.get(kind, ()))} declared")
     return out
+
+
+def _gpu_kind(name: str) -> str:
+    """A device kind by its catalog name, so that ``H100`` and ``H100-SXM`` are one kind to the planner,
+    the devices and the manifests (before, two pools so named were planned as two kinds)."""
+    from kernels.catalog import get_gpu
+
+    return get_gpu(name).name
 
 
 def replica_devices(pool: PoolSpec) -> int:

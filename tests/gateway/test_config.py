@@ -174,6 +174,24 @@ def test_a_replica_url_that_is_not_http_names_its_line(tmp_path: Path, url: str)
     assert err.line == _line_of(Path(err.file), url) and "not an http(s) URL" in err.reason
 
 
+def test_a_gpu_alias_is_its_catalog_kind_in_pools_and_devices(tmp_path: Path) -> None:
+    """Before, a pool on `H100` and one on `H100-SXM` were two kinds to the controller, and `devices: {H100: ...}`
+    did not count for a pool on `H100-SXM`."""
+    path = _copy_example(tmp_path / "alias")
+    text = path.read_text().replace("gpu: H200", "gpu: h100").replace("  emulator_speed: 1.0", "  devices: { H100: { count: 4 } }\n  emulator_speed: 1.0", 1)
+    path.write_text(text)
+    config = load_config(path)
+    assert {p.gpu for p in config.pools} == {"H100-SXM"} and config.devices == {"H100-SXM": ("0", "1", "2", "3")}
+    path.write_text(text.replace("devices: { H100: { count: 4 } }", "devices: { H100: { count: 4 }, H100-SXM: { count: 4 } }"))
+    with pytest.raises(ConfigError) as info:
+        load_config(path)
+    assert info.value.field == "fleet.devices.H100-SXM" and "already declared" in info.value.reason
+    path.write_text(text.replace("devices: { H100: { count: 4 } }", "devices: { Z80: { count: 4 } }"))
+    with pytest.raises(ConfigError) as info:
+        load_config(path)
+    assert info.value.field == "fleet.devices.Z80" and "Z80" in info.value.reason
+
+
 def test_router_settings_are_read_and_a_bad_one_names_its_line(tmp_path: Path) -> None:
     assert load_config(REPO / "config.example.yaml").router.good_chance == 0.9
     err = _error_for(tmp_path, "  good_chance: 0.9", "  good_chance: 1.5")
