@@ -20,7 +20,6 @@ from fleet.commands import Activate, Command, Stop, TickOutput
 from fleet.decisions import Decision, Move
 from fleet.evidence import RollbackEvidence, StepEvidence, VerifyEvidence
 from fleet.rollout import Mover, SlotState
-from kernels.catalog import get_gpu
 
 
 class MoveRefused(ValueError):
@@ -72,7 +71,7 @@ class OperatorMoves:
             raise MoveRefused(404, f"no replica named {replica!r} is launched by this gateway")
         if not found.alive:
             raise MoveRefused(409, f"replica {replica!r} is not running")
-        if to_gpu is not None and _kind(found.gpu) != _kind(to_gpu):
+        if to_gpu is not None and found.gpu != to_gpu:  # both catalog names (gateway.config reads them so)
             # a replica restarts on its own devices: an H100 replica in an H200 pool would run the H200
             # pool's configuration (memory fraction, batch caps) on an H100, and every plan would count it
             # as an H200. The controller's own moves never cross kinds (fleet.rollout.diff_moves).
@@ -129,14 +128,6 @@ class OperatorMoves:
         return [Decision(now, VerifyEvidence(source="operator", ok=True, healthy=True, warmed_up=True, drain_s=drain_s,
                                              start_to_healthy_s=start_to_healthy_s, drain_deadline_stops=forced, config=move.config_json),
                          (move,))]
-
-
-def _kind(gpu: str) -> str:
-    """The catalog's name of a device kind, so that an alias (``H100``) and its name (``H100-SXM``) agree."""
-    try:
-        return get_gpu(gpu).name
-    except ValueError:  # a kind the catalog does not know is compared as written
-        return gpu
 
 
 def _round(end: float | None, start: float | None) -> float | None:
