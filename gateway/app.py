@@ -23,6 +23,7 @@ from classifiers.shape import Shape
 from gateway.adapters import listed_adapters
 from gateway.admin import AdminHandlers
 from gateway.admission import Limiter
+from gateway.bearer import bearer_token
 from gateway.budgets import budget_refusal
 from gateway.config import GatewayConfig, Tenant
 from gateway.costs import request_cost_usd
@@ -57,12 +58,12 @@ def _authenticate(request: web.Request, runtime: Runtime) -> Tenant:
     headers = request.headers.getall("Authorization", ())
     if len(headers) > 1:
         raise ApiError(400, "Send exactly one Authorization header.", "duplicate_authorization")
-    header = headers[0] if headers else ""
-    if not header.startswith("Bearer ") or len(header) <= 7:
+    key = bearer_token(headers[0] if headers else "")
+    if key is None:
         raise ApiError(401, "Missing API key: send it as 'Authorization: Bearer <key>'.", "missing_api_key")
     # Keys are looked up by their SHA-256: a timing difference could only reveal digest prefixes,
     # never the key, and the final comparison is constant-time.
-    digest = hashlib.sha256(header[7:].strip().encode("utf-8", "surrogateescape")).hexdigest()
+    digest = hashlib.sha256(key.encode("utf-8", "surrogateescape")).hexdigest()
     tenant = runtime.tenant_by_key_hash.get(digest)
     if tenant is None or not any(hmac.compare_digest(digest, h) for h in tenant.key_sha256):
         raise ApiError(401, "Invalid API key.", "invalid_api_key")
@@ -229,11 +230,11 @@ class Handlers:
             limiter = await self._admit(runtime, tenant.name, tier, model, shape, num_tokens)
             pinned = None
             if parsed.previous_response_id is not None:  # after admission: a lookup asks the replicas, and is limited like the request
-                pinned = await self._holder(runtime, parsed.previous_response_id, model)
+                pinned = await self._holder(runtime, parsed.previous_response_id, model, tenant.name)
             assert state.proxy is not None
             response = await state.proxy.forward(request, runtime, shape, model, raw, parsed.stream, outcome, body, endpoint.wire, pinned, trace)  # type: ignore[arg-type]
             if outcome.response_id is not None and parsed.store and outcome.status == 200 and outcome.stream_error is None:
-                self.response_ids.remember(outcome.response_id, outcome.replica)
+                self.response_ids.remember(outcome.response_id, outcome.replica, tenant.name)
         except Exception as err:  # an ApiError is its envelope; a bug costs one request a 500, never the process or a hang
             response = self._failed(err, outcome, tenant_name, shape)
         except asyncio.CancelledError:  # the client went away: counted as it got, and its span still ends
@@ -247,39 +248,43 @@ class Handlers:
             trace.finish(response.status, tenant_name, tier, model, shape, outcome)
         return response
 
-    async def _holder(self, runtime: Runtime, response_id: str, model: str) -> str:
+    async def _holder(self, runtime: Runtime, response_id: str, model: str, tenant: str) -> str:
         """The replica holding the stored response ``response_id`` (of ``model``): the one this process
-        proxied it to, or the one of the model's replicas that answers for it; else 400."""
-        pinned = self.response_ids.replica_of(response_id)
+        proxied it to, or the one of the model's replicas that answers for it; else 400, as for another
+        tenant's response (before, any tenant could continue any conversation whose id it knew)."""
+        pinned = None if self.response_ids.owned_by_another(response_id, tenant) else self.response_ids.replica_of(response_id)
         if pinned is not None:
             return pinned
         now = asyncio.get_running_loop().time()
         candidates = [r for p in runtime.pools for r in p.replicas if p.serves(model) and r.serves(model) and r.routable(now)]
         assert self.state.session is not None
-        found = await find_stored(self.state.session, candidates, response_id, runtime.config.upstream.connect_timeout_s)
+        found = None if self.response_ids.owned_by_another(response_id, tenant) else await find_stored(
+            self.state.session, candidates, response_id, runtime.config.upstream.connect_timeout_s)
         if found is None:
             raise ApiError(400, f"Previous response {response_id[:200]!r} was not found: no replica serving {model[:200]!r} holds it "
                            "(each engine stores its own responses; it may have been forgotten or restarted).",
                            "previous_response_not_found", "previous_response_id")
-        self.response_ids.remember(response_id, found.replica.name)
+        self.response_ids.remember(response_id, found.replica.name, None)
         return found.replica.name
 
     async def retrieve_response(self, request: web.Request) -> web.Response:
         """``GET /v1/responses/{response_id}``: the stored response, from the replica that holds it."""
         runtime = self.state.runtime
         try:
-            _authenticate(request, runtime)
+            tenant = _authenticate(request, runtime)
             response_id = request.match_info["response_id"]
             now = asyncio.get_running_loop().time()
             known = runtime.replica_by_name.get(self.response_ids.replica_of(response_id) or "")
             candidates = [known] if known is not None else [r for p in runtime.pools for r in p.replicas if r.routable(now)]
             assert self.state.session is not None
-            found = await find_stored(self.state.session, candidates, response_id, runtime.config.upstream.connect_timeout_s)
+            # another tenant's response is answered as one that does not exist (before, any key could read it)
+            found = None if self.response_ids.owned_by_another(response_id, tenant.name) else await find_stored(
+                self.state.session, candidates, response_id, runtime.config.upstream.connect_timeout_s)
             if found is None:
                 raise ApiError(404, f"No replica holds a stored response {response_id[:200]!r}.", "response_not_found")
         except ApiError as err:
             return error_response(err)
-        self.response_ids.remember(response_id, found.replica.name)
+        self.response_ids.remember(response_id, found.replica.name, None)
         return web.Response(body=found.body, content_type=_JSON, headers={"x-polymorph-pool": found.replica.pool, "x-polymorph-replica": found.replica.name})
 
     async def _admit(self, runtime: Runtime, tenant: str, tier: str, model: str, shape: Shape, num_tokens: int) -> Limiter:

@@ -19,6 +19,7 @@ from importlib import resources
 import orjson
 from aiohttp import web
 
+from gateway.bearer import bearer_token
 from gateway.errors import ApiError, error_response
 from gateway.series import Series
 
@@ -74,8 +75,8 @@ def is_valid_session(request: web.Request, admin_token_sha256: str | None, now_u
 
 def is_admin_request(request: web.Request, admin_token_sha256: str | None, now_unix_s: float | None = None) -> bool:
     """``Authorization: Bearer <admin token>`` or a dashboard session cookie: a ready ``check_admin``."""
-    header = request.headers.get("Authorization", "")
-    if header.startswith("Bearer ") and token_matches(header[7:].strip(), admin_token_sha256):
+    token = bearer_token(request.headers.get("Authorization", ""))
+    if token is not None and token_matches(token, admin_token_sha256):
         return True
     return is_valid_session(request, admin_token_sha256, now_unix_s)
 

@@ -14,26 +14,38 @@ DEFAULT_MAX_IDS = 100_000
 
 
 class ResponseIds:
-    __slots__ = ("_replicas", "max_ids")
+    """Each id's replica, and the tenant whose request made it where this process proxied that request:
+    another tenant naming it is answered as if it did not exist. An id found by asking the replicas
+    (another process proxied it) has no known owner here; sglang's and vLLM's ids are random UUIDs."""
+
+    __slots__ = ("_entries", "max_ids")
 
     def __init__(self, max_ids: int = DEFAULT_MAX_IDS) -> None:
         if max_ids < 1:
             raise ValueError(f"max_ids must be at least 1, got {max_ids}")
         self.max_ids = max_ids
-        self._replicas: OrderedDict[str, str] = OrderedDict()
+        self._entries: OrderedDict[str, tuple[str, str | None]] = OrderedDict()
 
-    def remember(self, response_id: str, replica: str) -> None:
-        self._replicas[response_id] = replica
-        self._replicas.move_to_end(response_id)
-        if len(self._replicas) > self.max_ids:
-            self._replicas.popitem(last=False)
+    def remember(self, response_id: str, replica: str, tenant: str | None) -> None:
+        """``tenant``: the owner, or None when this process did not see the request that made it."""
+        owner = tenant if response_id not in self._entries else self._entries[response_id][1]
+        self._entries[response_id] = (replica, owner)  # a lookup by another tenant never takes ownership
+        self._entries.move_to_end(response_id)
+        if len(self._entries) > self.max_ids:
+            self._entries.popitem(last=False)
 
     def replica_of(self, response_id: str) -> str | None:
         """The replica holding ``response_id``, or None when this process does not know it."""
-        replica = self._replicas.get(response_id)
-        if replica is not None:
-            self._replicas.move_to_end(response_id)  # a conversation in use stays
-        return replica
+        entry = self._entries.get(response_id)
+        if entry is None:
+            return None
+        self._entries.move_to_end(response_id)  # a conversation in use stays
+        return entry[0]
+
+    def owned_by_another(self, response_id: str, tenant: str) -> bool:
+        """True when this process proxied the request that made ``response_id`` for a tenant other than ``tenant``."""
+        entry = self._entries.get(response_id)
+        return entry is not None and entry[1] is not None and entry[1] != tenant
 
     def __len__(self) -> int:
-        return len(self._replicas)
+        return len(self._entries)

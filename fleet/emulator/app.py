@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import os
+import secrets
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Coroutine
@@ -93,6 +94,8 @@ class EmulatorState:
         self.refuse_connections: Callable[[float], Coroutine[Any, Any, None]] | None = None
 
     def new_req_id(self, prefix: str) -> str:
+        if prefix == "resp":  # a stored response's id is the key to it: random, as vLLM's and sglang's uuids are
+            return f"resp-{secrets.token_hex(16)}"
         return f"{prefix}-{self.id_prefix}{next(self.ids):08x}"
 
     def store_response(self, response_id: str, context_tokens: int, response: bytes) -> None:

@@ -289,13 +289,39 @@ def test_an_engine_without_the_endpoint_answers_501_and_keeps_its_health(stack: 
 
 def test_response_ids_are_bounded_and_keep_the_recently_used() -> None:
     ids = ResponseIds(max_ids=2)
-    ids.remember("resp_a", "main-0")
-    ids.remember("resp_b", "main-1")
+    ids.remember("resp_a", "main-0", "main")
+    ids.remember("resp_b", "main-1", "main")
     assert ids.replica_of("resp_a") == "main-0"  # used: now the most recent
-    ids.remember("resp_c", "main-1")
+    ids.remember("resp_c", "main-1", None)
 
     assert ids.replica_of("resp_b") is None
     assert (ids.replica_of("resp_a"), ids.replica_of("resp_c"), len(ids)) == ("main-0", "main-1", 2)
+    ids.remember("resp_a", "main-0", None)  # found again by a lookup: the owner stays
+    assert ids.owned_by_another("resp_a", "tokens") and not ids.owned_by_another("resp_a", "main")
+    assert not ids.owned_by_another("resp_c", "tokens")  # another process proxied it: no owner known here
+
+
+def test_a_tenant_can_neither_read_nor_continue_another_tenants_response(stack: Stack) -> None:
+    """Before, any valid key could GET another tenant's stored response and continue its conversation."""
+    with stack.client() as owner, stack.client(TOKENS_KEY) as other:
+        first = owner.responses.create(model=MODEL, input="My secret is 42.", max_output_tokens=3)
+        with pytest.raises(openai.NotFoundError) as read:
+            other.responses.retrieve(first.id)
+        with pytest.raises(openai.BadRequestError) as continued:
+            other.responses.create(model=MODEL, input="What was my secret?", previous_response_id=first.id, max_output_tokens=3)
+        assert owner.responses.retrieve(first.id).id == first.id  # the owner still can
+        assert owner.responses.create(model=MODEL, input="Go on.", previous_response_id=first.id, max_output_tokens=3).id
+
+    assert isinstance(read.value.body, dict) and read.value.body["code"] == "response_not_found"
+    assert isinstance(continued.value.body, dict) and continued.value.body["code"] == "previous_response_not_found"
+    assert re.fullmatch(r"resp-[0-9a-f]{32}", first.id)  # random, as sglang's and vLLM's: not the next of a count
+
+
+def test_an_authorization_scheme_in_any_case_is_bearer(stack: Stack) -> None:
+    for scheme in ("bearer", "BEARER", "Bearer"):  # before, only "Bearer " was read; the others were "missing" keys
+        request = urllib.request.Request(stack.gateway.url + "/v1/models", headers={"Authorization": f"{scheme} {KEY}"})
+        with urllib.request.urlopen(request, timeout=10) as resp:
+            assert resp.status == 200
 
 
 def test_unknown_previous_response_id_is_a_400_naming_the_field(stack: Stack) -> None:
