@@ -8,6 +8,7 @@ from typing import Any
 
 import orjson
 from aiohttp import web
+from aiohttp.web_protocol import RequestPayloadError
 
 from fleet.decisions import read_decision
 from fleet.evidence import PlanEvidence, VerifyEvidence
@@ -218,6 +219,8 @@ async def _posted_object(request: web.Request, shape: str, fields: frozenset[str
         body = orjson.loads(await request.read())
     except orjson.JSONDecodeError:
         raise ApiError(400, "The body must be a JSON object.", "invalid_json") from None
+    except RequestPayloadError as exc:  # a Content-Encoding the body does not decode as (was a 500)
+        raise ApiError(400, f"The request body could not be read: {exc}.", "invalid_body") from None
     if not isinstance(body, dict):
         raise ApiError(400, "The body must be a JSON object.", "invalid_json")
     unknown = sorted(set(body) - fields)

@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING
 import aiohttp
 import orjson
 from aiohttp import web
+from aiohttp.web_protocol import RequestPayloadError
 
 from classifiers.shape import Shape
 from gateway.adapters import listed_adapters
@@ -95,6 +96,8 @@ async def _read_json(request: web.Request, max_body_bytes: int, timeout_s: float
         raise ApiError(413, f"Request body exceeds the limit of {max_body_bytes} bytes.", "request_too_large") from None
     except TimeoutError:
         raise ApiError(408, f"The request body did not arrive within {timeout_s:g} s.", "request_timeout") from None
+    except RequestPayloadError as exc:  # a Content-Encoding the body does not decode as, or a broken chunk (was a 500)
+        raise ApiError(400, f"The request body could not be read: {exc}.", "invalid_body") from None
     if not raw:
         raise ApiError(400, "The request body is empty; send a JSON object.", "invalid_json")
     try:

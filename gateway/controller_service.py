@@ -57,6 +57,7 @@ from urllib.parse import urlsplit
 import aiohttp
 import orjson
 from aiohttp import web
+from aiohttp.web_protocol import RequestPayloadError
 
 from fleet.actuators.local import LocalActuator, answers_health, warm_up
 from fleet.capacity import PerfCapacity
@@ -477,7 +478,7 @@ class ControllerService:
             if isinstance(version, bool) or not isinstance(version, int) or not (epoch is None or isinstance(epoch, str)):
                 raise ValueError("version must be an integer and epoch a string or null")
             report = parse(doc.get("telemetry", {"bucket_s": 5.0}))
-        except (ValueError, TypeError) as exc:  # orjson.JSONDecodeError is a ValueError
+        except (ValueError, TypeError, RequestPayloadError) as exc:  # orjson.JSONDecodeError is a ValueError
             return error_response(ApiError(400, f"Invalid report: {exc}", "invalid_report"))
         with self._lock:
             self._gateways[doc["gateway"]] = _GatewayReport(time.time(), epoch, version, in_flight)

@@ -18,6 +18,7 @@ from importlib import resources
 
 import orjson
 from aiohttp import web
+from aiohttp.web_protocol import RequestPayloadError
 
 from gateway.bearer import bearer_token
 from gateway.errors import ApiError, error_response
@@ -132,7 +133,10 @@ class DashboardHandlers:
         return self._login_page(401, "")
 
     async def login(self, request: web.Request) -> web.StreamResponse:
-        form = await request.post()
+        try:
+            form = await request.post()
+        except RequestPayloadError:  # a body its Content-Encoding does not decode (was a 500)
+            return self._login_page(400, "The form could not be read.")
         token = form.get("token")
         sha = self.admin_token_sha256()
         if sha is not None and isinstance(token, str) and token_matches(token.strip(), sha):
