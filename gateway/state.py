@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import time
+from pathlib import Path
 from typing import TYPE_CHECKING, Protocol
 
 import aiohttp
@@ -18,9 +19,13 @@ from gateway.metrics import GatewayMetrics
 from gateway.runtime import Runtime, build_runtime
 from gateway.series import Series
 from gateway.upstream import UpstreamPool
+from kernels.yamlsrc import load_yaml
 
 if TYPE_CHECKING:
     from gateway.proxy import Proxy
+
+# the `fleet:` settings a running control loop was built from (GatewayConfig field = its key under fleet)
+_FLEET_FIELDS = ("pools", "devices", "emulator_speed", "controller", "actuator", "ray", "kubernetes")
 
 
 class TelemetrySink(Protocol):
@@ -67,7 +72,16 @@ class GatewayState:
         return {p.name: [*p.urls, *self.replica_urls.get(p.name, [])] for p in config.pools}
 
     def apply(self, config: GatewayConfig) -> Runtime:
-        """Swap in a new config version; in-flight requests keep the runtime they started with."""
+        """Swap in a new config version; in-flight requests keep the runtime they started with. Raises
+        ConfigError, naming the field's line, for a change of the fleet a control loop owns: its pools were
+        made from the first version, and the rest of a version checked against pools it would not get (an
+        alias of a model no running pool serves) must not be half applied."""
+        if self.live is not None and self.live.owns_pools:
+            changed = next((name for name in _FLEET_FIELDS if getattr(config, name) != getattr(self.runtime.config, name)), None)
+            if changed is not None:
+                raise load_yaml(Path(config.source)).error(
+                    ("fleet", changed), "the fleet is the control loop's while the gateway runs: a change here takes effect on restart "
+                                        "(revert it to apply the rest of this version)")
         runtime = build_runtime(config, self.urls_for(config), self.runtime, asyncio.get_running_loop().time())
         if self.live is not None and self.live.owns_pools:  # the controller owns the pools now; the config seeded them
             runtime = dataclasses.replace(runtime, pools=self.runtime.pools, replica_by_name=self.runtime.replica_by_name)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import socket
+import signal
 import threading
 import time
 import urllib.error
@@ -244,3 +245,31 @@ def test_a_real_llamacpp_replica_moves_to_other_arguments_and_a_failed_start_rol
     assert kinds == [("step", None), ("rollback", None), ("rollback", "restored")], kinds
     assert more[3]["evidence"]["reason"] == "replica never became healthy" and more[3]["evidence"]["never_healthy"] == ["long-cpu-0"]
     assert restored[0] == "long-cpu" and "--no-such-flag" not in restored[1]["argv"] and restored[1]["healthy"] is True
+
+
+def test_a_reload_that_changes_the_launched_fleet_is_refused_and_the_rest_applies_once_reverted(tmp_path: Path) -> None:
+    """Before, a renamed pool was "applied" (the version went up) while the loop kept the old pools, and an
+    alias checked against the new pools pointed at a model no running pool served."""
+    pools = [{"name": "chat", "model": "llama-3.1-8b", "gpu": "H100-SXM", "shapes": ["short-chat"], "replicas": {"emulated": 1}}]
+    path = _config(tmp_path, pools, emulator_speed=20.0)
+    gateway = start_gateway(tmp_path, ["--config", str(path)])
+    original = json.loads(path.read_text())
+    try:
+        version = _admin(gateway.url, "/admin/state")[1]["config"]["version"]
+        renamed = json.loads(path.read_text())
+        renamed["fleet"]["pools"][0]["name"] = "chat-renamed"
+        renamed["aliases"] = {"gpt-4o": "llama-3.1-8b"}
+        path.write_text(json.dumps(renamed))
+        gateway.process.send_signal(signal.SIGHUP)
+        _until(lambda: "config reload rejected" in gateway.log(), 30, "the reload is refused")
+        refused = _admin(gateway.url, "/admin/state")[1]
+        path.write_text(json.dumps({**original, "aliases": {"gpt-4o": "llama-3.1-8b"}}))  # the fleet as it runs, the alias kept
+        gateway.process.send_signal(signal.SIGHUP)
+        _until(lambda: _admin(gateway.url, "/admin/state")[1]["config"]["version"] > version, 30, "the reverted version applies")
+        with openai.OpenAI(base_url=gateway.url + "/v1", api_key=KEY, max_retries=0, timeout=30) as client:
+            aliased = client.chat.completions.create(model="gpt-4o", messages=[{"role": "user", "content": "Hi."}], max_tokens=2)
+    finally:
+        gateway.stop()
+    assert refused["config"]["version"] == version and [p["name"] for p in refused["pools"]] == ["chat"]
+    assert "fleet.pools: the fleet is the control loop's while the gateway runs" in gateway.log()
+    assert aliased.choices[0].message.content is not None
