@@ -24,6 +24,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import sys
 from collections.abc import Sequence
 from concurrent.futures import Executor
 from dataclasses import dataclass
@@ -92,9 +93,8 @@ class PerfCapacity:
         self.num_requests = num_requests
         self._key_to_capacity: dict[str, Capacity] = {}
         self.num_evaluations = 0
-        if cache_path is not None and cache_path.is_file():
-            for key, (rate, conc) in json.loads(cache_path.read_text()).items():
-                self._key_to_capacity[key] = Capacity(rate, conc)
+        if cache_path is not None:
+            self._key_to_capacity = _read_cache(cache_path)
 
     def _key(self, gpu: str, config: EngineConfig, prompts: tuple[int, ...], outputs: tuple[int, ...], slo: TierSlo, shared: int) -> str:
         return json.dumps([_KEY_VERSION, self.model, gpu, config.to_dict(), prompts, outputs, slo.ttft_p99_s, slo.tpot_p99_s, shared],
@@ -145,6 +145,22 @@ class PerfCapacity:
         partial = self.cache_path.with_suffix(f".{os.getpid()}.tmp")
         partial.write_text(json.dumps(data))
         os.replace(partial, self.cache_path)  # atomic: a concurrent reader never sees half a file
+
+
+def _read_cache(path: Path) -> dict[str, Capacity]:
+    """The cached capacities at ``path`` (none when it does not exist yet). A file that is not such a cache
+    is set aside with a word and made anew: it holds only what the model can compute again, and before, one
+    bad write failed every later adaptive run with a traceback. A path that is a folder is refused."""
+    if path.is_dir():
+        raise ValueError(f"capacity cache {path} is a directory; name a file")
+    if not path.is_file():
+        return {}
+    try:
+        data = json.loads(path.read_text())
+        return {str(key): Capacity(float(rate), float(conc)) for key, (rate, conc) in data.items()}
+    except (OSError, UnicodeDecodeError, ValueError, TypeError, AttributeError) as exc:
+        print(f"polymorph: capacity cache {path} is not a capacity cache ({type(exc).__name__}: {exc}); it is made anew", file=sys.stderr)
+        return {}
 
 
 def evaluate_capacity(model: str, gpu: str, config: EngineConfig, prompts: tuple[int, ...], outputs: tuple[int, ...],

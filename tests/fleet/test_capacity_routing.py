@@ -7,6 +7,8 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 from pathlib import Path
 
+import pytest
+
 from classifiers.shape import Shape
 from fleet.capacity import PerfCapacity
 from fleet.health import CircuitBreaker
@@ -47,6 +49,21 @@ def test_heavy_tail_lowers_capacity_below_the_mean_estimate() -> None:
     assert capacity.num_evaluations == 2
     capacity.estimate("H100-SXM", EngineConfig(), tailed, slo)
     assert capacity.num_evaluations == 2  # cached
+
+
+def test_a_cache_that_is_not_one_is_made_anew_and_a_folder_is_refused(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """Before, one bad write (a list, a number, half a file) failed every later run with a traceback."""
+    slo, load = DEFAULT_TIERS["standard"], ShapeLoad("chat", 1.0, 1000.0, 200.0, (("standard", 1.0),))
+    cache = tmp_path / "capacity.json"
+    for text in ("[1]", '{"x": 1}', "{half", '{"k": [1, "a"]}'):
+        cache.write_text(text)
+        capacity = PerfCapacity("llama-3.1-8b", cache_path=cache, num_requests=100, rel_tol=0.2)
+        assert "is not a capacity cache" in capsys.readouterr().err
+        found = capacity.estimate("H100-SXM", EngineConfig(), load, slo)
+        again = PerfCapacity("llama-3.1-8b", cache_path=cache, num_requests=100, rel_tol=0.2)  # written anew, and read
+        assert again.estimate("H100-SXM", EngineConfig(), load, slo) == found and again.num_evaluations == 0
+    with pytest.raises(ValueError, match="is a directory"):
+        PerfCapacity("llama-3.1-8b", cache_path=tmp_path)
 
 
 def test_prefetch_evaluates_side_by_side_and_matches_the_one_at_a_time_estimate() -> None:
