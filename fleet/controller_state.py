@@ -107,6 +107,8 @@ class ControllerState:
     @classmethod
     def from_json(cls, doc: dict[str, Any]) -> ControllerState:
         """Raises ValueError (or KeyError/TypeError, wrapped) on a document this version did not write."""
+        if not isinstance(doc, dict):  # `[]` or `null` in the file (was an AttributeError traceback)
+            raise ValueError(f"a controller state is a JSON object, not {type(doc).__name__}")
         if doc.get("format") not in (1, FORMAT):
             raise ValueError(f"unknown controller state format {doc.get('format')!r}")
         try:

@@ -58,7 +58,11 @@ def _run_controller(args: argparse.Namespace) -> int:
     if settings.mode != "external" or settings.url is None or path is None:
         print("polymorph: the controller needs fleet.controller.mode: external, its url, and a state_file or decision_log", file=sys.stderr)
         return 2
-    path.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:  # a file where the folder should be (was a traceback)
+        print(f"polymorph: cannot make the folder of the controller state {path}: {exc.strerror or exc}", file=sys.stderr)
+        return 2
     release = _lead(config, path)
     if release is None:
         return 2

@@ -82,6 +82,9 @@ def test_controller_state_round_trips_and_resumes_a_started_move_without_restart
     assert ControllerState.from_json(older) == ControllerState("e1", 4, slots, (("", dataclasses.replace(loop, refine_at=None)),))
     with pytest.raises(ValueError, match="format"):
         ControllerState.from_json({**doc, "format": 3})
+    for not_an_object in ([], None):  # before: an AttributeError traceback from `polymorph controller`
+        with pytest.raises(ValueError, match="a controller state is a JSON object"):
+            ControllerState.from_json(not_an_object)  # type: ignore[arg-type]
     # the controller died after starting the new replica but before recording the move's phase
     assert resumed_phase(rollout.progress[0], slots[0]) == "starting"
     assert resumed_phase(rollout.progress[0], dataclasses.replace(slots[0], phase="active")) == "done"
