@@ -136,7 +136,7 @@ def main_fit_store(args: argparse.Namespace) -> int:
     if not path.is_file():
         raise SystemExit(f"polymorph kernels fit: no trial store at {path}")
     try:
-        with TrialStore(path) as store:
+        with TrialStore(path, create=False) as store:
             records = store.probe_trials()
             corrections = fit_corrections(records, time.time())
             if not args.dry_run:
@@ -196,8 +196,12 @@ def main_history(args: argparse.Namespace) -> int:
     if not path.is_file():
         raise SystemExit(f"polymorph compile history: no trial store at {path}")
     try:
-        with TrialStore(path) as store:
-            artefacts = store.artefacts(args.model and _model_name(args.model), args.gpu and _gpu_name(args.gpu), args.limit)
+        model, gpu = args.model and _model_name(args.model), args.gpu and _gpu_name(args.gpu)
+    except ValueError as exc:  # an unknown name (was a traceback)
+        raise SystemExit(f"polymorph compile history: {exc}") from exc
+    try:
+        with TrialStore(path, create=False) as store:
+            artefacts = store.artefacts(model, gpu, args.limit)
             for artefact in artefacts:
                 print(f"#{artefact.artefact_id} run {artefact.run_id} {artefact.model} {artefact.num_gpus}x {artefact.gpu} "
                       f"shape {artefact.shape_name} [{artefact.shape_fp}] {artefact.objective} via {artefact.evaluator}: "

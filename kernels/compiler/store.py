@@ -173,17 +173,23 @@ class ProbeTrialRecord:
 class TrialStore:
     """SQLite-backed trial store at `path` (created when absent)."""
 
-    def __init__(self, path: Path | str, busy_timeout_s: float = 30.0) -> None:
+    def __init__(self, path: Path | str, busy_timeout_s: float = 30.0, create: bool = True) -> None:
+        """``create=False`` (the commands that read or fit a store): a file without the store's tables is
+        refused, not given them; before, `compile history --store other.db` added them to any SQLite file."""
         self.path = Path(path)
-        try:
-            self.path.parent.mkdir(parents=True, exist_ok=True)
-        except OSError as exc:
-            raise StoreError(f"cannot create the trial store's folder {self.path.parent}: {exc.strerror or exc}") from exc
+        if create:
+            try:
+                self.path.parent.mkdir(parents=True, exist_ok=True)
+            except OSError as exc:
+                raise StoreError(f"cannot create the trial store's folder {self.path.parent}: {exc.strerror or exc}") from exc
         try:
             self._db = sqlite3.connect(self.path, timeout=busy_timeout_s, isolation_level=None)
-            self._db.execute("PRAGMA journal_mode=WAL")
+            version = self._schema_version()
+            if version is None and not create:
+                raise StoreError(f"{self.path} is not a Polymorph trial store (it has none of its tables)")
+            self._db.execute("PRAGMA journal_mode=WAL")  # kept in the file: a store is made WAL once
             self._db.execute("PRAGMA synchronous=NORMAL")
-            if self._schema_version() is None:
+            if version is None:
                 self._create_schema()
         except sqlite3.DatabaseError as exc:
             self.close()

@@ -9,8 +9,8 @@ installed and cached by ``fleet.engines.install`` on first use) from ``--paralle
 from __future__ import annotations
 
 import json
-import socket
 import signal
+import socket
 import threading
 import time
 import urllib.error

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import sqlite3
 import subprocess
 import sys
 from pathlib import Path
@@ -42,6 +43,16 @@ def test_compile_reports_bad_input_plainly(tmp_path: Path) -> None:
     corrupt.write_bytes(b"garbage" * 200)
     done = _polymorph("compile", "history", "--store", str(corrupt))
     assert done.returncode != 0 and "not a readable SQLite trial store" in done.stderr
+    other = tmp_path / "other.sqlite3"  # someone else's SQLite file: read, never given the store's tables
+    with sqlite3.connect(other) as db:
+        db.execute("CREATE TABLE mine (a)")
+    for argv in (("compile", "history", "--store", str(other)), ("kernels", "fit", "--store", str(other), "--dry-run")):
+        done = _polymorph(*argv)
+        assert done.returncode != 0 and "is not a Polymorph trial store" in done.stderr, done.stderr
+    with sqlite3.connect(other) as db:
+        assert [name for (name,) in db.execute("SELECT name FROM sqlite_master")] == ["mine"]
+    done = _polymorph("compile", "history", "--store", str(other), "--model", "nope")  # was a traceback
+    assert done.returncode != 0 and "unknown model 'nope'" in done.stderr and "Traceback" not in done.stderr
     (tmp_path / "a-file").write_text("")
     base = ("compile", "--model", "llama-3.1-8b", "--gpu", "H100", "--shape", "reasoning")
     for extra, says in ((("--budget", "0", "--no-store"), "argument --budget: must be an integer >= 1"),
