@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from kernels.argtypes import count
+from kernels.argtypes import count, seed
 
 _FORMATTER = argparse.ArgumentDefaultsHelpFormatter
 _REPO_PARENT = Path(__file__).resolve().parents[2]
@@ -85,7 +85,7 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> None:
 def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--num-bodies", type=count, default=200, help="distinct short request bodies (long: 1/20th)")
     parser.add_argument("--repeats", type=count, default=20, help="times each short body is classified")
-    parser.add_argument("--seed", type=int, default=0, help="seed of the prompt generator")
+    parser.add_argument("--seed", type=seed, default=0, help="seed of the prompt generator")
 
 
 def _run_classify(args: argparse.Namespace) -> int:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from kernels.argtypes import count, count_or_zero, fraction, port, positive
+from kernels.argtypes import count, count_or_zero, fraction, port, positive, seed
 
 
 def register(commands: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
@@ -47,7 +47,7 @@ def register(commands: argparse._SubParsersAction) -> None:  # type: ignore[type
                         help="...by cutting its connection, or by exiting the whole process")
     faults.add_argument("--refuse-connections-s", type=float, default=0.0,
                         help="close the listening socket for this long at start (negative: forever)")
-    faults.add_argument("--fault-seed", type=int, default=0, help="seed of the --error-rate draws")
+    faults.add_argument("--fault-seed", type=seed, default=0, help="seed of the --error-rate draws")
     p.set_defaults(handler=_run_emulate)
 
 

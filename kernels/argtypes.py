@@ -44,6 +44,11 @@ def fraction(text: str) -> float:
     return value
 
 
+def seed(text: str) -> int:
+    """A random seed, an integer >= 0: numpy's generators refuse a negative one (before, a traceback)."""
+    return _integer(text, 0)
+
+
 def port(text: str) -> int:
     """A TCP port, 0 to 65535 (0: any free port). Before, ``--port 70000`` wrapped round to 4464 in
     getaddrinfo and the server said it listened on 70000."""

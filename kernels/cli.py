@@ -8,7 +8,7 @@ import json
 import sys
 from pathlib import Path
 
-from kernels.argtypes import count, positive
+from kernels.argtypes import count, positive, seed
 
 _FMT = argparse.ArgumentDefaultsHelpFormatter
 
@@ -39,7 +39,7 @@ def register(commands: argparse._SubParsersAction) -> None:  # type: ignore[type
     load.add_argument("--rate", type=positive, help="Poisson arrival rate, requests/s")
     predict.add_argument("--domain", default="chat", help="request domain (speculative acceptance depends on it)")
     predict.add_argument("--num-requests", type=count, help="simulated requests (default: a few per client, 400 for --rate)")
-    predict.add_argument("--seed", type=int, default=0, help="seed of the simulated arrivals")
+    predict.add_argument("--seed", type=seed, default=0, help="seed of the simulated arrivals")
     predict.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
     predict.set_defaults(handler=_run_predict)
 

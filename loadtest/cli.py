@@ -6,7 +6,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from kernels.argtypes import count, count_or_zero, fraction, http_url, non_negative, port, positive, positives
+from kernels.argtypes import count, count_or_zero, fraction, http_url, non_negative, port, positive, positives, seed
 from loadtest.bench import cli as bench_cli
 from loadtest.chaos import cli as chaos_cli
 from loadtest.sim_cli import _add_capacity_args, register_bench_adapt, register_bench_agreement, register_simulate
@@ -35,7 +35,7 @@ def _add_run_arguments(p: argparse.ArgumentParser) -> None:
     source.add_argument("--start", type=non_negative, default=0.0, metavar="S", help="skip the first S seconds (after time scaling)")
     source.add_argument("--rate", type=positive, metavar="R", help="mean offered rate in requests/s (scenarios: scales every stream; traces: compresses time)")
     source.add_argument("--speedup", type=positive, metavar="X", help="trace time scaling: replay X times faster")
-    source.add_argument("--seed", type=int, help="seed for generation and assignment (default: the scenario's; 0 for traces)")
+    source.add_argument("--seed", type=seed, help="seed for generation and assignment (default: the scenario's; 0 for traces)")
     source.add_argument("--tenants", metavar="A=F,B=F", help="assign tenants by fraction, e.g. acme=0.7,globex=0.3")
     source.add_argument("--tiers", metavar="T=F,...", help="assign tiers by fraction, e.g. interactive=0.6,batch=0.4")
     source.add_argument("--domains", metavar="D=F,...", help="assign domains by fraction (traces carry none; default chat)")
@@ -142,7 +142,7 @@ def _register_demo(commands: argparse._SubParsersAction) -> None:  # type: ignor
                    help="replay X times faster than the scenario (default: the emulated replicas' speed, read from them)")
     p.add_argument("--duration", type=positive, metavar="S", help="fleet seconds of the scenario to play (default: all of it)")
     p.add_argument("--rate", type=positive, metavar="R", help="mean request rate in fleet time (default: the scenario's)")
-    p.add_argument("--seed", type=int, help="workload seed (default: the scenario's)")
+    p.add_argument("--seed", type=seed, help="workload seed (default: the scenario's)")
     p.add_argument("--out", metavar="DIR", help="output folder (default: runs/demo-<date>-<time>)")
     p.add_argument("--no-progress", action="store_true", help="no live progress line")
     start = p.add_argument_group("starting the deployment")
@@ -223,7 +223,7 @@ def register_bench(benches: argparse._SubParsersAction) -> None:  # type: ignore
     p.add_argument("--rates", type=positives, default="500,1000,1500,2000", help="comma-separated rates in requests/s")
     p.add_argument("--duration", type=positive, default=6.0, help="seconds per trial")
     p.add_argument("--trials", type=count, default=3, help="trials per rate (each with its own seed)")
-    p.add_argument("--seed", type=int, default=0, help="arrival seed")
+    p.add_argument("--seed", type=seed, default=0, help="arrival seed")
     p.set_defaults(handler=_run_bench_loadgen)
     register_bench_adapt(benches)
     register_bench_agreement(benches)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from kernels.argtypes import count, fraction, positive
+from kernels.argtypes import count, fraction, positive, seed
 
 POLICY_NAMES = ("round-robin", "static-initial", "static-hindsight", "adaptive", "oracle")
 
@@ -18,7 +18,7 @@ def _add_sim_args(p: argparse.ArgumentParser, fleet: str, rate: float | None, st
                    help="scale the scenario to this mean request rate (req/s" + ("; default: the scenario's)" if rate is None else ")"))
     p.add_argument("--stretch", type=positive, default=stretch,
                    help="stretch the scenario's time axis this many times (phase onsets, periods, bursts), keeping --rate")
-    p.add_argument("--seed", type=int, default=None, help="workload seed (default: the scenario's)")
+    p.add_argument("--seed", type=seed, default=None, help="workload seed (default: the scenario's)")
     p.add_argument("--capacity-cache", default=str(Path.home() / ".cache" / "polymorph" / "capacity.json"),
                    help="JSON file caching capacity-model answers between runs")
     p.add_argument("--no-cache", action="store_true", help="do not read or write --capacity-cache")

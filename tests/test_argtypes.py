@@ -8,11 +8,11 @@ from collections.abc import Iterator
 import pytest
 
 from gateway.cli import _parsers, build_parser
-from kernels.argtypes import count, count_or_zero, counts, fraction, http_url, is_http_url, non_negative, port, positive, positives
+from kernels.argtypes import count, count_or_zero, counts, fraction, http_url, is_http_url, non_negative, port, positive, positives, seed
 
-# Flags whose plain int or float is meant: any value is a seed, a status, or a time whose negative
+# Flags whose plain int or float is meant: any value is a status, or a time whose negative
 # value means "forever" (the emulator's faults).
-PLAIN = frozenset({"--seed", "--fault-seed", "--error-status", "--hang-before-first-byte-s", "--stall-s",
+PLAIN = frozenset({"--error-status", "--hang-before-first-byte-s", "--stall-s",
                    "--refuse-connections-s"})
 
 
@@ -33,14 +33,14 @@ def _typed_flags() -> Iterator[tuple[argparse.ArgumentParser, str, object]]:
                 yield parser, action.option_strings[-1], action.type
 
 
-def test_no_numeric_flag_takes_any_number_but_seeds_a_status_and_forever_delays() -> None:
+def test_no_numeric_flag_takes_any_number_but_a_status_and_forever_delays() -> None:
     plain = [f"{parser.prog} {flag}" for parser, flag, kind in _typed_flags() if kind in (int, float) and flag not in PLAIN]
     assert plain == []
 
 
 def test_a_zero_or_a_negative_is_refused_where_the_flag_needs_more(capsys: pytest.CaptureFixture[str]) -> None:
     floors = {count: "0", positive: "0", counts: "0", positives: "0", non_negative: "-1", count_or_zero: "-1", fraction: "2",
-              port: "70000"}
+              port: "70000", seed: "-1"}
     checked = 0
     for parser, flag, kind in _typed_flags():
         if kind in floors:

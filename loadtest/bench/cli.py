@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from kernels.argtypes import count, counts, non_negative, positive
+from kernels.argtypes import count, counts, non_negative, positive, seed
 from loadtest.sim_cli import _add_capacity_args
 
 _DESCRIPTION = """\
@@ -156,7 +156,7 @@ def _register_peers(benches: argparse._SubParsersAction) -> None:  # type: ignor
         "--speed", type=positive, default=0.5,
         help="routing part: emulated GPUs run this many times real time (below 1: slower GPUs, fewer requests per wall second)",
     )
-    parser.add_argument("--seed", type=int, default=7, help="routing part: workload seed")
+    parser.add_argument("--seed", type=seed, default=7, help="routing part: workload seed")
     parser.add_argument(
         "--metric", default="goodput", choices=("goodput", "capacity"),
         help="routing part: goodput at the offered rate, or each router's capacity at SLO (the highest multiplier of "
