@@ -40,6 +40,7 @@ from fleet.emulator.generation import (
 from fleet.emulator.metrics import render_metrics
 from fleet.emulator.responses import GenerateRenderer, OpenAIRenderer, ResponsesRenderer, embeddings_body, error_body, rerank_body, score_body
 from kernels.catalog import get_gpu, get_model
+from kernels.compiler.gates import launch_violation
 from kernels.config import EngineConfig
 from kernels.engine import Engine
 from kernels.perf import PerfModel
@@ -69,6 +70,9 @@ class EmulatorState:
     def __init__(self, settings: EmulatorSettings) -> None:
         model = get_model(settings.model)
         gpu = get_gpu(settings.gpu)
+        refused = launch_violation(model, settings.config)
+        if refused is not None:  # as sglang refuses it (before, the emulator served it)
+            raise ValueError(f"sglang would not start {model.name} so: {refused}")
         perf = PerfModel(model, gpu, settings.config)
         if perf.kv_capacity_tokens <= 0:
             raise ValueError(f"{model.name} does not fit on {gpu.name} with this configuration (no room for KV cache)")

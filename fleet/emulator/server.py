@@ -10,6 +10,7 @@ import argparse
 import asyncio
 import json
 import signal
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -115,12 +116,17 @@ async def serve(settings: EmulatorSettings, host: str, port: int, ready_line: bo
         await runner.cleanup()
 
 
-def _adapter(item: str) -> tuple[str, str]:
-    """``--adapter NAME=PATH`` (vLLM's ``--lora-modules`` item form)."""
-    name, sep, path = item.partition("=")
-    if not sep or not name or not path:
-        raise ValueError(f"--adapter takes NAME=PATH, not {item!r}")
-    return name, path
+def _adapters(items: list[str]) -> tuple[tuple[str, str], ...]:
+    """``--adapter NAME=PATH`` items (vLLM's ``--lora-modules`` item form), each name once."""
+    pairs: dict[str, str] = {}
+    for item in items:
+        name, sep, path = item.partition("=")
+        if not sep or not name or not path:
+            raise ValueError(f"--adapter takes NAME=PATH, not {item!r}")
+        if name in pairs:  # before, the last path silently won
+            raise ValueError(f"--adapter {name!r} is given twice")
+        pairs[name] = path
+    return tuple(pairs.items())
 
 
 def main_emulate(args: argparse.Namespace) -> int:
@@ -133,7 +139,7 @@ def main_emulate(args: argparse.Namespace) -> int:
             gpu=args.gpu,
             config=load_engine_config(args.config),
             served_model_name=args.served_model_name,
-            adapters=tuple(_adapter(item) for item in args.adapter),
+            adapters=_adapters(args.adapter),
             speed=args.speed,
             faults=faults_from_args(args),
         )
@@ -146,5 +152,8 @@ def main_emulate(args: argparse.Namespace) -> int:
         uvloop.run(serve(settings, args.host, args.port))
     except (KeyError, ValueError) as exc:
         print(f"polymorph emulate: {exc}")
+        return 2
+    except OSError as exc:  # an address it cannot listen on (was a traceback)
+        print(f"polymorph emulate: cannot listen on {args.host}:{args.port}: {exc.strerror or exc}", file=sys.stderr)
         return 2
     return 0

@@ -57,14 +57,25 @@ def check_constraints(model: ModelSpec, gpu: GpuSpec, num_gpus: int, config: Eng
     return GateResult("constraints", "rejected" if reason else "passed", reason or "")
 
 
-def _constraint_violation(model: ModelSpec, gpu: GpuSpec, num_gpus: int, config: EngineConfig) -> str | None:
-    if config.tp * config.dp != num_gpus:
-        return f"tp ({config.tp}) x dp ({config.dp}) must equal the replica's {num_gpus} GPUs"
+def launch_violation(model: ModelSpec, config: EngineConfig) -> str | None:
+    """Why an engine would refuse to start ``model`` with ``config`` at all (None: it would start): the
+    part of the constraint gate that sglang itself enforces, which the emulator enforces as it does."""
     if model.num_heads % config.tp:
         return f"tp {config.tp} does not divide the {model.num_heads} attention heads"
     kv_heads = model.num_kv_heads
     if not model.is_mla and kv_heads % config.tp and config.tp % kv_heads:
         return f"tp {config.tp} and the {kv_heads} KV heads must divide one another"
+    if config.speculative_algorithm == "MTP" and not model.is_mla:
+        return f"MTP speculative decoding needs a checkpoint with MTP heads; {model.name} has none"
+    return None
+
+
+def _constraint_violation(model: ModelSpec, gpu: GpuSpec, num_gpus: int, config: EngineConfig) -> str | None:
+    if config.tp * config.dp != num_gpus:
+        return f"tp ({config.tp}) x dp ({config.dp}) must equal the replica's {num_gpus} GPUs"
+    refused = launch_violation(model, config)
+    if refused is not None:
+        return refused
     resolved = PerfModel(model, gpu, config).config
     if not config.disable_cuda_graph and resolved.cuda_graph_max_bs > resolved.max_running_requests:  # type: ignore[operator]
         return (f"cuda_graph_max_bs {resolved.cuda_graph_max_bs} exceeds max_running_requests "
@@ -73,8 +84,6 @@ def _constraint_violation(model: ModelSpec, gpu: GpuSpec, num_gpus: int, config:
         return "schedule_policy lpm orders by cached prefix and needs the prefix (radix) cache"
     if gpu.fp8_tflops is None and ("fp8" in config.kv_cache_dtype or config.quantization is not None):
         return f"{gpu.name} has no fp8 tensor cores for fp8 weights or KV cache"
-    if config.speculative_algorithm == "MTP" and not model.is_mla:
-        return f"MTP speculative decoding needs a checkpoint with MTP heads; {model.name} has none"
     return None
 
 

@@ -150,3 +150,19 @@ def test_tokens_arrive_at_the_modelled_pace(base: str, client: openai.OpenAI) ->
     # Llama-3.1-8B on one H100 decodes one sequence in ~6-7 ms per token in the roofline.
     assert 0.4 < elapsed_s < 1.5
 
+
+
+def test_emulate_refuses_what_sglang_would_not_start_and_an_address_it_cannot_take() -> None:
+    """Before: tp 3 for 32 heads and MTP on Llama served; a duplicate adapter name kept its last path; an
+    unusable --host was a traceback."""
+    import subprocess
+    import sys
+
+    base = [sys.executable, "-m", "gateway.cli", "emulate", "--model", "llama-3.1-8b", "--gpu", "H100", "--port", "0"]
+    for extra, says in ((["--config", '{"tp": 3}'], "tp 3 does not divide the 32 attention heads"),
+                        (["--config", '{"speculative_algorithm": "MTP"}'], "needs a checkpoint with MTP heads"),
+                        (["--adapter", "a=/tmp/x", "--adapter", "a=/tmp/y"], "--adapter 'a' is given twice"),
+                        (["--host", "999.1.1.1"], "cannot listen on 999.1.1.1:0")):
+        done = subprocess.run([*base, *extra], capture_output=True, text=True, timeout=60, check=False)
+        out = done.stdout + done.stderr
+        assert done.returncode == 2 and says in out and "Traceback" not in out, out
