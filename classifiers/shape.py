@@ -9,17 +9,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-DOMAINS: tuple[str, ...] = (
-    "code",
-    "math",
-    "summarization",
-    "extraction",
-    "classification",
-    "creative_writing",
-    "brainstorming",
-    "qa",
-    "chat",
-)
+from kernels.domains import DOMAINS
+
+__all__ = ["DOMAINS", "Shape", "ShapeRule", "ShapeRules", "default_shape_rules"]
 
 
 @dataclass(slots=True)

@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 from kernels.argtypes import count, positive, seed
+from kernels.domains import DOMAINS
 
 _FMT = argparse.ArgumentDefaultsHelpFormatter
 
@@ -37,7 +38,7 @@ def register(commands: argparse._SubParsersAction) -> None:  # type: ignore[type
     load = predict.add_mutually_exclusive_group()
     load.add_argument("--concurrency", type=count, help="closed-loop clients")
     load.add_argument("--rate", type=positive, help="Poisson arrival rate, requests/s")
-    predict.add_argument("--domain", default="chat", help="request domain (speculative acceptance depends on it)")
+    predict.add_argument("--domain", default="chat", choices=DOMAINS, help="request domain (speculative acceptance depends on it)")
     predict.add_argument("--num-requests", type=count, help="simulated requests (default: a few per client, 400 for --rate)")
     predict.add_argument("--seed", type=seed, default=0, help="seed of the simulated arrivals")
     predict.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
@@ -204,7 +205,7 @@ def _data_path(path: Path | None) -> Path:
 def _run_predict(args: argparse.Namespace) -> int:
     from kernels.catalog import get_gpu, get_model
     from kernels.compiler.gates import check_constraints
-    from kernels.config import EngineConfig
+    from kernels.config import EngineConfig, canonical_key
     from kernels.perf import PerfModel
     from kernels.predict import Workload, predict
     from kernels.yamlsrc import ConfigError, load_yaml
@@ -214,20 +215,26 @@ def _run_predict(args: argparse.Namespace) -> int:
         try:
             loaded = load_yaml(args.config).data or {}
         except ConfigError as exc:
-            raise SystemExit(str(exc)) from None
+            raise SystemExit(f"polymorph kernels predict: {exc}") from None
         if not isinstance(loaded, dict):
-            raise SystemExit(f"{args.config}: expected a mapping of EngineConfig keys")
+            raise SystemExit(f"polymorph kernels predict: {args.config}: expected a mapping of EngineConfig keys")
         values.update(loaded)
+    overridden: set[str] = set()
     for item in args.set:
         key, sep, value = item.partition("=")
         if not sep:
-            raise SystemExit(f"--set expects KEY=VALUE, got {item!r}")
-        values[key] = value
+            raise SystemExit(f"polymorph kernels predict: --set expects KEY=VALUE, got {item!r}")
+        name = canonical_key(key)
+        if name in overridden:  # `--set tp=2 --set tp=4`: before, the last silently won
+            raise SystemExit(f"polymorph kernels predict: --set {key} is {name}, set already")
+        overridden.add(name)
+        values = {k: v for k, v in values.items() if canonical_key(str(k)) != name}  # --set overrides --config's spelling too
+        values[name] = value
     try:
         perf = PerfModel(get_model(args.model), get_gpu(args.gpu), EngineConfig.from_dict(values))
         result = predict(perf, Workload(args.isl, args.osl, args.concurrency, args.rate, args.domain, args.num_requests), seed=args.seed)
     except ValueError as exc:
-        raise SystemExit(str(exc)) from exc
+        raise SystemExit(f"polymorph kernels predict: {exc}") from exc
     # predicted all the same (the model can price what an engine would refuse), but said: a figure for a
     # configuration sglang will not launch, or for requests longer than the model's context, misleads
     problems = []

@@ -74,6 +74,12 @@ _ALIASES = {
 }
 
 
+def canonical_key(key: str) -> str:
+    """An EngineConfig key as its field is named: '-' read as '_', sglang's and vLLM's spellings as ours."""
+    key = key.replace("-", "_")
+    return _ALIASES.get(key, key)
+
+
 # A prefix cache never serves a whole prompt (the last token is always computed) and shares measured over
 # a short window overstate the long run's: a share is capped here wherever one is measured.
 MAX_PREFIX_SHARE = 0.95
@@ -142,11 +148,14 @@ class EngineConfig:
         Raises ValueError naming the key for an unknown key or a value of the wrong type."""
         types = {f.name: f.type for f in fields(cls)}
         kwargs: dict[str, object] = {}
+        spelled: dict[str, object] = {}  # key -> the spelling it was given as
         for raw_key, value in values.items():
-            key = str(raw_key).replace("-", "_")
-            key = _ALIASES.get(key, key)
+            key = canonical_key(str(raw_key))
             if key not in types:
                 raise ValueError(f"unknown engine config key {raw_key!r}; known keys: {', '.join(types)}")
+            if key in spelled:  # `tp` and `tp_size` both: before, the later silently won
+                raise ValueError(f"engine config key {raw_key!r} is {key!r}, already given as {spelled[key]!r}")
+            spelled[key] = raw_key
             kwargs[key] = _coerce(key, str(types[key]), value)
         return cls(**kwargs)  # type: ignore[arg-type]
 

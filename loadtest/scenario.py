@@ -19,7 +19,7 @@ from typing import Any
 
 import numpy as np
 
-from classifiers.shape import DOMAINS
+from kernels.domains import DOMAINS
 from kernels.yamlsrc import ConfigError, YamlDoc, parse_yaml
 from loadtest.arrivals import PROCESS_PARAMS, ArrivalProcess, arrival_times
 from loadtest.lengths import LengthDist, fitted_data, parse_length

@@ -6,7 +6,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from classifiers.shape import DOMAINS
+from kernels.domains import DOMAINS
 from kernels.yamlsrc import FieldReader, load_yaml
 from loadtest.spec import Workload
 from loadtest.transform import ASSIGNABLE_FIELDS, AssignRule

@@ -100,3 +100,17 @@ def test_predict_warns_of_a_configuration_an_engine_would_refuse_and_of_requests
     assert done.returncode == 0 and "exceed Llama-3.1-8B's context of 131072 tokens" in done.stderr
     done = _polymorph(tmp_path / "none.yaml", *base, "--isl", "8")
     assert done.returncode == 0 and "warning" not in done.stderr
+
+
+def test_predict_reads_set_over_config_under_any_spelling_and_refuses_a_knob_set_twice_or_a_misspelt_domain(tmp_path: Path) -> None:
+    catalog = tmp_path / "models.yaml"
+    config = tmp_path / "engine.yaml"
+    config.write_text("tp: 2\n")
+    base = ("kernels", "predict", "--model", "llama-3.1-8b", "--gpu", "H100", "--isl", "64", "--osl", "8", "--json")
+    done = _polymorph(catalog, *base, "--config", str(config), "--set", "tp_size=1")  # --set overrides, in vLLM's spelling too
+    assert done.returncode == 0, done.stderr
+    # before: the last of two --set tp won silently, and a misspelt domain was predicted as chat
+    for extra, says in ((("--set", "tp=2", "--set", "tp=4"), "--set tp is tp, set already"),
+                        (("--domain", "cdoe"), "argument --domain: invalid choice: 'cdoe'")):
+        done = _polymorph(catalog, *base, *extra)
+        assert done.returncode != 0 and says in done.stderr and "Traceback" not in done.stderr, done.stderr

@@ -31,6 +31,12 @@ def test_from_dict_names_the_bad_key(values: dict[str, object], key: str) -> Non
         EngineConfig.from_dict(values)
 
 
+def test_one_knob_given_under_two_spellings_is_refused() -> None:
+    for values in ({"tp": 2, "tp_size": 4}, {"max_running_requests": 8, "max-num-seqs": 16}):  # before, the later won
+        with pytest.raises(ValueError, match="already given as"):
+            EngineConfig.from_dict(values)
+
+
 def test_invalid_choice_is_rejected() -> None:
     with pytest.raises(ValueError, match="schedule_policy"):
         EngineConfig(schedule_policy="sjf")
