@@ -84,9 +84,23 @@ class SkippedRow:
     reason: str
 
 
+# the columns the model reads (shared/calibration's layout): a file without them is not a calibration set
+COLUMNS = ("id", "source", "engine", "model", "gpu", "n_gpus", "parallelism", "precision", "dataset", "isl", "osl",
+           "concurrency", "request_rate", "metric", "value")
+
+
 def load_rows(path: Path) -> list[dict[str, str]]:
-    with path.open(newline="") as handle:
-        return list(csv.DictReader(handle))
+    """The rows of a calibration CSV. Raises ValueError naming the file for one that is not UTF-8 text
+    or lacks a column (before, a KeyError or UnicodeDecodeError traceback)."""
+    try:
+        with path.open(newline="", encoding="utf-8") as handle:
+            reader = csv.DictReader(handle)
+            missing = [column for column in COLUMNS if column not in (reader.fieldnames or ())]
+            if missing:
+                raise ValueError(f"{path} is not a calibration CSV: it lacks the columns {', '.join(missing)}")
+            return list(reader)
+    except UnicodeDecodeError as exc:
+        raise ValueError(f"{path} is not UTF-8 text (byte {exc.start})") from None
 
 
 def scenario_for(row: Mapping[str, str]) -> Scenario | str:
@@ -209,9 +223,21 @@ def evaluate(rows: Iterable[Mapping[str, str]], params: PerfParams | None = None
         if isinstance(prediction, str):
             skipped.append(SkippedRow(row["id"], row["metric"], prediction))
             continue
+        measured = _measured(row["value"])
+        if measured is None:  # before, a ValueError (text) or a ZeroDivisionError (0) ended the whole run
+            skipped.append(SkippedRow(row["id"], row["metric"], f"value {row['value']!r} is not a positive finite measurement"))
+            continue
         family, read = _METRICS[row["metric"]]
-        scored.append(ScoredRow(row["id"], row["metric"], family, float(row["value"]), read(prediction)))
+        scored.append(ScoredRow(row["id"], row["metric"], family, measured, read(prediction)))
     return scored, skipped
+
+
+def _measured(text: str) -> float | None:
+    try:
+        value = float(text)
+    except ValueError:
+        return None
+    return value if math.isfinite(value) and value > 0 else None
 
 
 def _predict(scenario: Scenario, params: PerfParams) -> Prediction | str:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 from pathlib import Path
 
@@ -264,14 +265,20 @@ def _run_fit(args: argparse.Namespace) -> int:
             raise SystemExit("polymorph kernels fit: give --data (calibration CSV) or --store (measured trials), not both")
 
         return main_fit_store(args)
-    from kernels.calibration import load_rows
+    from kernels.calibration import evaluate, load_rows
     from kernels.fit import fit_params, write_params
     from kernels.perf_params import default_params
 
     path = _data_path(args.data)
-    params, errors = fit_params(load_rows(path), default_params(), max_evals=args.max_evals)
+    try:
+        rows = load_rows(path)
+    except ValueError as exc:
+        raise SystemExit(f"polymorph kernels fit: {exc}") from None
+    if not evaluate(rows)[0]:  # a fit to nothing writes NaN errors over the shipped parameters
+        raise SystemExit(f"polymorph kernels fit: no row of {path} can be scored (`polymorph bench model --data {path}` says why)")
+    params, errors = fit_params(rows, default_params(), max_evals=args.max_evals)
     print(json.dumps(params.to_dict(), indent=2))
-    print(json.dumps({"median_ape_pct": errors}))
+    print(json.dumps({"median_ape_pct": {family: None if math.isnan(error) else error for family, error in errors.items()}}))
     if not args.dry_run:
         write_params(params, errors, source=path.name)
     return 0
@@ -300,7 +307,11 @@ def _run_bench_model(args: argparse.Namespace) -> int:
 
     from kernels.calibration import FAMILIES, evaluate, load_rows, summarise
 
-    scored, skipped = evaluate(load_rows(_data_path(args.data)))
+    try:
+        rows = load_rows(_data_path(args.data))
+    except ValueError as exc:
+        raise SystemExit(f"polymorph bench model: {exc}") from None
+    scored, skipped = evaluate(rows)
     errors = summarise(scored)
     if args.json:
         for row in scored:
@@ -315,7 +326,7 @@ def _run_bench_model(args: argparse.Namespace) -> int:
         ids = sorted({s.row_id for s in skipped if s.reason == reason})
         print(f"  {count:>3}  {reason}: {', '.join(ids[:6])}{' ...' if len(ids) > 6 else ''}")
     summary = {"rows_scored": len(scored), "rows_skipped": len(skipped),
-               "median_ape_pct": {family: round(errors[family], 2) for family in FAMILIES}}
+               "median_ape_pct": {family: None if math.isnan(errors[family]) else round(errors[family], 2) for family in FAMILIES}}  # no bare NaN: JSON has none
     print(json.dumps(summary))
     return 0
 
