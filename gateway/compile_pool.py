@@ -50,7 +50,15 @@ def resolve(args: argparse.Namespace) -> argparse.Namespace:
     pool = _pool(config, args.pool)
     out = argparse.Namespace(**vars(args))
     out.model, out.gpu, out.gpus = pool.model, pool.gpu, replica_devices(pool)
-    out.shape = args.shape or _only_shape(pool)
+    # --gpus and --engine have defaults, so only a value that differs from both the default and the pool's
+    # shows it was given against the pool (before, the pool's silently won)
+    if args.gpus not in (1, out.gpus):
+        raise SystemExit(f"polymorph compile: pool {pool.name!r}'s replicas hold {out.gpus} device(s); leave --gpus out")
+    if args.engine != "sglang" and args.engine != pool.engine_kind:
+        raise SystemExit(f"polymorph compile: pool {pool.name!r} runs {pool.engine_kind}; leave --engine out")
+    if args.shape is not None and pool.shapes and args.shape not in pool.shapes:
+        raise SystemExit(f"polymorph compile: pool {pool.name!r} serves {', '.join(pool.shapes)}, not {args.shape!r}")
+    out.shape = args.shape or (None if args.trace is not None else _only_shape(pool))  # a --trace is the shape
     if args.evaluator == "probe":
         if pool.engine_kind == "emulated":
             raise SystemExit(f"polymorph compile: pool {pool.name!r} runs emulated replicas; a probe measures a real engine "

@@ -66,6 +66,10 @@ def test_a_pool_compile_says_what_it_cannot_do(tmp_path: Path) -> None:
         "unknown pool": _compile(held, "--pool", "nope"),
         "flag beside": _compile(held, "--pool", "chat-h100", "--model", "llama-3.1-8b", "--devices", "1"),
         "pool alone": subprocess.run([*POLYMORPH, "compile", "--pool", "chat-h100"], capture_output=True, text=True, timeout=60, check=False),
+        # before, the pool's values silently replaced these, and a shape it does not serve was compiled for it
+        "gpus beside": _compile(held, "--pool", "chat-h100", "--shape", "short-chat", "--gpus", "4"),
+        "engine beside": _compile(held, "--pool", "chat-h100", "--shape", "short-chat", "--engine", "vllm"),
+        "foreign shape": _compile(held, "--pool", "chat-h100", "--shape", "long-context"),
     }
     emulated = tmp_path / "emulated"
     emulated.mkdir()
@@ -83,5 +87,18 @@ def test_a_pool_compile_says_what_it_cannot_do(tmp_path: Path) -> None:
     assert "needs --pool, one of chat-h100" in said["no pool"] and "no pool 'nope'" in said["unknown pool"]
     assert "takes --model, --devices from the pool" in said["flag beside"]
     assert "--pool names a pool of --fleet-config" in said["pool alone"]
+    assert "replicas hold 1 device(s); leave --gpus out" in said["gpus beside"] and "runs sglang; leave --engine out" in said["engine beside"]
+    assert "serves short-chat, batch, not 'long-context'" in said["foreign shape"]
     assert "runs emulated replicas" in said["emulated"]
     assert "invalid config" in said["bad config"] and "bad.yaml:7" in said["bad config"]
+
+
+def test_a_trace_is_the_shape_of_a_pool_that_serves_one(tmp_path: Path) -> None:
+    """Before: the pool's one shape was filled in beside --trace, and the compile said 'give exactly one of
+    --shape NAME or --trace FILE' to a user who gave only --trace."""
+    config = _config(tmp_path, [_sglang_pool("chat-h100", tmp_path / "weights", 1, ["short-chat"])], {"H100-SXM": {"ids": [0, 1]}})
+    trace = tmp_path / "trace.jsonl"
+    trace.write_text("".join(json.dumps({"timestamp": i, "input_length": 200 + i, "output_length": 50}) + "\n" for i in range(20)))
+    done = _compile(config, "--pool", "chat-h100", "--trace", str(trace), "--format", "native", "--evaluator", "analytic",
+                    "--budget", "2", "--no-store")
+    assert done.returncode == 0, done.stderr
