@@ -37,6 +37,14 @@ def main_compile(args: argparse.Namespace, prober: Callable[[ProbeTarget], Probe
 
     if args.evaluator == "probe":
         return _main_probe(args, prober)
+    # flags only a probe reads: given to another evaluator, they would be ignored without a word
+    probe_only = [flag for flag, value in (("--engine-command", args.engine_command), ("--model-path", args.model_path),
+                                           ("--devices", args.devices)) if value is not None]
+    if args.engine != "sglang":
+        probe_only.append(f"--engine {args.engine}")
+    if probe_only:
+        raise SystemExit(f"polymorph compile: only --evaluator probe reads {', '.join(probe_only)} (the {args.evaluator} evaluator "
+                         "searches sglang's knobs on the performance model)")
     if not args.model or not args.gpu:
         raise SystemExit("polymorph compile: --model and --gpu are required")
     if bool(args.shape) == bool(args.trace):

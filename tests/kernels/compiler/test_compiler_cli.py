@@ -61,6 +61,9 @@ def test_compile_reports_bad_input_plainly(tmp_path: Path) -> None:
                         (("--budget", "2", "--store", str(tmp_path / "a-file" / "trials.sqlite3")), "cannot create the trial store's folder")):
         done = _polymorph(*base, *extra)  # each was a traceback
         assert done.returncode != 0 and says in done.stderr and "Traceback" not in done.stderr, done.stderr
+    for extra in (("--engine", "llamacpp"), ("--model-path", "/models/m"), ("--devices", "0")):  # before, ignored without a word
+        done = _polymorph(*base, "--budget", "2", "--no-store", *extra)
+        assert done.returncode != 0 and f"only --evaluator probe reads {' '.join(extra) if extra[0] == '--engine' else extra[0]}" in done.stderr
     done = _polymorph("compile", "--evaluator", "probe", "--engine", "llamacpp", "--model", "llama-3.1-8b", "--shape", "short-chat",
                       "--budget", "0", "--no-store")  # was a ValueError from probe_compile, after the engine's set-up
     assert done.returncode == 2 and "argument --budget: must be an integer >= 1" in done.stderr and "Traceback" not in done.stderr, done.stderr
