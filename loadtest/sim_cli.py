@@ -8,6 +8,7 @@ from pathlib import Path
 from kernels.argtypes import count, fraction, positive, seed
 
 POLICY_NAMES = ("round-robin", "static-initial", "static-hindsight", "adaptive", "oracle")
+DEFAULT_COMPILE_TRIALS = 40
 
 
 def _add_sim_args(p: argparse.ArgumentParser, fleet: str, rate: float | None, stretch: float) -> None:
@@ -75,7 +76,7 @@ def register_simulate(commands: argparse._SubParsersAction) -> None:  # type: ig
                    "per trial later (plans made before the run, and the oracle's, get it at once)")
     p.add_argument("--compile-store", default=None,
                    help="trial store (SQLite) for --compile; default a fresh in-memory store, so runs repeat exactly")
-    p.add_argument("--compile-trials", type=count, default=40, help="trial budget of one compile")
+    p.add_argument("--compile-trials", type=count, default=DEFAULT_COMPILE_TRIALS, help="trial budget of one compile")
     p.add_argument("--compile-s-per-trial", type=positive, default=1.7,
                    help="virtual seconds a compile trial takes (a perf-model trial costs the live worker ~1.7 CPU s)")
     _add_sim_args(p, "H100-SXM:8,H200:8", None, 1.0)

@@ -161,6 +161,16 @@ def test_draws_without_a_capacity_search_are_refused(bursty_trace: Path, capsys:
     assert "--draws judges the points of --metric capacity" in capsys.readouterr().err
 
 
+
+def test_simulate_refuses_flags_nothing_would_read(bursty_trace: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """Before, --stretch on a trace and the compile flags without --compile were ignored without a word."""
+    trace = ["simulate", "--trace", str(bursty_trace), "--format", "native", "--fleet", "H100-SXM:1", "--policy", "round-robin", "--no-cache"]
+    assert main([*trace, "--stretch", "3"]) == 2
+    assert "a trace keeps its own time axis" in capsys.readouterr().err
+    assert main([*trace, "--compile-trials", "5"]) == 2
+    assert "--compile-trials need --compile" in capsys.readouterr().err
+
+
 def test_a_scenario_with_no_positive_duration_or_stretch_is_refused_by_name(capsys: pytest.CaptureFixture[str]) -> None:
     for flag, value in (("--duration", "-5"), ("--duration", "0"), ("--stretch", "0")):
         with pytest.raises(SystemExit) as stopped:
