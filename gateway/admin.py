@@ -214,7 +214,7 @@ async def _posted_object(request: web.Request, shape: str, fields: frozenset[str
     A field other than ``fields`` is refused: these calls restart replicas, and a ``"dry_run": true``
     that was silently ignored would do what it meant to prevent."""
     if request.method != "POST":
-        raise ApiError(405, f"Use POST with {shape}.", "method_not_allowed")
+        raise ApiError(405, f"Use POST with {shape}.", "method_not_allowed", allow="POST")
     try:
         body = orjson.loads(await request.read())
     except orjson.JSONDecodeError:

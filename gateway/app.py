@@ -82,6 +82,23 @@ def _tier(request: web.Request, tenant: Tenant, runtime: Runtime) -> str:
     return asked
 
 
+def _model_list(runtime: Runtime, tenant: Tenant) -> list[dict[str, object]]:
+    """What ``GET /v1/models`` lists for ``tenant``: served models, its adapters, and the listed aliases."""
+    data: list[dict[str, object]] = [
+        {"id": model, "object": "model", "created": 0, "owned_by": "polymorph"}
+        for model in runtime.served_models()
+        if model not in runtime.adapter_base and tenant.may_use_model(model)
+    ]
+    data += listed_adapters(runtime.adapter_base, tenant)
+    served = set(runtime.served_models())
+    data += [
+        {"id": public, "object": "model", "created": 0, "owned_by": "polymorph", "root": alias.model}
+        for public, alias in runtime.config.aliases.items()
+        if alias.listed and alias.model in served and (tenant.may_use_model(public) or tenant.may_use_model(alias.model))
+    ]
+    return data
+
+
 async def _read_json(request: web.Request, max_body_bytes: int, timeout_s: float) -> tuple[bytes, object]:
     length = request.content_length
     if length is not None and length > max_body_bytes:
@@ -150,7 +167,7 @@ class Handlers:
 
     async def _complete(self, request: web.Request, chat: bool) -> web.StreamResponse:
         if request.method != "POST":
-            return error_response(ApiError(405, f"Use POST for {request.path}.", "method_not_allowed"))
+            return error_response(ApiError(405, f"Use POST for {request.path}.", "method_not_allowed", allow="POST"))
         state = self.state
         runtime = state.runtime
         loop = asyncio.get_running_loop()
@@ -206,7 +223,7 @@ class Handlers:
         """Embeddings, Responses, rerank and score: the chat path's steps, with the endpoint's own reading
         of the body, its own charge (input only for the pooling endpoints) and its own wire."""
         if request.method != "POST":
-            return error_response(ApiError(405, f"Use POST for {request.path}.", "method_not_allowed"))
+            return error_response(ApiError(405, f"Use POST for {request.path}.", "method_not_allowed", allow="POST"))
         state = self.state
         runtime = state.runtime
         loop = asyncio.get_running_loop()
@@ -401,25 +418,27 @@ class Handlers:
 
     async def models(self, request: web.Request) -> web.Response:
         if request.method != "GET":
-            return error_response(ApiError(405, "Use GET for /v1/models.", "method_not_allowed"))
+            return error_response(ApiError(405, "Use GET for /v1/models.", "method_not_allowed", allow="GET"))
         runtime = self.state.runtime
         try:
             tenant = _authenticate(request, runtime)
         except ApiError as err:
             return error_response(err)
-        data = [
-            {"id": model, "object": "model", "created": 0, "owned_by": "polymorph"}
-            for model in runtime.served_models()
-            if model not in runtime.adapter_base and tenant.may_use_model(model)
-        ]
-        data += listed_adapters(runtime.adapter_base, tenant)
-        served = set(runtime.served_models())
-        data += [
-            {"id": public, "object": "model", "created": 0, "owned_by": "polymorph", "root": alias.model}
-            for public, alias in runtime.config.aliases.items()
-            if alias.listed and alias.model in served and (tenant.may_use_model(public) or tenant.may_use_model(alias.model))
-        ]
-        return web.Response(body=orjson.dumps({"object": "list", "data": data}), content_type=_JSON)
+        return web.Response(body=orjson.dumps({"object": "list", "data": _model_list(runtime, tenant)}), content_type=_JSON)
+
+    async def retrieve_model(self, request: web.Request) -> web.Response:
+        """``GET /v1/models/{model}``: one entry of the list (the SDK's ``models.retrieve``); 404 for a model the
+        key may not use or that no pool serves, as OpenAI answers (before, 404 ``unknown_endpoint``)."""
+        runtime = self.state.runtime
+        try:
+            tenant = _authenticate(request, runtime)
+            wanted = request.match_info["model"]
+            found = next((entry for entry in _model_list(runtime, tenant) if entry["id"] == wanted), None)
+            if found is None:
+                raise ApiError(404, f"The model {wanted[:200]!r} does not exist.", "model_not_found", "model")
+        except ApiError as err:
+            return error_response(err)
+        return web.Response(body=orjson.dumps(found), content_type=_JSON)
 
     async def healthz(self, request: web.Request) -> web.Response:
         return web.Response(body=b'{"status":"ok"}', content_type=_JSON)
@@ -496,6 +515,7 @@ def build_app(
     router.add_route("*", "/v1/chat/completions", h.chat_completions)
     router.add_route("*", "/v1/completions", h.completions)
     router.add_route("*", "/v1/models", h.models)
+    router.add_get(r"/v1/models/{model:[\s\S]+}", h.retrieve_model, allow_head=False)  # any character: an adapter's name may hold a "/"
     router.add_route("*", "/v1/embeddings", h.embeddings)
     router.add_route("*", "/v1/responses", h.responses)
     router.add_get("/v1/responses/{response_id}", h.retrieve_response, allow_head=False)
@@ -517,7 +537,7 @@ def build_app(
         lambda request: is_admin_request(request, state.runtime.config.server.admin_token_sha256),
         lambda: state.runtime.config.server.admin_token_sha256,
     )
-    router.add_route("*", "/{tail:.*}", h.not_found)
+    router.add_route("*", r"/{tail:[\s\S]*}", h.not_found)  # [\s\S], not ".": a path with a newline gets the JSON 404 too
     app.on_startup.append(_on_startup)
     app.on_cleanup.append(_on_cleanup)
     if tracer is not None:

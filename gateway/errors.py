@@ -24,13 +24,15 @@ _TYPE_BY_STATUS = {
 class ApiError(Exception):
     """Raised anywhere below a handler to answer the client with an OpenAI-style error."""
 
-    def __init__(self, status: int, message: str, code: str, param: str | None = None, retry_after_s: float | None = None) -> None:
+    def __init__(self, status: int, message: str, code: str, param: str | None = None, retry_after_s: float | None = None,
+                 allow: str | None = None) -> None:
         super().__init__(message)
         self.status = status
         self.message = message
         self.code = code
         self.param = param
         self.retry_after_s = retry_after_s
+        self.allow = allow  # a 405's methods: the Allow header RFC 9110 requires of it
 
 
 def error_body(status: int, message: str, code: str, param: str | None = None) -> bytes:
@@ -42,6 +44,8 @@ def error_response(err: ApiError, extra_headers: dict[str, str] | None = None) -
     headers = dict(extra_headers) if extra_headers else {}
     if err.retry_after_s is not None:
         headers["Retry-After"] = str(max(1, int(err.retry_after_s + 0.999)))
+    if err.allow is not None:
+        headers["Allow"] = err.allow
     return web.Response(
         status=err.status,
         body=error_body(err.status, err.message, err.code, err.param),

@@ -181,6 +181,10 @@ DOCUMENT: dict[str, Any] = {
         "/v1/score": _post("Score text pairs (vLLM)", _SCORE),
         "/score": _post("Score text pairs (vLLM)", _SCORE),
         "/v1/models": _get("Models this key may use", "application/json", True, 401),
+        "/v1/models/{model}": {"get": {
+            **_get("One model this key may use (404 for any other)", "application/json", True, 401, 404)["get"],
+            "parameters": [{"name": "model", "in": "path", "required": True, "schema": {"type": "string", "minLength": 1}}],
+        }},
         "/healthz": _get("Liveness", "application/json", False),
         "/readyz": _get("Readiness: some replica is healthy", "application/json", False, 503),
         "/metrics": _get("Prometheus metrics", "text/plain", False),

@@ -180,6 +180,21 @@ def test_conversations_without_a_system_prompt_keep_to_their_replica_and_its_pre
 def test_models_lists_what_the_tenant_may_use(deployment: Deployment) -> None:
     assert sorted(m.id for m in deployment.client().models.list()) == ["ghost-model", MODEL]
     assert [m.id for m in deployment.client(LIMITED_KEY).models.list()] == [MODEL]
+    # the SDK's models.retrieve (before, 404 unknown_endpoint for every model)
+    assert deployment.client().models.retrieve(MODEL).id == MODEL
+    with pytest.raises(openai.NotFoundError) as hidden:
+        deployment.client(LIMITED_KEY).models.retrieve("ghost-model")
+    assert isinstance(hidden.value.body, dict) and hidden.value.body["code"] == "model_not_found"
+
+
+def test_a_wrong_method_gets_405_with_allow(deployment: Deployment) -> None:
+    for path, method, allow in (("/v1/chat/completions", "GET", "POST"), ("/v1/models", "POST", "GET"), ("/admin/move", "GET", "POST")):
+        request = urllib.request.Request(deployment.gateway.url + path, method=method, data=b"{}" if method == "POST" else None,
+                                         headers={"Authorization": f"Bearer {ADMIN if path.startswith('/admin') else KEY}"})
+        with pytest.raises(urllib.error.HTTPError) as info:
+            urllib.request.urlopen(request, timeout=5)
+        info.value.close()
+        assert (info.value.code, info.value.headers.get("Allow")) == (405, allow), path
 
 
 def test_client_errors_map_to_sdk_exceptions(deployment: Deployment) -> None:
