@@ -65,6 +65,10 @@ def validate_body(body: Any, chat: bool) -> tuple[str, bool, int | None]:
     options = body.get("stream_options")
     if options is not None and not isinstance(options, dict):
         raise _bad("stream_options", "'stream_options' must be an object.")
+    if options is not None and not stream:  # as OpenAI answers it
+        raise _bad("stream_options", "'stream_options' is only allowed when 'stream' is true.")
+    if options is not None and not isinstance(options.get("include_usage", False), bool):  # "true" as a string was ignored
+        raise _bad("stream_options.include_usage", "'stream_options.include_usage' must be a boolean.")
     max_tokens = body.get("max_completion_tokens") if chat else None
     if max_tokens is None:
         max_tokens = body.get("max_tokens")

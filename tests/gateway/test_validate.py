@@ -26,6 +26,9 @@ CHAT = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
         ({**CHAT, "stream": "yes"}, "stream"),
         ({**CHAT, "stop": [1, 2]}, "stop"),
         ({**CHAT, "stream_options": []}, "stream_options"),
+        # before, accepted: the first without a stream, the second's usage chunk never came
+        ({**CHAT, "stream_options": {"include_usage": True}}, "stream_options"),
+        ({**CHAT, "stream": True, "stream_options": {"include_usage": "true"}}, "stream_options.include_usage"),
     ],
 )
 def test_chat_errors_name_the_field(body: object, param: str | None) -> None:
