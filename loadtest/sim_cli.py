@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import sys
 from pathlib import Path
 
 from kernels.argtypes import count, fraction, positive, seed
@@ -152,6 +153,14 @@ def _run_bench_agreement(args: argparse.Namespace) -> int:
 def _run_simulate(args: argparse.Namespace) -> int:
     from loadtest.simulate import main_simulate
 
+    # flags that would otherwise be read by nothing (before, each was ignored without a word)
+    if args.trace and args.stretch != 1.0:
+        print("polymorph simulate: --stretch stretches a scenario's phases; a trace keeps its own time axis (give --speedup or --rate)",
+              file=sys.stderr)
+        return 2
+    if args.compile == "off" and (args.compile_store is not None or args.compile_trials != DEFAULT_COMPILE_TRIALS):
+        print("polymorph simulate: --compile-store and --compile-trials need --compile analytic or perf-model", file=sys.stderr)
+        return 2
     return main_simulate(args)
 
 

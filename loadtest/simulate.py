@@ -38,7 +38,6 @@ from loadtest.capacity import (
     search_capacity,
     window_bounds_s,
 )
-from loadtest.sim_cli import DEFAULT_COMPILE_TRIALS
 from loadtest.spec import Workload
 
 if TYPE_CHECKING:
@@ -323,14 +322,6 @@ def main_simulate(args: argparse.Namespace) -> int:
         return 2
     if args.draws != 1 and not args.capacity:
         print("polymorph simulate: --draws judges the points of a --capacity search; one run is one draw (give --seed)", file=sys.stderr)
-        return 2
-    # flags that would otherwise be read by nothing (before, each was ignored without a word)
-    if args.trace and args.stretch != 1.0:
-        print("polymorph simulate: --stretch stretches a scenario's phases; a trace keeps its own time axis (give --speedup or --rate)",
-              file=sys.stderr)
-        return 2
-    if args.compile == "off" and (args.compile_store is not None or args.compile_trials != DEFAULT_COMPILE_TRIALS):
-        print("polymorph simulate: --compile-store and --compile-trials need --compile analytic or perf-model", file=sys.stderr)
         return 2
     try:
         budget = budget_from_args(args)
