@@ -272,14 +272,14 @@ class Handlers:
         """The replica holding the stored response ``response_id`` (of ``model``): the one this process
         proxied it to, or the one of the model's replicas that answers for it; else 400, as for another
         tenant's response (before, any tenant could continue any conversation whose id it knew)."""
-        pinned = None if self.response_ids.owned_by_another(response_id, tenant) else self.response_ids.replica_of(response_id)
+        hidden = self.response_ids.owned_by_another(response_id, tenant)
+        pinned = None if hidden else self.response_ids.replica_of(response_id)
         if pinned is not None:
             return pinned
         now = asyncio.get_running_loop().time()
         candidates = [r for p in runtime.pools for r in p.replicas if p.serves(model) and r.serves(model) and r.routable(now)]
         assert self.state.session is not None
-        found = None if self.response_ids.owned_by_another(response_id, tenant) else await find_stored(
-            self.state.session, candidates, response_id, runtime.config.upstream.connect_timeout_s)
+        found = None if hidden else await find_stored(self.state.session, candidates, response_id, runtime.config.upstream.connect_timeout_s)
         if found is None:
             raise ApiError(400, f"Previous response {response_id[:200]!r} was not found: no replica serving {model[:200]!r} holds it "
                            "(each engine stores its own responses; it may have been forgotten or restarted).",
