@@ -46,6 +46,8 @@ def error_response(err: ApiError, extra_headers: dict[str, str] | None = None) -
         headers["Retry-After"] = str(max(1, int(err.retry_after_s + 0.999)))
     if err.allow is not None:
         headers["Allow"] = err.allow
+    if err.status == 401:  # RFC 9110 11.6.1: a 401 names the scheme that would do
+        headers["WWW-Authenticate"] = 'Bearer realm="polymorph"'
     return web.Response(
         status=err.status,
         body=error_body(err.status, err.message, err.code, err.param),

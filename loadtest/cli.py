@@ -215,7 +215,7 @@ def register_bench(benches: argparse._SubParsersAction) -> None:  # type: ignore
         description=(
             "Start the fast stub backend in a subprocess, drive short non-streaming requests at a sweep of "
             "Poisson rates, and report achieved vs target rate and scheduling-error percentiles per trial. "
-            "A trial passes when achieved is within 2%% of target and the scheduling error p99 is <= 5 ms; the "
+            "A trial passes when achieved is within 2% of target and the scheduling error p99 is <= 5 ms; the "
             "last JSON line names the highest passing rate."
         ),
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,

@@ -203,8 +203,9 @@ def test_client_errors_map_to_sdk_exceptions(deployment: Deployment) -> None:
         client.chat.completions.create(**_chat(), temperature=7)  # type: ignore[call-overload]
     with pytest.raises(openai.BadRequestError, match="messages"):
         client.chat.completions.create(model=MODEL, messages=[])
-    with pytest.raises(openai.AuthenticationError, match="Invalid API key"):
+    with pytest.raises(openai.AuthenticationError, match="Invalid API key") as unknown_key:
         deployment.client("sk-wrong").chat.completions.create(**_chat())  # type: ignore[call-overload]
+    assert unknown_key.value.response.headers["WWW-Authenticate"] == 'Bearer realm="polymorph"'  # before, none
     with pytest.raises(openai.NotFoundError, match="does not exist"):
         client.chat.completions.create(**{**_chat(), "model": "no-such-model"})  # type: ignore[call-overload]
     with pytest.raises(openai.PermissionDeniedError, match="may not use model"):
@@ -352,7 +353,7 @@ def test_metrics_and_admin_state(deployment: Deployment) -> None:
     assert "polymorph_ttft_seconds_bucket" in metrics and KEY not in metrics
     with pytest.raises(urllib.error.HTTPError) as denied:
         urllib.request.urlopen(deployment.gateway.url + "/admin/state", timeout=5)
-    assert denied.value.code == 401
+    assert denied.value.code == 401 and denied.value.headers["WWW-Authenticate"].startswith("Bearer")
     denied.value.close()
     state = _admin_state(deployment)
     assert [p["name"] for p in state["pools"]] == ["main", "dead"]
