@@ -428,7 +428,7 @@ def _explain(path: Path, exc: sqlite3.Error) -> str:
     if "locked" in text or "busy" in text:
         return f"trial store {path} is locked by another process for too long ({text}); nothing was written"
     if "full" in text:
-        return f"trial store {path} is full ({text}); nothing was written: free space or pass another --store"
+        return f"trial store {path} is full ({text}); nothing was written: free space or name another store"
     if "not a database" in text or "malformed" in text:
-        return f"trial store {path} is not a readable SQLite trial store ({text}); move it aside or pass another --store"
+        return f"trial store {path} is not a readable SQLite trial store ({text}); move it aside or name another store (compile --store, simulate --compile-store, fleet.controller.compile_store)"
     return f"trial store {path}: {text}"
