@@ -236,7 +236,6 @@ class GatewayConfig:
     aliases: Mapping[str, Alias] = field(default_factory=dict)  # public model name -> the served one
     limits: LimitsSettings = field(default_factory=LimitsSettings)
     tracing: TracingSettings = field(default_factory=TracingSettings)
-    watched_files: tuple[Path, ...] = field(default=())
     tenants_dir: Path | None = None
 
 
@@ -813,7 +812,7 @@ def demo_tenant(tiers: Mapping[str, TierSlo]) -> Tenant:
     )
 
 
-def _tenants(doc: YamlDoc, base: Path, tiers: Mapping[str, TierSlo]) -> tuple[tuple[Tenant, ...], list[Path], Path]:
+def _tenants(doc: YamlDoc, base: Path, tiers: Mapping[str, TierSlo]) -> tuple[tuple[Tenant, ...], Path]:
     raw = doc.data.get("tenants_dir")
     if not isinstance(raw, str) or not raw:
         raise doc.error(("tenants_dir",), "name the directory of per-tenant YAML files")
@@ -835,7 +834,7 @@ def _tenants(doc: YamlDoc, base: Path, tiers: Mapping[str, TierSlo]) -> tuple[tu
                 raise tdoc.error(("api_key_sha256",), f"a key hash is also listed by tenant {key_owner[h]!r}")
             key_owner[h] = tenant.name
         tenants.append(tenant)
-    return tuple(tenants), files, directory
+    return tuple(tenants), directory
 
 
 def load_config(path: Path) -> GatewayConfig:
@@ -850,7 +849,7 @@ def load_config(path: Path) -> GatewayConfig:
     FieldReader(doc, (), doc.data, known)
     tiers = _tiers(doc)
     shapes = _shapes(doc)
-    tenants, tenant_files, tenants_dir = _tenants(doc, path.parent, tiers)
+    tenants, tenants_dir = _tenants(doc, path.parent, tiers)
     pools, speed, controller, actuator, ray, devices, kubernetes = _fleet(doc, shapes, path.parent)
     return GatewayConfig(
         source=str(path),
@@ -871,7 +870,6 @@ def load_config(path: Path) -> GatewayConfig:
         aliases=_aliases(doc, pools),
         limits=_limits(doc),
         tracing=_tracing(doc),
-        watched_files=(path, *tenant_files),
         tenants_dir=tenants_dir,
     )
 

@@ -21,7 +21,13 @@ if TYPE_CHECKING:
     from gateway.state import GatewayState
 
 
-def _fingerprint(files: tuple[Path, ...], tenants_dir: Path | None) -> tuple[object, ...]:
+def _fingerprint(config_file: Path, tenants_dir: Path | None) -> tuple[object, ...]:
+    """The config file's and every tenant-folder file's stamp. Every file of the folder, not the tenant
+    files the current version read: those change with the version, so a reload that added a tenant file
+    changed the fingerprint by itself and was followed by a second, empty reload (the version went up twice)."""
+    files = [config_file]
+    if tenants_dir is not None and tenants_dir.is_dir():
+        files += sorted(p for p in tenants_dir.iterdir() if p.is_file())  # a kubelet's ..data links are followed
     stamps: list[object] = []
     for file in files:
         try:
@@ -29,8 +35,6 @@ def _fingerprint(files: tuple[Path, ...], tenants_dir: Path | None) -> tuple[obj
             stamps.append((str(file), stat.st_mtime_ns, stat.st_size))
         except OSError:
             stamps.append((str(file), None))
-    if tenants_dir is not None and tenants_dir.is_dir():
-        stamps.append(tuple(sorted(p.name for p in tenants_dir.iterdir())))
     return tuple(stamps)
 
 
@@ -44,8 +48,7 @@ class ConfigWatcher:
         self._wake = asyncio.Event()
 
     def _current(self) -> tuple[object, ...]:
-        config = self.state.runtime.config
-        return _fingerprint(config.watched_files, config.tenants_dir)
+        return _fingerprint(self.config_path, self.state.runtime.config.tenants_dir)
 
     def reload(self) -> bool:
         """Try the files as they are now; True when a new version was applied."""
