@@ -7,6 +7,7 @@ import argparse
 import json
 import math
 import sys
+from collections.abc import Mapping
 from pathlib import Path
 
 from kernels.argtypes import count, positive, seed
@@ -265,8 +266,8 @@ def _run_fit(args: argparse.Namespace) -> int:
             raise SystemExit("polymorph kernels fit: give --data (calibration CSV) or --store (measured trials), not both")
 
         return main_fit_store(args)
-    from kernels.calibration import evaluate, load_rows
-    from kernels.fit import fit_params, write_params
+    from kernels.calibration import load_rows
+    from kernels.fit import NoScorableRows, fit_params, write_params
     from kernels.perf_params import default_params
 
     path = _data_path(args.data)
@@ -274,11 +275,12 @@ def _run_fit(args: argparse.Namespace) -> int:
         rows = load_rows(path)
     except ValueError as exc:
         raise SystemExit(f"polymorph kernels fit: {exc}") from None
-    if not evaluate(rows)[0]:  # a fit to nothing writes NaN errors over the shipped parameters
-        raise SystemExit(f"polymorph kernels fit: no row of {path} can be scored (`polymorph bench model --data {path}` says why)")
-    params, errors = fit_params(rows, default_params(), max_evals=args.max_evals)
+    try:
+        params, errors = fit_params(rows, default_params(), max_evals=args.max_evals)
+    except NoScorableRows:  # a fit to nothing would write NaN errors over the shipped parameters
+        raise SystemExit(f"polymorph kernels fit: no row of {path} can be scored (`polymorph bench model --data {path}` says why)") from None
     print(json.dumps(params.to_dict(), indent=2))
-    print(json.dumps({"median_ape_pct": {family: None if math.isnan(error) else error for family, error in errors.items()}}))
+    print(json.dumps({"median_ape_pct": _json_errors(errors)}))
     if not args.dry_run:
         write_params(params, errors, source=path.name)
     return 0
@@ -300,6 +302,11 @@ def _run_add_model(args: argparse.Namespace) -> int:
     print(f"added {spec.name} to {path}: {spec.num_layers} layers, hidden {spec.hidden_size}, {spec.num_heads} heads "
           f"({spec.num_kv_heads} KV), vocabulary {spec.vocab_size}{moe}, {spec.total_params / 1e9:.3g}B parameters")
     return 0
+
+
+def _json_errors(errors: Mapping[str, float]) -> dict[str, float | None]:
+    """Median errors per family for a JSON line: a family without rows (NaN) is null, as JSON has no NaN."""
+    return {family: None if math.isnan(error) else error for family, error in errors.items()}
 
 
 def _run_bench_model(args: argparse.Namespace) -> int:
@@ -326,7 +333,7 @@ def _run_bench_model(args: argparse.Namespace) -> int:
         ids = sorted({s.row_id for s in skipped if s.reason == reason})
         print(f"  {count:>3}  {reason}: {', '.join(ids[:6])}{' ...' if len(ids) > 6 else ''}")
     summary = {"rows_scored": len(scored), "rows_skipped": len(skipped),
-               "median_ape_pct": {family: None if math.isnan(errors[family]) else round(errors[family], 2) for family in FAMILIES}}  # no bare NaN: JSON has none
+               "median_ape_pct": _json_errors({family: round(errors[family], 2) for family in FAMILIES})}
     print(json.dumps(summary))
     return 0
 

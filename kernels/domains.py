@@ -14,3 +14,9 @@ DOMAINS: tuple[str, ...] = (
     "qa",
     "chat",
 )
+
+
+def unknown_domain(name: object) -> str:
+    """The reason a domain that is not one of DOMAINS is refused (an unknown one would be sent chat
+    prompts under its own label)."""
+    return f"unknown domain {name!r}; domains: {', '.join(DOMAINS)}"

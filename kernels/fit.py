@@ -56,11 +56,18 @@ def _with_vector(params: PerfParams, vector: np.ndarray) -> PerfParams:
     return dataclasses.replace(params, **changes)  # type: ignore[arg-type]
 
 
+class NoScorableRows(ValueError):
+    """Not one row could be scored: a fit would be to nothing, and its errors NaN."""
+
+
 def fit_params(rows: Sequence[Mapping[str, str]], start: PerfParams, max_evals: int = 6) -> tuple[PerfParams, dict[str, float]]:
-    """Fitted parameters and the resulting median APE per family."""
+    """Fitted parameters and the resulting median APE per family. Raises NoScorableRows at the first
+    evaluation when no row can be scored."""
 
     def residuals(vector: np.ndarray) -> np.ndarray:
         scored, _ = evaluate(rows, _with_vector(start, vector))
+        if not scored:
+            raise NoScorableRows("no row can be scored")
         return np.array([_FAMILY_WEIGHT[r.family] * np.log(max(r.predicted, 1e-12) / r.measured) for r in scored])
 
     lower = np.log([b[2] for b in _FREE])

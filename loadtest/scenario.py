@@ -19,7 +19,7 @@ from typing import Any
 
 import numpy as np
 
-from kernels.domains import DOMAINS
+from kernels.domains import DOMAINS, unknown_domain
 from kernels.yamlsrc import ConfigError, YamlDoc, parse_yaml
 from loadtest.arrivals import PROCESS_PARAMS, ArrivalProcess, arrival_times
 from loadtest.lengths import LengthDist, fitted_data, parse_length
@@ -227,8 +227,8 @@ class _Parser:
         data = self.mapping(value, where)
         self.known_keys(data, where, ("name", "weight", "domain", "input", "output", "lengths", "tier", "prefix_tokens"))
         domain = data.get("domain", "chat")
-        if domain not in DOMAINS:  # an unknown one would be sent chat prompts under its own label
-            raise self.fail(f"{where}.domain", f"unknown domain {domain!r}; domains: {', '.join(DOMAINS)}")
+        if domain not in DOMAINS:
+            raise self.fail(f"{where}.domain", unknown_domain(domain))
         lengths = data.get("lengths")
         try:
             input_dist = parse_length(data.get("input", lengths), "input")

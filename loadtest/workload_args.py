@@ -6,7 +6,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from kernels.domains import DOMAINS
+from kernels.domains import DOMAINS, unknown_domain
 from kernels.yamlsrc import FieldReader, load_yaml
 from loadtest.spec import Workload
 from loadtest.transform import ASSIGNABLE_FIELDS, AssignRule
@@ -43,8 +43,8 @@ def build_workload_from_args(args: argparse.Namespace) -> Workload:
         if text:
             fractions = transform.parse_fractions(text)
             unknown = sorted(set(fractions) - set(DOMAINS)) if field == "domain" else []
-            if unknown:  # a request of an unknown domain would be sent chat prompts under its own label
-                raise ValueError(f"--domains: unknown domain {unknown[0]!r}; domains: {', '.join(DOMAINS)}")
+            if unknown:
+                raise ValueError(f"--domains: {unknown_domain(unknown[0])}")
             workload = transform.assign_fractions(workload, field, fractions, seed + number)
     if args.assign:
         workload = transform.assign_by_rules(workload, _rules(Path(args.assign)))
@@ -68,7 +68,7 @@ def _rules(path: Path) -> list[AssignRule]:
         if field not in ASSIGNABLE_FIELDS:
             raise fields.error("set", f"cannot assign {field!r}; assignable fields: {', '.join(ASSIGNABLE_FIELDS)}")
         if field == "domain" and value not in DOMAINS:
-            raise fields.error("to", f"unknown domain {value!r}; domains: {', '.join(DOMAINS)}")
+            raise fields.error("to", unknown_domain(value))
         bounds = {key: fields.number(key, 0, integer=True) for key in _BOUNDS if key in item}
         domains, tenants = fields.names("domains", None, DOMAINS), fields.names("tenants", None)
         rules.append(AssignRule(field, value, **bounds, domains=None if domains is None else frozenset(domains),
