@@ -40,9 +40,13 @@ class FaultSpec:
                 raise ValueError(f"fault {name} must be a non-negative integer or null, got {value!r}")
         if not 0.0 <= self.error_rate <= 1.0:
             raise ValueError(f"fault error_rate must be in [0, 1], got {self.error_rate}")
-        for name in ("error_status", "health_status"):
-            if not 100 <= getattr(self, name) <= 599:
-                raise ValueError(f"fault {name} must be an HTTP status, got {getattr(self, name)}")
+        if not 100 <= self.health_status <= 599:
+            raise ValueError(f"fault health_status must be an HTTP status, got {self.health_status}")
+        if not 400 <= self.error_status <= 599:  # a 200 "error" would be counted a success with no body an engine sends
+            raise ValueError(f"fault error_status must be an HTTP error status (400-599), got {self.error_status}")
+        if (self.stall_after_tokens is None) != (self.stall_s == 0.0):  # half a stall does nothing: say so
+            raise ValueError("fault stall_s and stall_after_tokens go together (a stall of stall_s seconds after "
+                             f"stall_after_tokens tokens), got stall_s={self.stall_s} and stall_after_tokens={self.stall_after_tokens}")
         if not (self.slowdown > 0.0 and math.isfinite(self.slowdown)):
             raise ValueError(f"fault slowdown must be a positive number, got {self.slowdown}")
         if self.crash_mode not in CRASH_MODES:

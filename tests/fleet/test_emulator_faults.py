@@ -5,6 +5,7 @@ from __future__ import annotations
 import http.client
 import json
 import socket
+import subprocess
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -12,7 +13,7 @@ from contextlib import contextmanager
 import pytest
 
 from tests.fleet.emulator_helpers import chat_body, get_json, post_json, request
-from tests.support.procs import Proc, set_faults, start_emulator
+from tests.support.procs import POLYMORPH, Proc, set_faults, start_emulator
 
 
 @pytest.fixture(scope="module")
@@ -139,6 +140,23 @@ def test_health_status_fault(base: str) -> None:
 def test_unknown_fault_is_a_400(base: str) -> None:
     status, body = post_json(base, "/_emulator/faults", {"explode": True})
     assert status == 400 and "unknown fault" in body["error"]["message"]
+
+
+@pytest.mark.parametrize("faults", [{"error_status": 200}, {"error_rate": 1.0, "error_status": 302}, {"stall_s": 5.0},
+                                    {"stall_after_tokens": 3}, {"stall_after_tokens": 3, "stall_s": 0}])
+def test_a_fault_that_would_do_nothing_or_answer_success_is_a_400(base: str, faults: dict[str, object]) -> None:
+    status, body = post_json(base, "/_emulator/faults", faults)
+    assert status == 400 and "fault" in body["error"]["message"]
+    assert get_json(base, "/_emulator/faults")["stall_s"] == 0.0  # nothing of the refused change took
+
+
+@pytest.mark.parametrize("flags", [["--error-status", "200"], ["--stall-s", "5"], ["--stall-after-tokens", "2"]])
+def test_the_cli_refuses_the_same(flags: list[str]) -> None:
+    # a process with a deadline: an emulator that accepted the flags would serve until stopped
+    done = subprocess.run([*POLYMORPH, "emulate", "--model", "llama-3.1-8b", "--gpu", "H100", "--port", "0", *flags],
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode == 2
+    assert "error_status must be an HTTP error status" in done.stdout or "stall_s and stall_after_tokens go together" in done.stdout
 
 
 @pytest.mark.parametrize("stream", [True, False])
