@@ -22,6 +22,18 @@ PROCESS_PARAMS: dict[str, tuple[str, ...]] = {
 }
 PROCESSES: tuple[str, ...] = tuple(PROCESS_PARAMS)
 
+# The most arrivals one schedule may hold: each becomes a request object (about 200 bytes, so 2 GB here)
+# and the draw itself a float array. Before, `--rate 1e9` asked numpy for 41 GiB and ended in a traceback.
+MAX_ARRIVALS = 10_000_000
+
+
+def check_arrivals(rate_rps: float, duration_s: float) -> None:
+    """ValueError when ``rate_rps`` for ``duration_s`` would schedule more than ``MAX_ARRIVALS`` requests."""
+    expected = rate_rps * duration_s
+    if expected > MAX_ARRIVALS:
+        raise ValueError(f"{rate_rps:g} requests/s for {duration_s:g} s is {expected:.3g} requests; a schedule holds at most "
+                         f"{MAX_ARRIVALS:,} (lower the rate or the duration)")
+
 
 @dataclass(frozen=True, slots=True)
 class ArrivalProcess:
@@ -62,6 +74,7 @@ def arrival_times(process: ArrivalProcess, duration_s: float, rng: np.random.Gen
     """Sorted arrival instants in [0, duration_s)."""
     if duration_s <= 0:
         return np.empty(0)
+    check_arrivals(max(process.rate_rps, process.mean_rate_rps), duration_s)
     if process.process == "poisson":
         return _renewal(rng.exponential, (1.0 / process.rate_rps,), process.rate_rps, duration_s)
     if process.process == "gamma":

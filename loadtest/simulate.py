@@ -25,6 +25,7 @@ from fleet.decisions import DecisionLog
 from fleet.simulator.run import simulate, simulate_outcomes
 from kernels.catalog import get_gpu, get_model
 from kernels.compiler import Budget, StoreError, TrialStore
+from loadtest.arrivals import check_arrivals
 from loadtest.capacity import (
     DEFAULT_MAX_POINTS,
     DEFAULT_RESOLUTION,
@@ -146,7 +147,9 @@ def scenario_rate_rps(scenario: Scenario, duration_s: float | None, rate_rps: fl
     duration = _stretched_duration_s(scenario, duration_s, stretch)
     if rate_rps is not None and not rate_rps > 0:
         raise ValueError(f"--rate must be > 0 req/s, got {rate_rps:g}")
-    return rate_rps if rate_rps is not None else scenario.mean_rate_rps(duration / stretch) / stretch
+    rate = rate_rps if rate_rps is not None else scenario.mean_rate_rps(duration / stretch) / stretch
+    check_arrivals(rate, duration)  # a capacity search's first point, refused before the search rather than in it
+    return rate
 
 
 def _stretched_duration_s(loaded: Scenario, duration_s: float | None, stretch: float) -> float:

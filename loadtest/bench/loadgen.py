@@ -13,11 +13,12 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import sys
 from typing import Any
 
 import numpy as np
 
-from loadtest.arrivals import ArrivalProcess, arrival_times
+from loadtest.arrivals import ArrivalProcess, arrival_times, check_arrivals
 from loadtest.fast_backend import fast_backend_process
 from loadtest.metrics import MAX_LAG_P99_MS, MAX_RATE_SHORTFALL, generator_health
 from loadtest.runner import RunnerConfig, run
@@ -53,6 +54,12 @@ def measure_rate(url: str, rate_rps: float, duration_s: float, seed: int) -> dic
 
 def main_bench(args: argparse.Namespace) -> int:
     rates: tuple[float, ...] = args.rates
+    try:  # before the backend starts: a rate no schedule can hold is the flag's fault
+        for rate_rps in rates:
+            check_arrivals(rate_rps, args.duration)
+    except ValueError as exc:
+        print(f"polymorph bench loadgen: --rates: {exc}", file=sys.stderr)
+        return 2
     rows = []
     print(f"{'rate':>7} {'trial':>5} {'reqs':>6} {'achieved':>9} {'err%':>6} {'lag p50':>8} {'p90':>7} {'p99':>7} "
           f"{'max':>7} {'fails':>5}  pass")

@@ -77,3 +77,10 @@ def test_same_seed_same_schedule_and_different_seed_differs() -> None:
 def test_bad_parameters_are_rejected(kwargs: dict[str, object], message: str) -> None:
     with pytest.raises(ValueError, match=message):
         ArrivalProcess(**kwargs)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("process", [ArrivalProcess("poisson", 1e12), ArrivalProcess("mmpp", 1.0, burst_rate_rps=1e12),
+                                     ArrivalProcess("diurnal", 1e12)])
+def test_a_schedule_too_large_to_hold_is_a_clear_error(process: ArrivalProcess) -> None:
+    with pytest.raises(ValueError, match="a schedule holds at most 10,000,000"):  # before: numpy asked for terabytes
+        arrival_times(process, 10.0, np.random.default_rng(0))

@@ -127,3 +127,12 @@ def test_dry_run_applies_rules_domains_and_fractions(tmp_path: Path, capsys: pyt
         assert main(["loadtest", "--trace", str(FIXTURES / "azure_small.csv"), "--format", "azure", flag, value,
                      "--dry-run", "--out", str(tmp_path)]) == 2
         assert says in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("argv", [["loadtest", "--scenario", "stationary", "--rate", "1e12", "--dry-run", "--out", "OUT"],
+                                  ["simulate", "--scenario", "stationary", "--rate", "1e12"],
+                                  ["simulate", "--scenario", "stationary", "--rate", "1e12", "--capacity"],
+                                  ["bench", "loadgen", "--rates", "100,1e12", "--duration", "1"]])
+def test_a_rate_no_schedule_can_hold_is_refused_before_the_run(argv: list[str], tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main([str(tmp_path) if arg == "OUT" else arg for arg in argv]) == 2
+    assert "a schedule holds at most 10,000,000" in capsys.readouterr().err
