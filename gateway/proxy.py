@@ -45,6 +45,8 @@ _DIGITS = re.compile(rb"[ \t]*([0-9]+)")
 # quotes are escaped) cannot match. Its data holds the whole response: id, status and usage.
 _RESPONSE_END = re.compile(rb'"response\.(?:completed|incomplete|failed)"')
 _MAX_FINAL_EVENT_BYTES = 4 * 1024 * 1024
+# An event's ``sequence_number`` member; inside a JSON string its quotes are escaped, so model text cannot match.
+_SEQUENCE_NUMBER = re.compile(rb'(?<!\\)"sequence_number"\s*:\s*(\d+)')
 
 
 @dataclass(frozen=True, slots=True)
@@ -154,10 +156,11 @@ def _pinned_route(runtime: Runtime, shape: Shape, model: str, pinned: str, now: 
     return Route(replica.pool, replica.name, replica.url, False, work_units(shape, pool))
 
 
-def _responses_error_event(message: str, code: str) -> bytes:
-    """The Responses API's ``error`` event, ending a stream that broke after its first byte."""
+def _responses_error_event(message: str, code: str, sequence_number: int) -> bytes:
+    """The Responses API's ``error`` event, ending a stream that broke after its first byte; it is numbered
+    after the last event the client got, as every event of the stream is."""
     error = orjson.loads(error_body(502, message, code))["error"]
-    return b"event: error\ndata: " + orjson.dumps({**error, "type": "error"}) + b"\n\n"
+    return b"event: error\ndata: " + orjson.dumps({**error, "type": "error", "sequence_number": sequence_number}) + b"\n\n"
 
 
 class Proxy:
@@ -484,8 +487,13 @@ class Proxy:
         chunk = first
         carry = b""  # the end of the bytes before, in case the end marker straddles two reads
         final: bytearray | None = None
+        next_sequence_number, sequence_tail = 0, b""  # the tail: a member split between two reads is found too
         while chunk:
             last_event_at = loop.time()
+            scanned = sequence_tail + chunk
+            if numbers := _SEQUENCE_NUMBER.findall(scanned):
+                next_sequence_number = max(next_sequence_number, int(numbers[-1]) + 1)
+            sequence_tail = scanned[-32:]
             if final is None:
                 data = carry + chunk
                 found = _RESPONSE_END.search(data)
@@ -503,7 +511,7 @@ class Proxy:
         if outcome.stream_error is not None:
             self.mark_failure(replica)
             message = f"The stream from replica {replica.name} broke off ({outcome.stream_error}); the response is incomplete."
-            await response.write(_responses_error_event(message, outcome.stream_error))
+            await response.write(_responses_error_event(message, outcome.stream_error, next_sequence_number))
             return
         self.mark_success(replica)
         assert final is not None

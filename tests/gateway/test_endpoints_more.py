@@ -266,6 +266,8 @@ def test_a_responses_stream_that_breaks_ends_with_an_error_event(stack: Stack) -
     assert events[0].type == "response.created"
     assert events[-1].type == "error"
     assert "broke off" in events[-1].message  # type: ignore[union-attr]
+    numbers = [event.sequence_number for event in events]
+    assert numbers == list(range(len(events)))  # the error event is numbered after the last one relayed
     broken = [line for line in stack.access_log("responses", until=lambda lines: any(line.get("stream_error") for line in lines))
               if line.get("stream_error")]
     assert [line["stream_error"] for line in broken] == ["upstream_disconnected"]
