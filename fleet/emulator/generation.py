@@ -171,6 +171,11 @@ def _stop_field(value: object) -> tuple[str, ...]:
 def _openai_sampling(body: Mapping[str, Any]) -> _Sampling:
     if body.get("n", 1) != 1:
         raise BadRequest("only n=1 is supported", "n")
+    # what a real engine computes and the emulator cannot: refused, not answered without it (a client reading
+    # choices[0].logprobs would find null and fail far from the cause)
+    for key in ("logprobs", "top_logprobs", "echo"):
+        if body.get(key) not in (None, False, 0):
+            raise BadRequest(f"the emulator does not produce '{key}' (a real engine does); send the request without it", key)
     max_tokens = _int_field(body, "max_completion_tokens", 1)
     if max_tokens is None:
         max_tokens = _int_field(body, "max_tokens", 1)

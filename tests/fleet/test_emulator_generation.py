@@ -11,6 +11,7 @@ from fleet.emulator.generation import (
     cut_at_stop,
     natural_output_tokens,
     parse_chat,
+    parse_completion,
     parse_generate,
     text_prefix_hash_ids,
 )
@@ -49,6 +50,12 @@ def test_parse_chat_honours_ignore_eos_min_tokens_and_context(domains: DomainPre
     assert parse_chat(body, 131072, domains).output_tokens >= 50
     with pytest.raises(BadRequest, match="maximum context length"):
         parse_chat({"messages": [{"role": "user", "content": "word " * 400}]}, 100, domains)
+    for asked in ({"logprobs": True}, {"top_logprobs": 3}, {"n": 2}):  # what the emulator cannot answer is refused, not dropped
+        with pytest.raises(BadRequest, match="emulator does not produce|only n=1"):
+            parse_chat({"messages": [{"role": "user", "content": "hi"}], **asked}, 131072, domains)
+    with pytest.raises(BadRequest, match="'echo'"):
+        parse_completion({"prompt": "hi", "echo": True}, 131072, domains)
+    assert parse_chat({"messages": [{"role": "user", "content": "hi"}], "logprobs": False}, 131072, domains).output_tokens >= 1
     hashed = parse_chat({"messages": [{"role": "user", "content": "x"}], "hash_ids": [4, 5]}, 131072, domains)
     assert hashed.prefix_hash_ids == (4, 5)
 
@@ -59,8 +66,8 @@ def test_parse_generate_defaults_to_sglang_128_new_tokens(domains: DomainPredict
 
 
 def test_fault_spec_validation_and_merge() -> None:
-    spec = FaultSpec.from_dict({"error_rate": 0.25, "stall_after_tokens": 3}, base=FaultSpec(slowdown=2.0))
-    assert (spec.error_rate, spec.stall_after_tokens, spec.slowdown) == (0.25, 3, 2.0)
+    spec = FaultSpec.from_dict({"error_rate": 0.25, "stall_after_tokens": 3, "stall_s": 1.0}, base=FaultSpec(slowdown=2.0))
+    assert (spec.error_rate, spec.stall_after_tokens, spec.stall_s, spec.slowdown) == (0.25, 3, 1.0, 2.0)
     assert FaultSpec.from_dict({"reset": True}, base=spec) == FaultSpec()
     for bad in ({"error_rate": 2}, {"crash_mode": "boom"}, {"nope": 1}, {"fail_after_requests": -1}, {"slowdown": 0}):
         with pytest.raises(ValueError):
