@@ -117,13 +117,18 @@ def _adopted_configs(config: GatewayConfig) -> dict[str, str]:
 
 
 class _OneLineParseErrors(logging.Filter):
-    """Malformed HTTP from a client is the client's problem: one line in the log, not a traceback per attempt."""
+    """Malformed HTTP from a client is the client's problem: one line in the log, not a traceback per attempt.
+    A body its Content-Encoding does not decode was answered 400 ``invalid_body`` already; aiohttp meets the
+    error again as it drains the rest of that body, and would log it as an "Unhandled exception"."""
 
     def filter(self, record: logging.LogRecord) -> bool:
         from aiohttp.http_exceptions import HttpProcessingError
+        from aiohttp.web_protocol import RequestPayloadError
 
-        if record.exc_info and isinstance(record.exc_info[1], HttpProcessingError):
-            record.msg = f"rejected malformed HTTP request: {type(record.exc_info[1]).__name__}"
+        error = record.exc_info[1] if record.exc_info else None
+        if isinstance(error, HttpProcessingError | RequestPayloadError):
+            record.msg = (f"rejected malformed HTTP request: {type(error).__name__}" if isinstance(error, HttpProcessingError)
+                          else "a request body its Content-Encoding did not decode (answered 400 invalid_body)")
             record.args = ()
             record.exc_info = None
         return True
