@@ -45,6 +45,9 @@ if TYPE_CHECKING:
     from loadtest.scenario import Scenario
 
 DEFAULT_FLEET = "H100-SXM:8,H200:8"
+# The longest run the simulator takes: its controller ticks every 5 fleet seconds, and every tick is an event
+# queued at the start (518k here). Before, `--stretch 1e9` queued 3.6e11 of them and ended in a MemoryError.
+MAX_SIMULATED_S = 30 * 86_400.0
 
 
 def parse_fleet(text: str) -> dict[str, int]:
@@ -158,7 +161,15 @@ def _stretched_duration_s(loaded: Scenario, duration_s: float | None, stretch: f
         raise ValueError(f"--stretch must be > 0, got {stretch:g}")
     if duration_s is not None and not duration_s > 0:
         raise ValueError(f"--duration must be > 0 s, got {duration_s:g}")
-    return loaded.duration_s * stretch if duration_s is None else duration_s
+    return _simulable(loaded.duration_s * stretch if duration_s is None else duration_s)
+
+
+def _simulable(duration_s: float) -> float:
+    """``duration_s``, or ValueError past ``MAX_SIMULATED_S``."""
+    if duration_s > MAX_SIMULATED_S:
+        raise ValueError(f"the workload spans {duration_s:.4g} s of fleet time; a simulated run spans at most "
+                         f"{MAX_SIMULATED_S:,.0f} s (30 days): shorten it (--duration, --stretch, --speedup)")
+    return duration_s
 
 
 def trace_workload(path: str, trace_format: str, speedup: float | None, rate_rps: float | None) -> Workload:
@@ -172,8 +183,11 @@ def trace_workload(path: str, trace_format: str, speedup: float | None, rate_rps
         raise ValueError("give a trace --speedup or --rate, not both")
     workload = read_trace(path, trace_format)
     if speedup is not None:
-        return speed_up(workload, speedup)
-    return workload if rate_rps is None else scale_to_rate(workload, rate_rps)
+        workload = speed_up(workload, speedup)
+    elif rate_rps is not None:
+        workload = scale_to_rate(workload, rate_rps)
+    _simulable(workload.duration_s)
+    return workload
 
 
 @dataclass(frozen=True, slots=True)

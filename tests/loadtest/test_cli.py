@@ -136,3 +136,12 @@ def test_dry_run_applies_rules_domains_and_fractions(tmp_path: Path, capsys: pyt
 def test_a_rate_no_schedule_can_hold_is_refused_before_the_run(argv: list[str], tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     assert main([str(tmp_path) if arg == "OUT" else arg for arg in argv]) == 2
     assert "a schedule holds at most 10,000,000" in capsys.readouterr().err
+
+
+# just past the bound, so that a run the check no longer refused would be slow, not a MemoryError (`--stretch 1e9`)
+@pytest.mark.parametrize("argv", [["simulate", "--scenario", "drift-step", "--stretch", "4400"],
+                                  ["simulate", "--scenario", "drift-step", "--duration", "2.6e6", "--rate", "0.001", "--capacity"],
+                                  ["simulate", "--trace", str(FIXTURES / "azure_small.csv"), "--format", "azure", "--speedup", "3e-6"]])
+def test_a_simulated_run_longer_than_30_days_is_refused_before_it_starts(argv: list[str], capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(argv) == 2  # before, every controller tick was queued at the start: `--stretch 1e9` ended in a MemoryError
+    assert "a simulated run spans at most 2,592,000 s (30 days)" in capsys.readouterr().err
