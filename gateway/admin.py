@@ -17,7 +17,7 @@ from fleet.pool import ReplicaState
 from gateway.budgets import TenantSpend, tenant_spend
 from gateway.dashboard import is_admin_request
 from gateway.engine_scrape import EngineScraper
-from gateway.errors import ApiError, error_response
+from gateway.errors import ApiError, error_response, unreadable_body
 from gateway.state import GatewayState
 
 _JSON = "application/json"
@@ -220,7 +220,7 @@ async def _posted_object(request: web.Request, shape: str, fields: frozenset[str
     except orjson.JSONDecodeError:
         raise ApiError(400, "The body must be a JSON object.", "invalid_json") from None
     except RequestPayloadError as exc:  # a Content-Encoding the body does not decode as (was a 500)
-        raise ApiError(400, f"The request body could not be read: {exc}.", "invalid_body") from None
+        raise unreadable_body(exc) from None
     if not isinstance(body, dict):
         raise ApiError(400, "The body must be a JSON object.", "invalid_json")
     unknown = sorted(set(body) - fields)

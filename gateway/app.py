@@ -31,7 +31,7 @@ from gateway.costs import request_cost_usd
 from gateway.dashboard import add_dashboard_routes, is_admin_request
 from gateway.endpoints import CHAT_METER, COMPLETIONS_METER, EMBEDDINGS, RERANK, RERANK_PATHS, RESPONSES, SCORE, SCORE_PATHS, Endpoint, Meter
 from gateway.engine_scrape import EngineScraper
-from gateway.errors import ApiError, error_response
+from gateway.errors import ApiError, error_response, unreadable_body
 from gateway.openapi import DOCUMENT_BYTES
 from gateway.outcome import Outcome
 from gateway.probes import HealthProber
@@ -114,7 +114,7 @@ async def _read_json(request: web.Request, max_body_bytes: int, timeout_s: float
     except TimeoutError:
         raise ApiError(408, f"The request body did not arrive within {timeout_s:g} s.", "request_timeout") from None
     except RequestPayloadError as exc:  # a Content-Encoding the body does not decode as, or a broken chunk (was a 500)
-        raise ApiError(400, f"The request body could not be read: {exc}.", "invalid_body") from None
+        raise unreadable_body(exc) from None
     if not raw:
         raise ApiError(400, "The request body is empty; send a JSON object.", "invalid_json")
     try:

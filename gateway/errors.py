@@ -35,6 +35,12 @@ class ApiError(Exception):
         self.allow = allow  # a 405's methods: the Allow header RFC 9110 requires of it
 
 
+def unreadable_body(exc: Exception) -> ApiError:
+    """A body aiohttp could not read (its Content-Encoding does not decode it, or a chunk is broken): the
+    client's fault, a 400, not the 500 an unexpected exception would be."""
+    return ApiError(400, f"The request body could not be read: {exc}.", "invalid_body")
+
+
 def error_body(status: int, message: str, code: str, param: str | None = None) -> bytes:
     kind = _TYPE_BY_STATUS.get(status, "invalid_request_error" if status < 500 else "server_error")
     return orjson.dumps({"error": {"message": message, "type": kind, "param": param, "code": code}})

@@ -485,25 +485,22 @@ class Proxy:
         loop = asyncio.get_running_loop()
         last_event_at = first_at
         chunk = first
-        carry = b""  # the end of the bytes before, in case the end marker straddles two reads
+        carry = b""  # the end of the bytes before, in case the end marker or a sequence number straddles two reads
         final: bytearray | None = None
-        next_sequence_number, sequence_tail = 0, b""  # the tail: a member split between two reads is found too
+        next_sequence_number = 0
         while chunk:
             last_event_at = loop.time()
-            scanned = sequence_tail + chunk
-            if numbers := _SEQUENCE_NUMBER.findall(scanned):
+            data = carry + chunk
+            if numbers := _SEQUENCE_NUMBER.findall(data):
                 next_sequence_number = max(next_sequence_number, int(numbers[-1]) + 1)
-            sequence_tail = scanned[-32:]
             if final is None:
-                data = carry + chunk
                 found = _RESPONSE_END.search(data)
                 if found is not None:
                     start = data.rfind(b"data:", 0, found.start())
                     final = bytearray(data[start if start >= 0 else found.start() :])
-                else:
-                    carry = data[-64:]
             elif len(final) < _MAX_FINAL_EVENT_BYTES:
                 final += chunk
+            carry = data[-64:]
             await response.write(chunk)
             chunk = await _next_chunk(upstream, outcome)
         if outcome.stream_error is None and final is None:

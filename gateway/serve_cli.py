@@ -126,11 +126,14 @@ class _OneLineParseErrors(logging.Filter):
         from aiohttp.web_protocol import RequestPayloadError
 
         error = record.exc_info[1] if record.exc_info else None
-        if isinstance(error, HttpProcessingError | RequestPayloadError):
-            record.msg = (f"rejected malformed HTTP request: {type(error).__name__}" if isinstance(error, HttpProcessingError)
-                          else "a request body its Content-Encoding did not decode (answered 400 invalid_body)")
-            record.args = ()
-            record.exc_info = None
+        if isinstance(error, RequestPayloadError):
+            record.msg = "a request body its Content-Encoding did not decode (answered 400 invalid_body)"
+        elif isinstance(error, HttpProcessingError):
+            record.msg = f"rejected malformed HTTP request: {type(error).__name__}"
+        else:
+            return True
+        record.args = ()
+        record.exc_info = None
         return True
 
 

@@ -74,7 +74,7 @@ def arrival_times(process: ArrivalProcess, duration_s: float, rng: np.random.Gen
     """Sorted arrival instants in [0, duration_s)."""
     if duration_s <= 0:
         return np.empty(0)
-    check_arrivals(max(process.rate_rps, process.mean_rate_rps), duration_s)
+    check_arrivals(process.mean_rate_rps, duration_s)
     if process.process == "poisson":
         return _renewal(rng.exponential, (1.0 / process.rate_rps,), process.rate_rps, duration_s)
     if process.process == "gamma":
