@@ -35,7 +35,7 @@ through a kubeconfig (``write_kubeconfig``):
   before the next create), ``conflict_next_lease_write`` (likewise a Lease before the next
   replaces), ``write_lease`` (a write by another client), ``on_scale`` (a hook after each scale patch), ``compact`` (410 Gone
   for every resourceVersion so far, and dropped watches), ``outage`` (for N seconds the port refuses
-  connections and open connections are cut).
+  connections and open connections are cut; the port stays this server's, so nothing else answers on it).
 
 What it does NOT do (everything else): authentication and RBAC (any token passes), admission,
 validation against the schemas, field selectors, set-based label selectors (only ``k=v,k2=v2``),
@@ -54,6 +54,7 @@ import copy
 import json
 import re
 import signal
+import socket
 import subprocess
 import threading
 import time
@@ -130,7 +131,13 @@ class KubeApi:
         self.log_dir = log_dir
         self.namespace = namespace
         self.bookmark_s = bookmark_s
-        self.port = free_port()
+        # Held (bound, never listening) for the server's whole life, so that no other process, a parallel
+        # test worker's server say, can take the port during an ``outage``: its 404s for our paths once read
+        # as "the Lease was deleted". The site shares the port through SO_REUSEPORT.
+        self._port_hold = socket.socket()
+        self._port_hold.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+        self._port_hold.bind(("127.0.0.1", free_port()))
+        self.port = int(self._port_hold.getsockname()[1])
         self.url = f"http://127.0.0.1:{self.port}"
         self.rv = 0
         self.oldest_rv = 0  # watches from before this get 410 Gone
@@ -186,7 +193,7 @@ class KubeApi:
 
     async def _listen(self) -> None:
         assert self._runner is not None
-        self._site = web.TCPSite(self._runner, "127.0.0.1", self.port, reuse_address=True)
+        self._site = web.TCPSite(self._runner, "127.0.0.1", self.port, reuse_address=True, reuse_port=True)
         await self._site.start()
 
     def close(self) -> None:
@@ -194,6 +201,7 @@ class KubeApi:
         self.call(self._close)
         self._loop.call_soon_threadsafe(self._loop.stop)
         self._thread.join(10)
+        self._port_hold.close()
 
     async def _close(self) -> None:
         if self._kubelet is not None:
