@@ -113,14 +113,6 @@ class _Candidate:
         return thread
 
 
-def _refuses(port: int) -> bool:
-    try:
-        socket.create_connection(("127.0.0.1", port), timeout=1).close()
-    except ConnectionRefusedError:
-        return True
-    return False
-
-
 def _spec(api: KubeApi) -> dict[str, Any]:
     lease = api.lease(LEASE)
     assert lease is not None
@@ -174,13 +166,20 @@ def test_a_leader_that_loses_its_lease_or_the_api_server_says_so(api: tuple[Kube
     b = _Candidate(server, kubeconfig, "b")
     b.campaign().join(10)
     server.outage(5.0)
-    wait_until("the port to refuse", lambda: _refuses(server.port), 5)
-    with socket.socket() as squatter, pytest.raises(OSError):  # nothing else may answer there meanwhile: its 404s read as a deletion
-        squatter.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as servers bind (asyncio, aiohttp)
-        squatter.bind(("127.0.0.1", server.port))
     wait_until("b to give up", lambda: bool(b.lost), 10)
     assert b.lost[0].startswith(f"could not renew the Lease {server.namespace}/{LEASE} for ") and "unreachable" in b.lost[0], b.lost
     assert _spec(server)["holderIdentity"] == "b"  # it never released: it must not act once it may have lost
+
+
+def test_an_outage_refuses_connections_and_keeps_the_port_from_other_servers(api: tuple[KubeApi, Path]) -> None:
+    server, _ = api
+    server.outage(2.0)
+    wait_until("the port to refuse", lambda: server.refusing, 5)
+    with socket.socket() as client, pytest.raises(ConnectionRefusedError):
+        client.connect(("127.0.0.1", server.port))
+    with socket.socket() as probe, pytest.raises(OSError):  # as free_port probes: it must not hand the port to another server,
+        probe.bind(("127.0.0.1", server.port))  # whose 404s for the Lease's path read as "deleted by someone else"
+    wait_until("the outage to end", lambda: not server.down, 5)
 
 
 # --- two real `polymorph controller` processes ---------------------------------------------------------

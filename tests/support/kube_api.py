@@ -131,13 +131,7 @@ class KubeApi:
         self.log_dir = log_dir
         self.namespace = namespace
         self.bookmark_s = bookmark_s
-        # Held (bound, never listening) for the server's whole life, so that no other process, a parallel
-        # test worker's server say, can take the port during an ``outage``: its 404s for our paths once read
-        # as "the Lease was deleted". The site shares the port through SO_REUSEPORT.
-        self._port_hold = socket.socket()
-        self._port_hold.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
-        self._port_hold.bind(("127.0.0.1", free_port()))
-        self.port = int(self._port_hold.getsockname()[1])
+        self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.rv = 0
         self.oldest_rv = 0  # watches from before this get 410 Gone
@@ -156,6 +150,7 @@ class KubeApi:
         self._lease_conflicts_left = 0
         self._created_first: Obj | None = None
         self._down = False
+        self._refusing = False  # in an outage, once the port no longer listens
         self._pod_serial = 0
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="kube-api", daemon=True)
@@ -193,7 +188,7 @@ class KubeApi:
 
     async def _listen(self) -> None:
         assert self._runner is not None
-        self._site = web.TCPSite(self._runner, "127.0.0.1", self.port, reuse_address=True, reuse_port=True)
+        self._site = web.TCPSite(self._runner, "127.0.0.1", self.port, reuse_address=True)
         await self._site.start()
 
     def close(self) -> None:
@@ -201,7 +196,8 @@ class KubeApi:
         self.call(self._close)
         self._loop.call_soon_threadsafe(self._loop.stop)
         self._thread.join(10)
-        self._port_hold.close()
+        if not self._thread.is_alive():
+            self._loop.close()
 
     async def _close(self) -> None:
         if self._kubelet is not None:
@@ -300,13 +296,26 @@ class KubeApi:
         self._end_watches()
         assert self._site is not None
         await self._site.stop()
-        await asyncio.sleep(seconds)
+        # held (bound, not listening: connections are refused) until it listens again, so that free_port's
+        # probe, in another test worker say, does not hand the port to another server meanwhile: its 404s for
+        # our paths once read as "the Lease was deleted by someone else"
+        with socket.socket() as hold:
+            hold.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # beside this server's connections still closing
+            hold.bind(("127.0.0.1", self.port))
+            self._refusing = True
+            await asyncio.sleep(seconds)
+        self._refusing = False
         await self._listen()
         self._down = False
 
     @property
     def down(self) -> bool:
         return self._down
+
+    @property
+    def refusing(self) -> bool:
+        """In an outage and no longer listening: connections are refused."""
+        return self._refusing
 
     # -- HTTP --------------------------------------------------------------------------------------
 
