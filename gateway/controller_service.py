@@ -59,7 +59,7 @@ import orjson
 from aiohttp import web
 from aiohttp.web_protocol import RequestPayloadError
 
-from fleet.actuators.local import LocalActuator, answers_health, warm_up
+from fleet.actuators.local import LocalActuator, LocalReplica, answers_health, warm_up
 from fleet.capacity import PerfCapacity
 from fleet.commands import apply
 from fleet.controller import Controller
@@ -153,7 +153,7 @@ class ControllerService:
         # fleet.actuator: ray: Ray actors instead of self.local's processes (no routing bound: the plan routes)
         self.ray: ReplicaControl | None = replica_control(config, command, log_dir) if config.actuator == "ray" else None
         self.slots: dict[str, SlotRecord] = {}
-        self.processes: dict[str, subprocess.Popen[bytes]] = {}  # slot -> the child this process started
+        self.processes: dict[str, LocalReplica] = {}  # slot -> the child this process started
         self.stopping: list[subprocess.Popen[bytes]] = []  # terminated children not yet reaped
         self.healthy: set[str] = set()
         self.recovering: set[str] = set()  # relaunched outside a move (their process was gone): routable once healthy
@@ -196,17 +196,17 @@ class ControllerService:
         self.warmup_model[record.slot] = spec.warmup_model
         replica = self.local.start(dataclasses.replace(spec, name=f"{record.slot.replace('/', '-')}-{time.time_ns()}"))
         self.local.replicas.remove(replica)  # this service tracks its processes by slot
-        self.processes[record.slot] = replica.process
+        self.processes[record.slot] = replica
         return dataclasses.replace(record, pool=pool, config_json=config_json, phase="starting", url=replica.url, pid=replica.process.pid)
 
     def _terminate(self, slot: str, pid: int | None) -> None:
         if self.ray is not None:
             self.ray.stop(slot, self.now())
             return
-        process = self.processes.pop(slot, None)
-        if process is not None:
-            process.terminate()
-            self.stopping.append(process)  # reaped by a later tick; never waits here
+        replica = self.processes.pop(slot, None)
+        if replica is not None:
+            replica.process.terminate()
+            self.stopping.append(replica.process)  # reaped by a later tick; never waits here
         elif _pid_alive(pid):
             assert pid is not None
             os.kill(pid, signal.SIGTERM)  # adopted from an earlier leader: not our child, init reaps it
@@ -360,10 +360,16 @@ class ControllerService:
         for record in list(self.slots.values()):
             if record.phase != "starting" or record.slot in self.healthy:
                 continue
+            child = self.processes.get(record.slot)  # None: Ray's, or adopted from an earlier leader
+            if child is not None and (again := self.local.relaunch_if_port_lost(child)) is not None:  # another process took its port
+                self.local.replicas.remove(again)
+                self.processes[record.slot] = again
+                self.slots[record.slot] = dataclasses.replace(record, url=again.url, pid=again.process.pid)
+                continue
             if self.ray is not None and self.ray.is_healthy(record.slot, self.now()):
                 self.slots[record.slot] = dataclasses.replace(record, url=self.ray.url(record.slot))  # known once its actor answered
-            elif self.ray is not None or not (record.url and answers_health(record.url, 0.5)):
-                continue
+            elif self.ray is not None or not (record.url and answers_health(record.url, 0.5)) or (child is not None and child.process.poll() is not None):
+                continue  # not answering yet, or another process answers on the port its exited child was given
             # a real engine's first request compiles and allocates: one warm-up before it is routable (it holds
             # this tick, as the start it follows holds the rollout; a failed one is tried again next tick)
             model = self.warmup_model.get(record.slot)

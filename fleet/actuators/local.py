@@ -18,6 +18,7 @@ import subprocess
 import sys
 import threading
 import urllib.error
+import urllib.parse
 import urllib.request
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -109,6 +110,8 @@ class LocalReplica:
     url: str
     process: subprocess.Popen[bytes]
     log_path: Path
+    port_retries: int = 0  # relaunches of its start after a lost port race (``LocalActuator.relaunch_if_port_lost``)
+    judged: bool = False  # its exit was judged: once, since the port is free for anyone afterwards
 
 
 def warm_up(url: str, model: str, timeout_s: float = 120.0) -> bool:
@@ -129,6 +132,21 @@ def answers_health(url: str, timeout_s: float = 1.0) -> bool:
             return bool(resp.status == 200)
     except (urllib.error.URLError, OSError):
         return False
+
+
+def _lost_its_port(replica: LocalReplica) -> bool:
+    """Has the replica's process exited while another process listens on its port? Then it lost the race
+    between ``free_port``'s check and its own bind: a parallel process took the port in the second or two
+    the engine spends importing (the emulator and the engines exit at once when they cannot bind)."""
+    parts = urllib.parse.urlsplit(replica.url)
+    try:
+        socket.create_connection((parts.hostname, parts.port), timeout=0.5).close()
+    except OSError:
+        return False
+    return True
+
+
+PORT_RACE_RETRIES = 2  # relaunches of one start that lost its port; a third loss in a row is no race
 
 
 class LocalActuator:
@@ -157,6 +175,23 @@ class LocalActuator:
         replica = LocalReplica(spec, f"http://{self.host}:{port}", process, log_path)
         self.replicas.append(replica)
         return replica
+
+    def relaunch_if_port_lost(self, replica: LocalReplica) -> LocalReplica | None:
+        """For a replica still starting (never answered): if its process exited while another process
+        listens on its port, it lost a race that says nothing of its engine, so its spec starts again on
+        another port (returned; the caller tracks it in place of ``replica``) rather than fail the move."""
+        if replica.judged or replica.process.poll() is None:
+            return None
+        replica.judged = True
+        if replica.port_retries >= PORT_RACE_RETRIES or not _lost_its_port(replica):
+            return None
+        print(f"polymorph: replica {replica.spec.name} could not listen on {replica.url}: another process took the port; "
+              "starting it on another", file=sys.stderr, flush=True)
+        if replica in self.replicas:
+            self.replicas.remove(replica)
+        again = self.start(replica.spec)
+        again.port_retries = replica.port_retries + 1
+        return again
 
     def stop(self, replica: LocalReplica, grace_s: float = 5.0) -> None:
         if replica.process.poll() is None:

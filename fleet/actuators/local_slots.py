@@ -4,7 +4,8 @@ Both hold the controller's replica slots and their processes; neither routes. Th
 the controller's commands (the gateway's ``LiveFleet``) keeps routing to itself and hands them the
 process half: stop ends a slot's process, start launches the slot's new configuration on a free
 port and probes its ``/health`` from a thread of its own; ``slot_states`` reports what came of it
-(alive, healthy) for the next tick's snapshot. Every call returns at once.
+(alive, healthy) for the next tick's snapshot, after starting again on another port a start whose port
+another process took before it listened. Every call returns at once.
 """
 
 from __future__ import annotations
@@ -67,11 +68,16 @@ class LocalSlots:
             self.stopping.remove(item)
             if process in self.local.replicas:
                 self.local.replicas.remove(process)
+        for found in self.slots.values():
+            self._relaunch_if_port_lost(found)
         return [self._state(s) for s in self.slots.values()]
 
     def slot_state(self, slot: str) -> SlotState | None:
         found = self.slots.get(slot)
-        return self._state(found) if found is not None else None
+        if found is None:
+            return None
+        self._relaunch_if_port_lost(found)
+        return self._state(found)
 
     @staticmethod
     def _state(s: _Slot) -> SlotState:
@@ -94,8 +100,18 @@ class LocalSlots:
         # the name is also the log file's: no '/' (controller slots are named like H100-SXM/0)
         found.process = self.local.start(dataclasses.replace(spec, name=f"{slot.replace('/', '-')}-{time.time_ns()}"))
         found.pool, found.config_json, found.healthy = pool, config_json, False
+        self._watch(found)
+
+    def _watch(self, found: _Slot) -> None:
         # its own thread: a replica that hangs at start-up must not hold up the controller's ticks (and its start deadline)
-        threading.Thread(target=self._wait_healthy, args=(found,), name=f"polymorph-start-{slot}", daemon=True).start()
+        threading.Thread(target=self._wait_healthy, args=(found,), name=f"polymorph-start-{found.name}", daemon=True).start()
+
+    def _relaunch_if_port_lost(self, found: _Slot) -> None:
+        """Before a slot is reported: a start that lost its port to another process starts again on another
+        (``LocalActuator.relaunch_if_port_lost``). Called on the thread that starts and stops slots."""
+        if found.process is not None and not found.healthy and (again := self.local.relaunch_if_port_lost(found.process)) is not None:
+            found.process = again
+            self._watch(found)
 
     def is_healthy(self, slot: str, now: float) -> bool:
         return self.slots[slot].healthy
@@ -107,6 +123,7 @@ class LocalSlots:
         return process.url if process is not None else None
 
     def error(self, slot: str) -> str | None:
+        self._relaunch_if_port_lost(self.slots[slot])
         process = self.slots[slot].process
         if process is None or process.process.poll() is None:
             return None
@@ -120,7 +137,7 @@ class LocalSlots:
         process = found.process
         deadline = time.monotonic() + self.start_timeout_s
         while process is not None and process is found.process and process.process.poll() is None and time.monotonic() < deadline:
-            if answers_health(process.url):
+            if answers_health(process.url) and process.process.poll() is None:  # not another process on a port it lost
                 model = process.spec.warmup_model
                 found.healthy = model is None or warm_up(process.url, model, max(1.0, deadline - time.monotonic()))
                 return
