@@ -356,6 +356,15 @@ class ControllerService:
 
     # -- the loop (tick thread) ------------------------------------------------------------------
 
+    def _alive(self, record: SlotRecord) -> bool:
+        """Its replica's process runs (this process's child, an earlier leader's by its pid, or a Ray actor): a
+        dead one's GPUs leave the budget the controller plans (a ``capacity`` decision), as in the gateway's fleet."""
+        if self.ray is not None:
+            found = self.ray.slot_state(record.slot)
+            return found is not None and found.alive
+        child = self.processes.get(record.slot)
+        return child.process.poll() is None if child is not None else _pid_alive(record.pid)
+
     def _probe_starting(self) -> None:
         for record in list(self.slots.values()):
             if record.phase != "starting" or record.slot in self.healthy:
@@ -433,8 +442,8 @@ class ControllerService:
         for process in [p for p in self.stopping if p.poll() is not None]:
             self.stopping.remove(process)
         self._probe_starting()
-        slots = [SlotState(r.slot, r.pool, r.gpu, r.config_json, num_in_flight=self.num_in_flight(r.slot), healthy=r.slot in self.healthy,
-                           engine=engines.get(r.slot)) for r in self.slots.values()]
+        slots = [SlotState(r.slot, r.pool, r.gpu, r.config_json, alive=self._alive(r), num_in_flight=self.num_in_flight(r.slot),
+                           healthy=r.slot in self.healthy, engine=engines.get(r.slot)) for r in self.slots.values()]
         out = self.controller.tick(now, slots)
         for slot, model in self.controller.slot_to_model.items():  # a slot the arbiter gave another model starts as that model's
             if self.slots[slot].model != model:

@@ -9,7 +9,10 @@ import asyncio
 import dataclasses
 import json
 import math
+import os
+import signal
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -22,8 +25,9 @@ from fleet.restart_hold import Restart
 from fleet.telemetry import PoolSlo, ShapeLoad, TrafficMix
 from fleet.telemetry_batch import TelemetryBatch, parse, replay
 from gateway.plan_client import plan_restarts
-from loadtest.chaos.controller_faults import CONTROLLER_SCENARIOS
-from loadtest.chaos.fleet_faults import FleetFaultSettings
+from loadtest.chaos.controller_faults import CONTROLLER_SCENARIOS, ExternalControllerDeployment
+from loadtest.chaos.fleet_faults import GPU, FleetFaultSettings
+from loadtest.chaos.stack import wait_until
 
 
 @pytest.mark.parametrize("name", sorted(CONTROLLER_SCENARIOS))
@@ -34,6 +38,25 @@ def test_controller_killed_or_partitioned_mid_rollout_repeats_no_move_and_fails_
     result = asyncio.run(CONTROLLER_SCENARIOS[name](tmp_path, FleetFaultSettings(rate_rps=20.0, max_s=90.0)))
     assert result.passed, result.failures()
     assert result.sent > 0 and result.succeeded == result.sent and result.figures["moves_repeated"] == 0
+
+
+def test_a_replica_that_dies_under_the_controller_leaves_the_budget_it_plans(tmp_path: Path) -> None:
+    """As in the gateway's own fleet: the slot's process is gone, so a ``capacity`` decision takes its GPU out."""
+    with ExternalControllerDeployment(tmp_path / "run", num_replicas=2) as deployment:
+        deployment.wait_leading(deployment.start_controller("controller"))
+
+        def slots() -> list[dict[str, Any]]:
+            return list(json.loads(deployment.state_file.read_text())["slots"]) if deployment.state_file.exists() else []
+
+        def capacity() -> list[dict[str, Any]]:
+            lines = deployment.decision_log.read_text().splitlines() if deployment.decision_log.exists() else []
+            return [entry["evidence"] for entry in map(json.loads, lines) if entry["kind"] == "capacity"]
+
+        wait_until("both replicas to serve", lambda: [s["phase"] for s in slots()] == ["active", "active"], 60)
+        victim = slots()[0]
+        os.kill(victim["pid"], signal.SIGKILL)
+        wait_until("a capacity decision", lambda: bool(capacity()), 30)
+    assert capacity()[0]["lost"] == [victim["slot"]] and capacity()[0]["budget"] == {GPU: 1}
 
 
 def test_a_batched_report_replays_into_each_models_window_as_direct_records() -> None:
