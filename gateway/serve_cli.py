@@ -5,7 +5,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import dataclasses
-import logging
 import multiprocessing
 import os
 import resource
@@ -116,27 +115,6 @@ def _adopted_configs(config: GatewayConfig) -> dict[str, str]:
     return {pool: adoption.config_json for pool, adoption in found.items()}
 
 
-class _OneLineParseErrors(logging.Filter):
-    """Malformed HTTP from a client is the client's problem: one line in the log, not a traceback per attempt.
-    A body its Content-Encoding does not decode was answered 400 ``invalid_body`` already; aiohttp meets the
-    error again as it drains the rest of that body, and would log it as an "Unhandled exception"."""
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        from aiohttp.http_exceptions import HttpProcessingError
-        from aiohttp.web_protocol import RequestPayloadError
-
-        error = record.exc_info[1] if record.exc_info else None
-        if isinstance(error, RequestPayloadError):
-            record.msg = "a request body its Content-Encoding did not decode (answered 400 invalid_body)"
-        elif isinstance(error, HttpProcessingError):
-            record.msg = f"rejected malformed HTTP request: {type(error).__name__}"
-        else:
-            return True
-        record.args = ()
-        record.exc_info = None
-        return True
-
-
 def _raise_open_file_limit() -> None:
     """Each stream holds two sockets (client and replica): use all the descriptors the system allows."""
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
@@ -154,7 +132,9 @@ async def _serve(
 ) -> None:
     from aiohttp import web
 
-    logging.getLogger("aiohttp.server").addFilter(_OneLineParseErrors())
+    from gateway.http_log import log_parse_errors_in_one_line
+
+    log_parse_errors_in_one_line()
     _raise_open_file_limit()
 
     from gateway.app import STATE_KEY, build_app

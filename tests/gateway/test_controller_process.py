@@ -11,6 +11,8 @@ import json
 import math
 import os
 import signal
+import urllib.error
+import urllib.request
 from pathlib import Path
 from typing import Any
 
@@ -57,6 +59,22 @@ def test_a_replica_that_dies_under_the_controller_leaves_the_budget_it_plans(tmp
         os.kill(victim["pid"], signal.SIGKILL)
         wait_until("a capacity decision", lambda: bool(capacity()), 30)
     assert capacity()[0]["lost"] == [victim["slot"]] and capacity()[0]["budget"] == {GPU: 1}
+
+
+def test_a_report_body_its_content_encoding_does_not_decode_gets_a_400_and_one_log_line(tmp_path: Path) -> None:
+    """Before: the 400, then aiohttp met the error again as it drained the body and logged three tracebacks."""
+    with ExternalControllerDeployment(tmp_path / "run", num_replicas=1) as deployment:
+        controller = deployment.start_controller("controller")
+        deployment.wait_leading(controller)
+        request = urllib.request.Request(deployment.url + "/report", data=b"not compressed", method="POST",
+                                         headers={"Content-Type": "application/json", "Content-Encoding": "gzip"})
+        with pytest.raises(urllib.error.HTTPError) as info:
+            urllib.request.urlopen(request, timeout=5)
+        body = json.loads(info.value.read())
+        info.value.close()
+        assert (info.value.code, body["error"]["code"]) == (400, "invalid_report")
+        wait_until("the drain's log line", lambda: "did not decode (answered 400)" in deployment.log("controller"), 5)
+        assert "Traceback" not in deployment.log("controller") and controller.poll() is None
 
 
 def test_a_batched_report_replays_into_each_models_window_as_direct_records() -> None:
