@@ -168,6 +168,10 @@ def _stop_field(value: object) -> tuple[str, ...]:
     raise BadRequest("'stop' must be a string or a list of at most 4 strings", "stop")
 
 
+def _not_produced(key: str) -> BadRequest:
+    return BadRequest(f"the emulator does not produce '{key}' (a real engine does); send the request without it", key)
+
+
 def _openai_sampling(body: Mapping[str, Any]) -> _Sampling:
     if body.get("n", 1) != 1:
         raise BadRequest("only n=1 is supported", "n")
@@ -175,7 +179,7 @@ def _openai_sampling(body: Mapping[str, Any]) -> _Sampling:
     # choices[0].logprobs would find null and fail far from the cause)
     for key in ("logprobs", "top_logprobs", "echo"):
         if body.get(key) not in (None, False, 0):
-            raise BadRequest(f"the emulator does not produce '{key}' (a real engine does); send the request without it", key)
+            raise _not_produced(key)
     max_tokens = _int_field(body, "max_completion_tokens", 1)
     if max_tokens is None:
         max_tokens = _int_field(body, "max_tokens", 1)
@@ -233,6 +237,8 @@ def _prompt_text(prompt: object, param: str) -> tuple[str, int]:
 
 def parse_completion(body: Mapping[str, Any], max_context: int, domains: DomainPredictor) -> Generation:
     text, prompt_tokens = _prompt_text(body.get("prompt"), "prompt")
+    if body.get("logprobs") is not None:  # the legacy API's is a count: 0 asks for the sampled token's own logprob
+        raise _not_produced("logprobs")
     sampling = _openai_sampling(body)
     texts, finish_reason, domain = _outputs(sampling, text, prompt_tokens, max_context, domains)
     stream, include_usage = _stream_flags(body)

@@ -53,8 +53,9 @@ def test_parse_chat_honours_ignore_eos_min_tokens_and_context(domains: DomainPre
     for asked in ({"logprobs": True}, {"top_logprobs": 3}, {"n": 2}):  # what the emulator cannot answer is refused, not dropped
         with pytest.raises(BadRequest, match="emulator does not produce|only n=1"):
             parse_chat({"messages": [{"role": "user", "content": "hi"}], **asked}, 131072, domains)
-    with pytest.raises(BadRequest, match="'echo'"):
-        parse_completion({"prompt": "hi", "echo": True}, 131072, domains)
+    for asked in ({"echo": True}, {"logprobs": 0}, {"logprobs": 2}):  # a completion's logprobs is a count: 0 asks for one
+        with pytest.raises(BadRequest, match=f"'{next(iter(asked))}'"):
+            parse_completion({"prompt": "hi", **asked}, 131072, domains)
     assert parse_chat({"messages": [{"role": "user", "content": "hi"}], "logprobs": False}, 131072, domains).output_tokens >= 1
     hashed = parse_chat({"messages": [{"role": "user", "content": "x"}], "hash_ids": [4, 5]}, 131072, domains)
     assert hashed.prefix_hash_ids == (4, 5)
