@@ -417,8 +417,8 @@ class Handlers:
         return cost_usd
 
     async def models(self, request: web.Request) -> web.Response:
-        if request.method != "GET":
-            return error_response(ApiError(405, "Use GET for /v1/models.", "method_not_allowed", allow="GET"))
+        if request.method not in ("GET", "HEAD"):
+            return error_response(ApiError(405, "Use GET for /v1/models.", "method_not_allowed", allow="GET, HEAD"))
         runtime = self.state.runtime
         try:
             tenant = _authenticate(request, runtime)
@@ -515,22 +515,22 @@ def build_app(
     router.add_route("*", "/v1/chat/completions", h.chat_completions)
     router.add_route("*", "/v1/completions", h.completions)
     router.add_route("*", "/v1/models", h.models)
-    router.add_get(r"/v1/models/{model:[\s\S]+}", h.retrieve_model, allow_head=False)  # any character: an adapter's name may hold a "/"
+    router.add_get(r"/v1/models/{model:[\s\S]+}", h.retrieve_model)  # any character: an adapter's name may hold a "/"
     router.add_route("*", "/v1/embeddings", h.embeddings)
     router.add_route("*", "/v1/responses", h.responses)
-    router.add_get("/v1/responses/{response_id}", h.retrieve_response, allow_head=False)
+    router.add_get("/v1/responses/{response_id}", h.retrieve_response)
     for path in RERANK_PATHS:
         router.add_route("*", path, h.rerank)
     for path in SCORE_PATHS:
         router.add_route("*", path, h.score)
-    router.add_get("/healthz", h.healthz, allow_head=False)
-    router.add_get("/readyz", h.readyz, allow_head=False)
-    router.add_get("/metrics", h.metrics_endpoint, allow_head=False)
-    router.add_get("/admin/state", admin.admin_state, allow_head=False)
-    router.add_get("/admin/decisions", admin.admin_decisions, allow_head=False)
+    router.add_get("/healthz", h.healthz)
+    router.add_get("/readyz", h.readyz)
+    router.add_get("/metrics", h.metrics_endpoint)
+    router.add_get("/admin/state", admin.admin_state)
+    router.add_get("/admin/decisions", admin.admin_decisions)
     router.add_route("*", "/admin/move", admin.admin_move)
     router.add_route("*", "/admin/canary", admin.admin_canary)
-    router.add_get("/openapi.json", h.openapi, allow_head=False)
+    router.add_get("/openapi.json", h.openapi)
     add_dashboard_routes(
         app,
         lambda: state.series,

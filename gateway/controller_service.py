@@ -511,10 +511,10 @@ class ControllerService:
 
     def app(self) -> web.Application:
         app = web.Application(client_max_size=8 * 1024 * 1024)
-        app.router.add_get("/plan", self.get_plan, allow_head=False)
+        app.router.add_get("/plan", self.get_plan)
         app.router.add_post("/report", self.post_report)
-        app.router.add_get("/healthz", self.healthz, allow_head=False)
-        app.router.add_get("/admin/decisions", self.admin_decisions, allow_head=False)
+        app.router.add_get("/healthz", self.healthz)
+        app.router.add_get("/admin/decisions", self.admin_decisions)
         return app
 
 

@@ -184,8 +184,8 @@ def add_dashboard_routes(
     """
     handlers = DashboardHandlers(series_provider, check_admin, admin_token_sha256, clock, session_ttl_s)
     router = app.router
-    router.add_get("/dashboard", handlers.dashboard, allow_head=False)
+    router.add_get("/dashboard", handlers.dashboard)
     router.add_post("/dashboard/login", handlers.login)
     router.add_post("/dashboard/logout", handlers.logout)
-    router.add_get("/dashboard/static/{name}", handlers.static_file, allow_head=False)
-    router.add_get("/admin/series", handlers.series, allow_head=False)
+    router.add_get("/dashboard/static/{name}", handlers.static_file)
+    router.add_get("/admin/series", handlers.series)

@@ -75,6 +75,8 @@ def test_a_report_body_its_content_encoding_does_not_decode_gets_a_400_and_one_l
         assert (info.value.code, body["error"]["code"]) == (400, "invalid_report")
         wait_until("the drain's log line", lambda: "did not decode (answered 400)" in deployment.log("controller"), 5)
         assert "Traceback" not in deployment.log("controller") and controller.poll() is None
+        with urllib.request.urlopen(urllib.request.Request(deployment.url + "/healthz", method="HEAD"), timeout=5) as head:
+            assert (head.status, head.read()) == (200, b"")  # as GET, without the body (RFC 9110); it was 405
 
 
 def test_a_batched_report_replays_into_each_models_window_as_direct_records() -> None:

@@ -189,13 +189,24 @@ def test_models_lists_what_the_tenant_may_use(deployment: Deployment) -> None:
 
 
 def test_a_wrong_method_gets_405_with_allow(deployment: Deployment) -> None:
-    for path, method, allow in (("/v1/chat/completions", "GET", "POST"), ("/v1/models", "POST", "GET"), ("/admin/move", "GET", "POST")):
+    for path, method, allow in (("/v1/chat/completions", "GET", "POST"), ("/v1/models", "POST", "GET, HEAD"), ("/admin/move", "GET", "POST")):
         request = urllib.request.Request(deployment.gateway.url + path, method=method, data=b"{}" if method == "POST" else None,
                                          headers={"Authorization": f"Bearer {ADMIN if path.startswith('/admin') else KEY}"})
         with pytest.raises(urllib.error.HTTPError) as info:
             urllib.request.urlopen(request, timeout=5)
         info.value.close()
         assert (info.value.code, info.value.headers.get("Allow")) == (405, allow), path
+
+
+def test_head_answers_each_get_endpoint_as_get_does_without_the_body(deployment: Deployment) -> None:
+    """RFC 9110 asks HEAD of every server for its GET resources (monitors and `curl -I` use it); before, each
+    of these answered 404 "No such endpoint"."""
+    for path, token in (("/healthz", None), ("/readyz", None), ("/metrics", None), ("/openapi.json", None), ("/v1/models", KEY),
+                        (f"/v1/models/{MODEL}", KEY), ("/admin/state", ADMIN)):
+        headers = {"Authorization": f"Bearer {token}"} if token else {}
+        with urllib.request.urlopen(urllib.request.Request(deployment.gateway.url + path, method="HEAD", headers=headers), timeout=5) as head:
+            assert (head.status, head.read()) == (200, b""), path
+            assert head.headers.get_content_type() == "application/json" or path == "/metrics", (path, head.headers)
 
 
 def test_client_errors_map_to_sdk_exceptions(deployment: Deployment) -> None:
