@@ -166,6 +166,16 @@ def attach_process(limits: WorkerLimits) -> None:
     _attached = SharedLimitTable.attach(limits.table) if limits.table is not None else None
 
 
+def detach_process() -> None:
+    """Close this worker's mapping of the table as it stops serving. Left to the interpreter's exit, the
+    segment could be finalized before the views cast from it, and every worker printed "Exception ignored
+    in SharedMemory.__del__ ... BufferError: cannot close exported pointers exist" after a Ctrl-C."""
+    global _attached
+    if _attached is not None:
+        _attached.close()
+        _attached = None
+
+
 def attached_table() -> SharedLimitTable | None:
     return _attached
 

@@ -184,12 +184,15 @@ def _run_worker(
     """Serve until SIGINT or SIGTERM; ``listening`` is called once the socket listens."""
     import uvloop
 
-    if worker_limits is not None:  # one of `--workers N`: the tenants' limits are shared with the siblings
-        from gateway.limits_shared import attach_process
+    from gateway.limits_shared import attach_process, detach_process
 
+    if worker_limits is not None:  # one of `--workers N`: the tenants' limits are shared with the siblings
         attach_process(worker_limits)
-    uvloop.run(_serve(config, replica_urls, config_path, live_fleet or _plan_client_factory(config), shared_port=worker_limits is not None,
-                      on_listening=listening))
+    try:
+        uvloop.run(_serve(config, replica_urls, config_path, live_fleet or _plan_client_factory(config), shared_port=worker_limits is not None,
+                          on_listening=listening))
+    finally:
+        detach_process()
 
 
 def _run_spawned_worker(config: GatewayConfig, replica_urls: dict[str, list[str]], config_path: Path | None, worker_limits: WorkerLimits,
