@@ -57,6 +57,15 @@ class _ReplicaHost:
         """The replica process's exit code; None while it runs."""
         return self._replica.process.poll()
 
+    def relaunch_if_port_lost(self) -> str | None:
+        """The replica's new URL if its start lost its port to another process and it started again on
+        another (``LocalActuator.relaunch_if_port_lost``); None otherwise."""
+        again = self._local.relaunch_if_port_lost(self._replica)
+        if again is None:
+            return None
+        self._replica = again
+        return again.url
+
     def shutdown(self, grace_s: float) -> None:
         self._local.stop(self._replica, grace_s)
 
@@ -191,15 +200,19 @@ class RayActuator:
                 except ray.exceptions.RayError as exc:
                     replica.error = f"replica actor failed: {exc}"
                     return
-            if answers_health(replica.url):
+            code = ray.get(replica.actor.exit_code.remote(), timeout=30)
+            if code is None and answers_health(replica.url):  # its own process answers, not another on a port it lost
                 model = replica.warmup_model
                 replica.healthy = model is None or warm_up(replica.url, model, max(1.0, deadline - time.monotonic()))
                 if not replica.healthy:
                     replica.error = f"the warm-up request to {replica.url} failed"
                 return
-            # an engine that refused its arguments exits at once: say so now, not at the start timeout
-            code = ray.get(replica.actor.exit_code.remote(), timeout=30)
             if code is not None:
+                moved = ray.get(replica.actor.relaunch_if_port_lost.remote(), timeout=30)
+                if moved is not None:  # another process took its port before it listened: it started again on another
+                    replica.url = moved
+                    continue
+                # an engine that refused its arguments exits at once: say so now, not at the start timeout
                 replica.error = f"the replica process exited with code {code} (see its log under {self.log_dir})"
                 return
             time.sleep(0.2)

@@ -1,4 +1,5 @@
-"""The Ray actuator starts, moves and stops replicas on a local Ray cluster (8 logical GPUs).
+"""The Ray actuator starts, moves and stops replicas on a local Ray cluster (8 logical GPUs), and starts
+again on another port a replica whose port another process took before it listened.
 
 Ray runs in a child process: its ``ray.init`` starts a cluster (GCS, raylet, workers) that must not
 share pytest's process or warnings filter, and inside a network namespace holding only loopback when
@@ -11,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+import socket
 import subprocess
 import sys
 import threading
@@ -58,6 +60,9 @@ def test_ray_actuator_starts_moves_and_stops_replicas_on_a_local_ray_cluster(tmp
     assert seen["gpus_free_after_stop"] == 8
     assert seen["groups_left"] == [] and seen["actors_left"] == []
     assert seen["replica_processes_left"] == []
+
+    # a start whose port another process took before it listened came up on another port
+    assert seen["port_lost"] == {"healthy": True, "error": None, "moved": True, "health": 200}, seen["port_lost"]
 
 
 # --- the scenario, in the child process ----------------------------------------------------------
@@ -211,6 +216,24 @@ def _scenario(log_dir: Path) -> dict[str, Any]:
         move["gpus_free_after"] = ray.available_resources().get("GPU", 0)
         seen["move"] = move
         ports.add(int(move["new_url"].rsplit(":", 1)[1]))
+
+        # another process takes a starting replica's port before it listens (the emulator spends a second
+        # importing): it starts again on another port instead of failing
+        actuator.add_slot("s3", "H100-SXM", "chat@H100-SXM", CHAT)
+        actuator.start("s3", "chat@H100-SXM", CHAT, 0.0)
+        replica = actuator.slots["s3"].replica
+        taken = int(ray.get(replica.url_ref, timeout=60).rsplit(":", 1)[1])
+        with socket.socket() as squatter:
+            squatter.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            squatter.bind(("127.0.0.1", taken))
+            squatter.listen()
+            _until(lambda: actuator.is_healthy("s3", 0.0) or actuator.error("s3") is not None, 90, "s3 healthy or failed")
+            url = actuator.url("s3")
+            seen["port_lost"] = {"healthy": actuator.is_healthy("s3", 0.0), "error": actuator.error("s3"),
+                                 "moved": url is not None and int(url.rsplit(":", 1)[1]) != taken,
+                                 "health": _status(url) if url is not None else None}
+            if url is not None:
+                ports.add(int(url.rsplit(":", 1)[1]))
     finally:
         actuator.close()
     _until(lambda: ray.available_resources().get("GPU", 0) == 8, 30, "GPUs released")
