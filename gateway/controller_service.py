@@ -74,8 +74,8 @@ from gateway.config import GatewayConfig
 from gateway.dashboard import is_admin_request
 from gateway.engine_scrape import EngineUnreadable, read_engine_load
 from gateway.errors import ApiError, error_response
-from gateway.http_log import log_parse_errors_in_one_line
 from gateway.live_fleet import controller_settings
+from gateway.malformed_http import EnvelopeAppRunner
 from gateway.replicas import ReplicaControl, assign_devices, close, launcher, pool_engine, replica_control, start_timeout_s
 
 _JSON = "application/json"
@@ -522,8 +522,7 @@ async def serve(service: ControllerService) -> None:
     """Listen where ``fleet.controller.url`` says, tick until SIGTERM or SIGINT."""
     assert service.settings.url is not None
     where = urlsplit(service.settings.url)
-    log_parse_errors_in_one_line()
-    runner = web.AppRunner(service.app(), access_log=None)
+    runner = EnvelopeAppRunner(service.app(), access_log=None)
     await runner.setup()
     site = web.TCPSite(runner, where.hostname or "127.0.0.1", where.port or 80)
     await site.start()

@@ -132,9 +132,8 @@ async def _serve(
 ) -> None:
     from aiohttp import web
 
-    from gateway.http_log import log_parse_errors_in_one_line
+    from gateway.malformed_http import EnvelopeAppRunner
 
-    log_parse_errors_in_one_line()
     _raise_open_file_limit()
 
     from gateway.app import STATE_KEY, build_app
@@ -144,7 +143,7 @@ async def _serve(
     limit_store = app[STATE_KEY].runtime.limit_store
     if limit_store is not None:
         limit_store.bind_metrics(app[STATE_KEY].metrics.registry)
-    runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
+    runner = EnvelopeAppRunner(app, handler_cancellation=True, access_log=None)
     await runner.setup()
     # SO_REUSEPORT only among `--workers` siblings: a lone gateway must fail on a port in use (say, another
     # gateway's), not silently share its connections with whatever holds it.

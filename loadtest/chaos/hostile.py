@@ -1,9 +1,8 @@
 """Hostile clients: malformed and oversized requests, header tricks, trickling bodies, schema fuzzing.
 
 Each request goes over a raw socket so nothing is tidied up on the way. Every answer must be a 4xx
-with the OpenAI error envelope; aiohttp's own HTTP parser answers requests it cannot even parse
-(oversized header lines, smuggling attempts) with a plain-text 400 before the app sees them: those
-are counted apart as ``protocol_plain_4xx``.
+with the OpenAI error envelope, those to requests aiohttp's HTTP parser refuses before the app sees them
+(oversized header lines, smuggling attempts) included.
 """
 
 from __future__ import annotations
@@ -89,15 +88,13 @@ def has_envelope(body: bytes) -> bool:
 
 
 def judge(answer: RawAnswer | None) -> str:
-    """'ok', 'protocol_plain_4xx' or the reason the answer breaks the promise."""
+    """'ok' or the reason the answer breaks the promise."""
     if answer is None:
         return "no HTTP answer"
     if answer.status == 200:
         return "ok"
     if 400 <= answer.status < 500:
-        if has_envelope(answer.body):
-            return "ok"
-        return "protocol_plain_4xx" if answer.headers.get("content-type", "").startswith("text/plain") else "4xx without the envelope"
+        return "ok" if has_envelope(answer.body) else "4xx without the envelope"
     return f"HTTP {answer.status}" + ("" if has_envelope(answer.body) else " without the envelope")
 
 
@@ -215,14 +212,13 @@ async def hostile_input(stack: ChaosStack, api_key: str, model: str, num_request
     await asyncio.sleep(0.5)  # the access log is flushed in batches
     log = stack.gateway_log()
     leaked = [s for s in (api_key, stack.plan.admin_token) if s in log]
-    bad = [v for v in verdicts if v not in ("ok", "protocol_plain_4xx")]
+    bad = [v for v in verdicts if v != "ok"]
     checks = [
-        Check("every answer is a 4xx envelope (or a protocol-level 400)", not bad, f"{len(bad)}: {sorted(set(bad))[:3]}"),
+        Check("every answer is a 4xx envelope", not bad, f"{len(bad)}: {sorted(set(bad))[:3]}"),
         Check("gateway healthy after", healthy and stack.gateway_alive(), "/healthz failed"),
         Check("no secret in the gateway's log", not leaked, "an API key or admin token was logged"),
         Check("answers quick while tricklers hold connections (< 1 s)", slowest_s < 1.0, f"slowest {slowest_s:.2f} s"),
     ]
-    figures = {"protocol_plain_4xx": float(verdicts.count("protocol_plain_4xx")), "tricklers": float(num_tricklers),
+    figures = {"tricklers": float(num_tricklers),
                "trickler_held_s": max(held_s, default=0.0), "slowest_answer_ms": slowest_s * 1000}
-    return ScenarioResult("hostile-input", len(verdicts), verdicts.count("ok"), 0,
-                          verdicts.count("protocol_plain_4xx"), len(bad), 0.0, tuple(checks), figures, tuple(bad))
+    return ScenarioResult("hostile-input", len(verdicts), verdicts.count("ok"), 0, 0, len(bad), 0.0, tuple(checks), figures, tuple(bad))

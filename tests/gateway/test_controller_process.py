@@ -29,6 +29,7 @@ from fleet.telemetry_batch import TelemetryBatch, parse, replay
 from gateway.plan_client import plan_restarts
 from loadtest.chaos.controller_faults import CONTROLLER_SCENARIOS, ExternalControllerDeployment
 from loadtest.chaos.fleet_faults import GPU, FleetFaultSettings
+from loadtest.chaos.hostile import send_raw
 from loadtest.chaos.stack import wait_until
 
 
@@ -62,7 +63,8 @@ def test_a_replica_that_dies_under_the_controller_leaves_the_budget_it_plans(tmp
 
 
 def test_a_report_body_its_content_encoding_does_not_decode_gets_a_400_and_one_log_line(tmp_path: Path) -> None:
-    """Before: the 400, then aiohttp met the error again as it drained the body and logged three tracebacks."""
+    """Before: the 400, then aiohttp met the error again as it drained the body and logged three tracebacks; and a
+    request aiohttp's parser refuses got its text/plain 400."""
     with ExternalControllerDeployment(tmp_path / "run", num_replicas=1) as deployment:
         controller = deployment.start_controller("controller")
         deployment.wait_leading(controller)
@@ -73,7 +75,11 @@ def test_a_report_body_its_content_encoding_does_not_decode_gets_a_400_and_one_l
         body = json.loads(info.value.read())
         info.value.close()
         assert (info.value.code, body["error"]["code"]) == (400, "invalid_report")
+        # a request the parser refuses gets the envelope too, not aiohttp's text/plain
+        answer = asyncio.run(send_raw(int(deployment.url.rsplit(":", 1)[1]), b"POST /report HTTP/1.1\r\nHost: c\r\nContent-Length: -2\r\n\r\n"))
+        assert answer is not None and (answer.status, json.loads(answer.body)["error"]["code"]) == (400, "malformed_http")
         wait_until("the drain's log line", lambda: "did not decode (answered 400)" in deployment.log("controller"), 5)
+        assert "rejected malformed HTTP request: BadHttpMessage" in deployment.log("controller")
         assert "Traceback" not in deployment.log("controller") and controller.poll() is None
         with urllib.request.urlopen(urllib.request.Request(deployment.url + "/healthz", method="HEAD"), timeout=5) as head:
             assert (head.status, head.read()) == (200, b"")  # as GET, without the body (RFC 9110); it was 405

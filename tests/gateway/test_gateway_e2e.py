@@ -21,6 +21,7 @@ from pathlib import Path
 import openai
 import pytest
 
+from loadtest.chaos.hostile import raw_request, send_raw
 from loadtest.chaos.stack import wait_until
 from tests.conftest import free_port
 from tests.support.procs import Proc, set_faults, start_emulator, start_gateway, write_tenant
@@ -253,6 +254,28 @@ def test_a_body_its_content_encoding_does_not_decode_gets_a_400_envelope(deploym
     # aiohttp meets the error again as it drains the rest of the body: one line in the log, not a traceback each
     wait_until("the drain's log line", lambda: "did not decode (answered 400)" in deployment.gateway.log(), 5)
     assert "Can not decode content-encoding" not in deployment.gateway.log()
+
+
+def test_http_the_parser_refuses_gets_the_envelope_and_one_log_line(deployment: Deployment) -> None:
+    """Requests aiohttp's parser refuses never reach the app. Before: aiohttp's own text/plain 400 (its 'Please
+    install `Brotli`' for a br body), and a traceback each in the log."""
+    port = int(deployment.gateway.url.rsplit(":", 1)[1])
+    auth = ("Authorization", f"Bearer {KEY}")
+    cases = {
+        "oversized header": (raw_request("/v1/chat/completions", b"{}", [auth, ("X-Big", "a" * 20000)]), 400, "malformed_http"),
+        "content-length and chunked": (raw_request("/v1/chat/completions", b"{}", [auth, ("Transfer-Encoding", "chunked")]), 400, "malformed_http"),
+        "TLS on the HTTP port": (b"\x16\x03\x01\x00\xa5\x01\x00\x00\xa1\x03\x03\r\n\r\n", 400, "malformed_http"),
+        "a broken chunk": (b"POST /v1/chat/completions HTTP/1.1\r\nHost: gw\r\nTransfer-Encoding: chunked\r\n\r\nzz\r\n", 400, "malformed_http"),
+        "br": (raw_request("/v1/chat/completions", b"{}", [auth, ("Content-Encoding", "br")]), 415, "unsupported_content_encoding"),
+    }
+    for label, (raw, status, code) in cases.items():
+        answer = asyncio.run(send_raw(port, raw))
+        assert answer is not None, label
+        body = json.loads(answer.body)
+        assert (answer.status, answer.headers["content-type"], body["error"]["code"]) == (status, "application/json", code), label
+    assert "gzip, deflate" in body["error"]["message"] and answer.headers["accept-encoding"] == "gzip, deflate"  # RFC 9110 15.5.16
+    wait_until("the log lines", lambda: deployment.gateway.log().count("rejected malformed HTTP request") >= len(cases) - 1, 5)
+    assert "Traceback" not in deployment.gateway.log()
 
 
 def test_rate_limit_is_429_with_retry_after(deployment: Deployment) -> None:
