@@ -124,6 +124,9 @@ def save_state(path: Path, doc: dict[str, Any]) -> None:
 
 
 def _pid_alive(pid: int | None) -> bool:
+    """Whether an adopted replica's process still runs. A zombie does not: a replica adopted from an earlier
+    controller is not our child, and under a subreaper (tini, systemd) it stays a zombie until that reaps it,
+    while signal 0 still finds it."""
     if pid is None:
         return False
     try:
@@ -132,7 +135,11 @@ def _pid_alive(pid: int | None) -> bool:
         return False
     except PermissionError:
         return True
-    return True
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:  # it ended since the signal, or there is no procfs (macOS), where signal 0's answer stands
+        return not Path("/proc/self").exists()
+    return stat.rpartition(")")[2].split()[0] not in ("Z", "X")  # the state follows the name, which may hold ')'
 
 
 class ControllerService:

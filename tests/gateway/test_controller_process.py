@@ -11,6 +11,7 @@ import json
 import math
 import os
 import signal
+import subprocess
 import urllib.error
 import urllib.request
 from pathlib import Path
@@ -26,6 +27,7 @@ from fleet.rebalance import Transfer
 from fleet.restart_hold import Restart
 from fleet.telemetry import PoolSlo, ShapeLoad, TrafficMix
 from fleet.telemetry_batch import TelemetryBatch, parse, replay
+from gateway.controller_service import _pid_alive
 from gateway.plan_client import plan_restarts
 from loadtest.chaos.controller_faults import CONTROLLER_SCENARIOS, ExternalControllerDeployment
 from loadtest.chaos.fleet_faults import GPU, FleetFaultSettings
@@ -148,3 +150,16 @@ def test_the_plan_names_its_draining_and_starting_replicas_as_the_restarts_a_gat
                       "replicas": [{"name": "H100-SXM/0", "url": "http://127.0.0.1:1", "draining": True}]}]}
     assert plan_restarts(doc) == [Restart("H100-SXM/0", "chat", "m"), Restart("H100-SXM/1", "long", "m")]
     assert plan_restarts({**doc, "starting": [], "pools": [{**doc["pools"][0], "replicas": [{**doc["pools"][0]["replicas"][0], "draining": False}]}]}) == []  # type: ignore[index,dict-item]
+
+
+def test_an_adopted_replica_that_is_a_zombie_is_not_alive() -> None:
+    """An adopted replica is not the controller's child; under a subreaper it stays a zombie until that reaps
+    it. Before, signal 0 found the zombie, and its GPU stayed in the budget."""
+    process = subprocess.Popen(["true"])
+    try:
+        wait_until("the zombie", lambda: Path(f"/proc/{process.pid}/stat").read_text().rpartition(")")[2].split()[0] == "Z", 5)
+        assert not _pid_alive(process.pid)
+    finally:
+        process.wait()
+    assert not _pid_alive(process.pid)
+    assert _pid_alive(os.getpid())
