@@ -13,10 +13,12 @@ import csv
 import gzip
 import io
 import json
-from collections.abc import Callable, Iterator
+import sys
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
+from typing import TextIO
 
 FORMATS: tuple[str, ...] = ("azure", "burstgpt", "mooncake", "native")
 _AZURE_COLUMNS = ("TIMESTAMP", "ContextTokens", "GeneratedTokens")
@@ -62,6 +64,19 @@ class Trace:
     rows: tuple[TraceRow, ...]  # in file order, at least one
     issues: tuple[RowIssue, ...]
     label: str  # the file's name without its suffixes (conv.csv.gz is conv)
+
+
+def report_skipped_rows(path: Path | str, issues: Sequence[RowIssue], out: TextIO | None = None) -> None:
+    """Tell the user, on stderr, which rows of ``path`` a command skipped (the first ten of them): a trace
+    read with some rows dropped must not pass for the whole file."""
+    if not issues:
+        return
+    out = out if out is not None else sys.stderr
+    print(f"warning: {path}: skipped {len(issues)} bad row{'' if len(issues) == 1 else 's'}:", file=out)
+    for issue in issues[:10]:
+        print(f"  line {issue.line}: {issue.reason}", file=out)
+    if len(issues) > 10:
+        print(f"  ... and {len(issues) - 10} more", file=out)
 
 
 def _read_text(path: Path) -> str:

@@ -8,6 +8,7 @@ from collections.abc import Mapping
 from pathlib import Path
 
 from kernels.tiers import TierSlo
+from kernels.traces import report_skipped_rows
 from kernels.yamlsrc import load_yaml
 from loadtest.spec import Workload
 from loadtest.workload_args import build_workload_from_args
@@ -24,7 +25,8 @@ def main_loadtest(args: argparse.Namespace) -> int:
     except ValueError as exc:  # TraceFormatError and ScenarioError are ValueErrors
         print(f"error: {exc}", file=sys.stderr)
         return EXIT_USAGE
-    _report_issues(workload)
+    if args.trace:
+        report_skipped_rows(args.trace, workload.issues)
     if args.capacity:
         from loadtest.live_capacity import main_capacity
 
@@ -113,13 +115,3 @@ def _tenant_keys(value: str | None) -> dict[str, str]:
     if any(not sep or not tenant for tenant, sep, _ in pairs):
         raise ValueError(f"--tenant-keys {value!r}: expected TENANT=KEY[,TENANT=KEY] or a file")
     return {tenant.strip(): key.strip() for tenant, _, key in pairs}
-
-
-def _report_issues(workload: Workload) -> None:
-    if not workload.issues:
-        return
-    print(f"warning: skipped {len(workload.issues)} bad rows:", file=sys.stderr)
-    for issue in workload.issues[:10]:
-        print(f"  line {issue.line}: {issue.reason}", file=sys.stderr)
-    if len(workload.issues) > 10:
-        print(f"  ... and {len(workload.issues) - 10} more", file=sys.stderr)

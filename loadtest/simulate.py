@@ -25,6 +25,7 @@ from fleet.decisions import DecisionLog
 from fleet.simulator.run import simulate, simulate_outcomes
 from kernels.catalog import get_gpu, get_model
 from kernels.compiler import Budget, StoreError, TrialStore
+from kernels.traces import RowIssue, report_skipped_rows
 from loadtest.arrivals import check_arrivals
 from loadtest.capacity import (
     DEFAULT_MAX_POINTS,
@@ -202,6 +203,7 @@ class WorkloadSource:
     seed: int
     is_trace: bool
     build: Callable[[float, int], Workload]
+    issues: tuple[RowIssue, ...] = ()  # a trace's skipped rows, for the command to report once
 
     def __post_init__(self) -> None:
         # A trace whose requests all arrive at one instant spans no time: no rate to multiply, and nothing
@@ -230,7 +232,8 @@ def trace_at_any_rate(base: Workload, name: str, seed: int) -> WorkloadSource:
     and the simulator's alike."""
     from loadtest.transform import speed_up
 
-    return WorkloadSource(name, base.target_rate_rps, seed, True, lambda multiplier, _: base if multiplier == 1 else speed_up(base, multiplier))
+    return WorkloadSource(name, base.target_rate_rps, seed, True, lambda multiplier, _: base if multiplier == 1 else speed_up(base, multiplier),
+                          base.issues)
 
 
 def source_from_args(args: argparse.Namespace) -> WorkloadSource:
@@ -318,6 +321,7 @@ def _main_capacity(args: argparse.Namespace, budget: Mapping[str, int], capacity
     except (ValueError, OSError) as exc:
         print(f"polymorph simulate: {exc}", file=sys.stderr)
         return 2
+    report_skipped_rows(args.trace, source.issues)
 
     def progress(point: CurvePoint) -> None:
         print(f"polymorph simulate: x{point.multiplier:.4g} ({point.rate_rps:.2f} req/s): worst attainment "
@@ -351,6 +355,7 @@ def main_simulate(args: argparse.Namespace) -> int:
         return 2
     if workload is None:
         return _main_capacity(args, budget, capacity)
+    report_skipped_rows(args.trace, workload.issues)
     log = DecisionLog(Path(args.decisions) if args.decisions else None)
     if args.compile == "off":
         result = simulate(workload, args.policy, budget, capacity, args.model, log)

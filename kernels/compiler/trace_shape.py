@@ -12,14 +12,16 @@ from kernels.compiler.evaluators import ReplayRequest
 from kernels.compiler.shape import TrafficShape, shape_from_samples
 from kernels.config import MAX_PREFIX_SHARE
 from kernels.tiers import DEFAULT_TIERS
-from kernels.traces import read_trace_rows
+from kernels.traces import read_trace_rows, report_skipped_rows
 
 _MAX_REQUESTS = 4000  # a replay longer than this costs more than it tells
 
 
 def read_trace_requests(path: Path | str, trace_format: str) -> list[ReplayRequest]:
     """The trace's requests, the first arriving at 0, in arrival order (at most _MAX_REQUESTS)."""
-    rows = read_trace_rows(path, trace_format).rows  # TraceFormatError is a ValueError
+    trace = read_trace_rows(path, trace_format)  # TraceFormatError is a ValueError
+    report_skipped_rows(path, trace.issues)
+    rows = trace.rows
     start = min(r.arrival_s for r in rows)
     shifted = [ReplayRequest(r.arrival_s - start, r.input_tokens, r.output_tokens, r.domain or "chat", r.hash_ids) for r in rows]
     return sorted(shifted, key=lambda r: r.arrival_s)[:_MAX_REQUESTS]

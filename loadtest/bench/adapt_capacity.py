@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from tqdm import tqdm
 
 from fleet.capacity import CapacityModel
+from kernels.traces import report_skipped_rows
 from loadtest.capacity import CapacityResult, CurvePoint, smallest_passing
 from loadtest.simulate import (
     CapacitySettings,
@@ -135,6 +136,8 @@ def main_capacity(args: argparse.Namespace, scenarios: tuple[str, ...], policies
     except (ValueError, OSError) as exc:
         print(f"polymorph bench adapt: {exc}", file=sys.stderr)
         return 2
+    for path, source in zip(args.trace, sources[len(scenarios):], strict=True):  # once: workers read the traces again
+        report_skipped_rows(path, source.issues)
     out = sys.stderr if args.json else sys.stdout
     print(f"{'workload':<14} {'policy':<17} {'capacity x':>10} {'req/s':>8} {'points':>6} {'min GPUs':>8} {'dropped':>7} "
           f"{'wall s':>7}  note", file=out, flush=True)

@@ -145,3 +145,21 @@ def test_a_rate_no_schedule_can_hold_is_refused_before_the_run(argv: list[str], 
 def test_a_simulated_run_longer_than_30_days_is_refused_before_it_starts(argv: list[str], capsys: pytest.CaptureFixture[str]) -> None:
     assert main(argv) == 2  # before, every controller tick was queued at the start: `--stretch 1e9` ended in a MemoryError
     assert "a simulated run spans at most 2,592,000 s (30 days)" in capsys.readouterr().err
+
+
+_TRACE = ["--trace", "TRACE", "--format", "azure"]
+
+
+@pytest.mark.parametrize("argv", [["loadtest", *_TRACE, "--dry-run", "--out", "OUT"],
+                                  ["simulate", *_TRACE, "--policy", "static-initial", "--json"],
+                                  ["simulate", *_TRACE, "--policy", "static-initial", "--capacity", "--max-points", "2", "--json"],
+                                  ["bench", "adapt", "--metric", "capacity", "--scenarios", "", *_TRACE, "--policies", "static-initial,adaptive",
+                                   "--max-points", "2", "--no-fleet-search", "--workers", "2", "--json"],
+                                  ["compile", *_TRACE, "--model", "llama-3.1-8b", "--gpu", "H100-SXM", "--evaluator", "analytic", "--json"]])
+def test_every_command_that_reads_a_trace_says_once_which_rows_it_skipped(argv: list[str], tmp_path: Path, capfd: pytest.CaptureFixture[str]) -> None:
+    """Before, only `polymorph loadtest` said so: simulate, bench adapt and compile dropped them silently (bench
+    adapt's workers read the trace again, and must not say it again)."""
+    trace = FIXTURES / "azure_small.csv"
+    assert main([{"TRACE": str(trace), "OUT": str(tmp_path)}.get(arg, arg) for arg in argv]) == 0
+    err = capfd.readouterr().err
+    assert f"warning: {trace}: skipped 3 bad rows:\n  line 5: " in err and "  line 7: " in err and err.count("skipped") == 1
