@@ -1,4 +1,5 @@
-"""Engine answers that are the request's fault, not the replica's: a context the replica cannot hold.
+"""Engine answers that are the request's fault, not the replica's: a context the replica cannot hold, and
+a request the engine could not parse but answered 500.
 
 llama-server answers 400 (``exceed_context_size_error``) for a prompt longer than a slot's context, and
 500 "Context size has been exceeded." when a sequence runs out of KV cells mid-request (its slots share
@@ -8,6 +9,13 @@ breaker opens after a few long prompts routed there); passed on as is, the clien
 own wording, or a 500 it would retry unchanged. ``context_exceeded`` recognises them so the proxy
 tries another replica (a pool with a longer context, or a replica with free KV cells) and answers
 OpenAI's 400 ``context_length_exceeded`` when none can hold it.
+
+llama-server also answers 500 for ``messages`` or ``tools`` it cannot parse (a tool without its
+``function``, a tool call's ``arguments`` that are not JSON): its parser's 400 wrapped in a
+``std::runtime_error`` (common/chat.cpp). Counted as failures, three such requests eject the replica, so
+one client's malformed tools took a model's only replica out of service for everyone (503 for every
+tenant until its cool-down). ``request_refused`` recognises them: the client gets a 400 with the
+engine's reason, the replica stays in, and no other replica is tried (each would refuse it alike).
 """
 
 from __future__ import annotations
@@ -24,6 +32,9 @@ _PHRASES = re.compile(
     rb"|longer than the model's context length",  # sglang
     re.IGNORECASE,
 )
+# llama.cpp's 500s for a request it could not parse (common/chat.cpp, b1-0c1e570); vLLM and sglang answer
+# such requests 400, as llama.cpp does every other malformed field
+_REFUSALS = re.compile(rb"Failed to parse (?:messages|tools|tool call arguments as JSON): ")
 _MAX_MESSAGE_CHARS = 300
 
 
@@ -34,6 +45,19 @@ def context_exceeded(status: int, body: bytes) -> str | None:
         return None
     if _PHRASES.search(body) is None:
         return None
+    return _message(body)
+
+
+def request_refused(status: int, body: bytes) -> str | None:
+    """The engine's message when its 5xx ``status``/``body`` says it could not parse the request (None: any
+    other answer, a sick replica's included)."""
+    if status < 500 or _REFUSALS.search(body) is None:
+        return None
+    return _message(body)
+
+
+def _message(body: bytes) -> str:
+    """The error's message in the engine's answer: OpenAI's envelope, vLLM's older flat one, or text."""
     try:
         doc = orjson.loads(body)
     except orjson.JSONDecodeError:

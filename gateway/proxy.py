@@ -22,8 +22,8 @@ from fleet.router import Reject, Route, RouterSettings, Wait, route
 from fleet.router_steps import work_units
 from gateway.adapters import engine_model, with_model
 from gateway.config import UpstreamSettings
-from gateway.engine_errors import context_exceeded
-from gateway.errors import ApiError, error_body, sse_error_event
+from gateway.engine_errors import context_exceeded, request_refused
+from gateway.errors import ApiError, error_body, error_response, sse_error_event
 from gateway.metrics import GatewayMetrics
 from gateway.outcome import Outcome
 from gateway.pool_wait import PoolWaits
@@ -343,6 +343,10 @@ class Proxy:
             if (upstream.status >= 500 and upstream.status != 501) or upstream.status == 429:
                 body = await upstream.read()
                 self._raise_if_context_exceeded(replica, upstream.status, body, outcome)  # the request's fault: the replica is well
+                if (refusal := request_refused(upstream.status, body)) is not None:  # so is this, and no replica would take it
+                    self.mark_success(replica)
+                    outcome.status = 400
+                    return error_response(ApiError(400, f"Replica {replica.name} could not parse the request: {refusal}", "invalid_request"), headers)
                 if upstream.status >= 500:
                     self.mark_failure(replica)
                 outcome.status = upstream.status

@@ -10,7 +10,7 @@ from pathlib import Path
 import openai
 import pytest
 
-from gateway.engine_errors import context_exceeded
+from gateway.engine_errors import context_exceeded, request_refused
 from tests.gateway.test_real_drift import KEY, cpu_fleet_config
 from tests.support.procs import start_gateway
 
@@ -40,6 +40,22 @@ SENTENCE = "The quick brown fox jumps over the lazy dog. "
 ])
 def test_engine_answers_that_say_the_context_does_not_fit_are_recognised(status: int, body: bytes, found: str | None) -> None:
     assert context_exceeded(status, body) == found
+
+
+@pytest.mark.parametrize(("status", "body", "found"), [
+    # llama.cpp (b1-0c1e570) wraps its parser's 400 in a 500
+    (500, b'{"error":{"code":500,"message":"Failed to parse tools: Missing tool function: {\\"type\\":\\"function\\"}; tools = []","type":"server_error"}}',
+     'Failed to parse tools: Missing tool function: {"type":"function"}; tools = []'),
+    (500, b'{"error":{"code":500,"message":"Failed to parse messages: Missing tool call function: {}","type":"server_error"}}',
+     "Failed to parse messages: Missing tool call function: {}"),
+    (500, b'{"error":{"code":500,"message":"Failed to parse tool call arguments as JSON: parse error","type":"server_error"}}',
+     "Failed to parse tool call arguments as JSON: parse error"),
+    # a sick replica, and the engine's own 400 (passed on as it is)
+    (500, b'{"error":{"message":"CUDA error: an illegal memory access","type":"server_error"}}', None),
+    (400, b'{"error":{"code":400,"message":"Failed to parse tools: x","type":"invalid_request_error"}}', None),
+])
+def test_engine_500s_for_a_request_it_could_not_parse_are_recognised(status: int, body: bytes, found: str | None) -> None:
+    assert request_refused(status, body) == found
 
 
 def _metric(url: str, name: str, label: str) -> float:
@@ -75,6 +91,14 @@ def test_a_context_too_long_for_one_pool_is_served_by_another_and_no_replica_is_
         with pytest.raises(openai.BadRequestError) as refused:  # longer than any replica's context (the model's 2,048)
             client.chat.completions.create(model="tiny-llama", messages=[{"role": "user", "content": SENTENCE * 400}], max_tokens=8)
         short = client.chat.completions.create(model="tiny-llama", messages=[{"role": "user", "content": "Hi"}], max_tokens=4)
+        # tools llama.cpp cannot parse: its 500, which ejected the replica after three (503 for everyone after)
+        malformed = []
+        for _ in range(4):
+            with pytest.raises(openai.BadRequestError) as info:
+                client.chat.completions.create(model="tiny-llama", messages=[{"role": "user", "content": "Hi"}], max_tokens=4,
+                                               tools=[{"type": "function"}])  # type: ignore[list-item]
+            malformed.append(info.value.body)
+        after = client.chat.completions.create(model="tiny-llama", messages=[{"role": "user", "content": "Hi"}], max_tokens=4)
         ejections = _metric(gateway.url, "polymorph_replica_ejections_total", "")
     finally:
         gateway.stop()
@@ -86,4 +110,6 @@ def test_a_context_too_long_for_one_pool_is_served_by_another_and_no_replica_is_
     error = refused.value.body
     assert refused.value.status_code == 400 and isinstance(error, dict) and error["code"] == "context_length_exceeded", error
     assert "cannot hold this request's context" in error["message"] and "Traceback" not in error["message"], error
-    assert short.choices[0].message.content is not None
+    assert short.choices[0].message.content is not None and after.choices[0].message.content is not None
+    for error in malformed:
+        assert isinstance(error, dict) and error["code"] == "invalid_request" and "Missing tool function" in error["message"], error
