@@ -36,6 +36,18 @@ _SAMPLING = {
     "presence_penalty": {"type": "number", "minimum": -2, "maximum": 2},
     "frequency_penalty": {"type": "number", "minimum": -2, "maximum": 2},
     "stream_options": {"type": "object"},
+    "seed": {"type": "integer"},
+    "user": {"type": "string"},
+    "logit_bias": {"type": "object", "additionalProperties": {"type": "number", "minimum": -100, "maximum": 100}},
+}
+_NAMED = {"type": "object", "required": ["name"], "properties": {"name": {"type": "string", "minLength": 1}}}
+_CHAT_FIELDS = {
+    "tools": {"type": "array", "items": {"type": "object", "required": ["type"], "properties": {"type": {"type": "string"}, "function": _NAMED}}},
+    "tool_choice": {"oneOf": [{"type": "string", "enum": ["none", "auto", "required"]}, {"type": "object", "required": ["type"]}]},
+    "parallel_tool_calls": {"type": "boolean"},
+    "response_format": {"type": "object", "required": ["type"], "properties": {"type": {"type": "string"}, "json_schema": {"type": "object"}}},
+    "logprobs": {"type": "boolean"},
+    "top_logprobs": {"type": "integer", "minimum": 0, "maximum": 20},
 }
 _TIER = {"name": "x-polymorph-tier", "in": "header", "required": False, "schema": {"type": "string"}}
 _ROUTED = {
@@ -163,11 +175,12 @@ DOCUMENT: dict[str, Any] = {
         },
     },
     "paths": {
-        "/v1/chat/completions": _completion_path("Chat completion (routed by shape)", ["model", "messages"], {"messages": {"type": "array", "minItems": 1, "items": _MESSAGE}}),
+        "/v1/chat/completions": _completion_path("Chat completion (routed by shape)", ["model", "messages"], {"messages": {"type": "array", "minItems": 1, "items": _MESSAGE}, **_CHAT_FIELDS}),
         "/v1/completions": _completion_path(
             "Text completion (routed by shape)",
             ["model", "prompt"],
-            {"prompt": {"oneOf": [{"type": "string"}, {"type": "array", "items": {"type": "string"}}, {"type": "array", "items": {"type": "integer"}}]}},
+            {"prompt": {"oneOf": [{"type": "string"}, {"type": "array", "items": {"type": "string"}}, {"type": "array", "items": {"type": "integer"}}]},
+             "logprobs": {"type": "integer", "minimum": 0, "maximum": 20}},
         ),
         "/v1/embeddings": _post("Embeddings (classified by input tokens; the tenant's token limits charge the input)", _EMBEDDINGS),
         "/v1/responses": _post("Responses API, passed through to engines that implement it (JSON, or typed SSE events when stream is true)", _RESPONSES),
