@@ -55,7 +55,10 @@ class ServerSettings:
 @dataclass(frozen=True, slots=True)
 class UpstreamSettings:
     connect_timeout_s: float = 2.0
-    first_byte_timeout_s: float = 120.0
+    first_byte_timeout_s: float = 120.0  # a stream's first chunk
+    # A non-streamed answer arrives whole, so its first byte is its last: a long generation (a reasoning
+    # model's 8,000 tokens at 30 ms) is not a hung replica. 600 s is the OpenAI SDK's own timeout.
+    response_timeout_s: float = 600.0
     between_chunks_timeout_s: float = 60.0
     max_attempts: int = 3
     retry_budget_ratio: float = 0.2
@@ -268,6 +271,7 @@ def _upstream(doc: YamlDoc) -> UpstreamSettings:
     return UpstreamSettings(
         connect_timeout_s=r.number("connect_timeout_s", d.connect_timeout_s, lo=0.01, hi=600),
         first_byte_timeout_s=r.number("first_byte_timeout_s", d.first_byte_timeout_s, lo=0.01, hi=86400),
+        response_timeout_s=r.number("response_timeout_s", d.response_timeout_s, lo=0.01, hi=86400),
         between_chunks_timeout_s=r.number("between_chunks_timeout_s", d.between_chunks_timeout_s, lo=0.01, hi=86400),
         max_attempts=r.number("max_attempts", d.max_attempts, lo=1, hi=10, integer=True),
         retry_budget_ratio=r.number("retry_budget_ratio", d.retry_budget_ratio, lo=0, hi=10),

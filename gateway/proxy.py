@@ -322,13 +322,14 @@ class Proxy:
     ) -> web.StreamResponse:
         loop = asyncio.get_running_loop()
         started_at = loop.time()
-        first_byte_deadline = started_at + settings.first_byte_timeout_s
+        timeout_s = settings.first_byte_timeout_s if stream else settings.response_timeout_s
+        deadline = started_at + timeout_s
         try:
             # The deadline covers the head and the body (a stream: its first piece), on one timer.
-            upstream = await self.pool.post(decision.url, request.path, raw_body, settings.connect_timeout_s, first_byte_deadline, trace_headers)
+            upstream = await self.pool.post(decision.url, request.path, raw_body, settings.connect_timeout_s, deadline, trace_headers)
         except TimeoutError:
             self.mark_failure(replica)
-            raise ApiError(504, f"Replica {replica.name} did not answer within {settings.first_byte_timeout_s:g} s.", "upstream_timeout") from None
+            raise ApiError(504, f"Replica {replica.name} did not answer within {timeout_s:g} s.", "upstream_timeout") from None
         except UpstreamError as exc:
             self.mark_failure(replica)
             raise ApiError(502, f"Replica {replica.name} could not be reached ({exc}).", "upstream_unreachable", retry_after_s=1.0) from None
@@ -359,7 +360,7 @@ class Proxy:
             self._raise_if_context_exceeded(replica, upstream.status, body, outcome)
         except TimeoutError:
             self.mark_failure(replica)
-            raise ApiError(504, f"Replica {replica.name} did not answer within {settings.first_byte_timeout_s:g} s.", "upstream_timeout") from None
+            raise ApiError(504, f"Replica {replica.name} did not answer within {timeout_s:g} s.", "upstream_timeout") from None
         except UpstreamError as exc:
             self.mark_failure(replica)
             raise ApiError(502, f"Replica {replica.name} failed before answering ({exc}).", "upstream_failed", retry_after_s=1.0) from None

@@ -93,7 +93,7 @@ def _write_gateway_config(run_dir: Path, vllm_url: str, max_num_seqs: int, urgen
          "max_in_flight_per_replica": max_num_seqs},
         {"name": "flat", "model": FLAT_MODEL, "engine": {"kind": "vllm"}, "replicas": {"urls": [vllm_url]}},
     ]
-    config = {"server": {"host": "127.0.0.1"}, "upstream": {"first_byte_timeout_s": 300, "between_chunks_timeout_s": 120},
+    config = {"server": {"host": "127.0.0.1"}, "upstream": {"first_byte_timeout_s": 300, "response_timeout_s": 300, "between_chunks_timeout_s": 120},
               "tenants_dir": "tenants", "fleet": {"pools": pools}, "router": {"urgent_reserve": urgent_reserve, "urgent_window_s": urgent_window_s}}
     path = run_dir / "gateway.yaml"
     path.write_text(json.dumps(config))

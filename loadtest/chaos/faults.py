@@ -32,6 +32,7 @@ LOAD_KEY = "sk-chaos-load"
 UPSTREAM = {
     "connect_timeout_s": 0.5,
     "first_byte_timeout_s": 1.0,
+    "response_timeout_s": 1.0,
     "between_chunks_timeout_s": 1.0,
     "max_attempts": 3,
     "retry_budget_ratio": 0.5,
@@ -40,7 +41,7 @@ UPSTREAM = {
     "health_interval_s": 0.2,
 }
 # The longest a correct answer can take: every attempt timing out before its first byte, then a stall.
-DEADLINE_S = UPSTREAM["max_attempts"] * (UPSTREAM["connect_timeout_s"] + UPSTREAM["first_byte_timeout_s"]) + 3.0
+DEADLINE_S = UPSTREAM["max_attempts"] * (UPSTREAM["connect_timeout_s"] + max(UPSTREAM["first_byte_timeout_s"], UPSTREAM["response_timeout_s"])) + 3.0
 # A restarted replica is readmitted within a second here; a process start beside the test suite's first,
 # busiest minute once took over 15 s (the figure reports the actual time either way)
 READMIT_TIMEOUT_S = 45.0

@@ -51,7 +51,7 @@ def write_fleet_config(run_dir: Path, pools: tuple[tuple[str, int, tuple[str, ..
     (run_dir / "tenants" / "fleet.yaml").write_text(json.dumps(tenant))
     config = {
         "server": {"host": "127.0.0.1", "admin_token": ADMIN, "access_log": False},
-        "upstream": {"connect_timeout_s": 0.5, "first_byte_timeout_s": 5.0, "eject_after_failures": 2,
+        "upstream": {"connect_timeout_s": 0.5, "first_byte_timeout_s": 5.0, "response_timeout_s": 5.0, "eject_after_failures": 2,
                      "eject_cooldown_s": 1.0, "health_interval_s": 0.2},
         "tenants_dir": "tenants",
         "fleet": {

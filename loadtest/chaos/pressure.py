@@ -45,7 +45,7 @@ def overload_plan() -> StackPlan:
     return StackPlan(
         pools=(PoolPlan("main", MODEL, 2, engine={"max_running_requests": _CAP // 2}, speed=5.0),),
         tenants=(TenantPlan("capped", OVERLOAD_KEY, {"max_concurrency": _CAP, "rate_limits": {"requests_per_min": 1e8, "tokens_per_min": 1e12}}),),
-        upstream={"first_byte_timeout_s": 10.0, "between_chunks_timeout_s": 5.0, "health_interval_s": 0.5},
+        upstream={"first_byte_timeout_s": 10.0, "response_timeout_s": 10.0, "between_chunks_timeout_s": 5.0, "health_interval_s": 0.5},
     )
 
 
@@ -55,7 +55,7 @@ def tier_overload_plan() -> StackPlan:
     return StackPlan(
         pools=(PoolPlan("main", MODEL, 2, engine={"max_running_requests": _CAP // 2}, speed=5.0),),
         tenants=(TenantPlan("tiered", TIERED_KEY, tenant),),
-        upstream={"first_byte_timeout_s": 30.0, "between_chunks_timeout_s": 10.0, "health_interval_s": 0.5},
+        upstream={"first_byte_timeout_s": 30.0, "response_timeout_s": 30.0, "between_chunks_timeout_s": 10.0, "health_interval_s": 0.5},
     )
 
 
@@ -63,7 +63,7 @@ def idle_plan() -> StackPlan:
     return StackPlan(
         pools=(PoolPlan("idle", MODEL, 2), PoolPlan("probe", PROBE_MODEL, 1, shapes=())),
         tenants=(TenantPlan("idle", IDLE_KEY, {"max_concurrency": 10**7, "rate_limits": {"requests_per_min": 1e12, "tokens_per_min": 1e15}}),),
-        upstream={"first_byte_timeout_s": 60.0, "between_chunks_timeout_s": 600.0, "health_interval_s": 1.0},
+        upstream={"first_byte_timeout_s": 60.0, "response_timeout_s": 60.0, "between_chunks_timeout_s": 600.0, "health_interval_s": 1.0},
     )
 
 

@@ -25,7 +25,7 @@ def hostile_plan(garbage_url: str) -> StackPlan:
             TenantPlan("beta", BETA_KEY, {"max_concurrency": 10000, "rate_limits": {"requests_per_min": 1e9}}),
         ),
         # A misbehaving replica must never be ejected here: each test sees its own answer, not a 503.
-        upstream={"eject_after_failures": 1000, "max_attempts": 1, "first_byte_timeout_s": 2.0,
+        upstream={"eject_after_failures": 1000, "max_attempts": 1, "first_byte_timeout_s": 2.0, "response_timeout_s": 2.0,
                   "between_chunks_timeout_s": 1.0, "health_interval_s": 0.5},
         max_body_bytes=65536,
     )

@@ -27,7 +27,7 @@ COOLDOWN_S = 0.5
 
 @pytest.fixture
 def fleet(tmp_path: Path) -> Iterator[tuple[Proc, Proc]]:
-    upstream = {"connect_timeout_s": 0.5, "first_byte_timeout_s": 5.0, "max_attempts": 1, "eject_after_failures": 1,
+    upstream = {"connect_timeout_s": 0.5, "first_byte_timeout_s": 5.0, "response_timeout_s": 5.0, "max_attempts": 1, "eject_after_failures": 1,
                 "eject_cooldown_s": COOLDOWN_S, "health_interval_s": 3600}
     with one_replica(tmp_path, upstream) as fleet:
         yield fleet

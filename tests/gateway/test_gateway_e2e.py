@@ -75,7 +75,7 @@ def _config(tmp: Path, urls: list[str], dead_port: int) -> Path:
         "server": {"host": "127.0.0.1", "admin_token": ADMIN, "max_body_bytes": 65536, "body_read_timeout_s": 1.0},
         "upstream": {
             "connect_timeout_s": 0.5,
-            "first_byte_timeout_s": 1.5,
+            "first_byte_timeout_s": 1.5, "response_timeout_s": 1.5,
             "between_chunks_timeout_s": 1.0,
             "max_attempts": 2,
             "eject_after_failures": 2,

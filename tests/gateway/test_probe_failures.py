@@ -25,7 +25,7 @@ EJECT_AFTER = 3
 
 @pytest.fixture
 def fleet(tmp_path: Path) -> Iterator[tuple[Proc, Proc]]:
-    upstream = {"connect_timeout_s": 0.5, "first_byte_timeout_s": 5.0, "max_attempts": 1,
+    upstream = {"connect_timeout_s": 0.5, "first_byte_timeout_s": 5.0, "response_timeout_s": 5.0, "max_attempts": 1,
                 "eject_after_failures": EJECT_AFTER, "eject_cooldown_s": 60, "health_interval_s": 0.1}
     with one_replica(tmp_path, upstream) as fleet:
         yield fleet
