@@ -12,7 +12,8 @@ OpenAI's 400 ``context_length_exceeded`` when none can hold it.
 
 llama-server also answers 500 for ``messages`` or ``tools`` it cannot parse (a tool without its
 ``function``, a tool call's ``arguments`` that are not JSON): its parser's 400 wrapped in a
-``std::runtime_error`` (common/chat.cpp). Counted as failures, three such requests eject the replica, so
+``std::runtime_error`` (common/chat.cpp); and for an image or audio part sent to a model it serves
+without a multimodal projector. Counted as failures, three such requests eject the replica, so
 one client's malformed tools took a model's only replica out of service for everyone (503 for every
 tenant until its cool-down). ``request_refused`` recognises them: the client gets a 400 with the
 engine's reason, the replica stays in, and no other replica is tried (each would refuse it alike).
@@ -34,7 +35,8 @@ _PHRASES = re.compile(
 )
 # llama.cpp's 500s for a request it could not parse (common/chat.cpp, b1-0c1e570); vLLM and sglang answer
 # such requests 400, as llama.cpp does every other malformed field
-_REFUSALS = re.compile(rb"Failed to parse (?:messages|tools|tool call arguments as JSON): ")
+_REFUSALS = re.compile(rb"Failed to parse (?:messages|tools|tool call arguments as JSON): "
+                       rb"|(?:image|audio) input is not supported")  # a text-only model (no --mmproj) sent media
 _MAX_MESSAGE_CHARS = 300
 
 

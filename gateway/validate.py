@@ -148,6 +148,8 @@ def _check_messages(messages: Any) -> None:
         role = message.get("role")
         if role not in _ROLES:
             raise _bad(f"messages[{i}].role", f"'messages[{i}].role' must be one of {sorted(_ROLES)}.")
+        if message.get("name") is not None and not isinstance(message["name"], str):
+            raise _bad(f"messages[{i}].name", f"'messages[{i}].name' must be a string.")
         _check_tool_calls(i, message.get("tool_calls"))
         content = message.get("content")
         if content is None:
@@ -158,6 +160,9 @@ def _check_messages(messages: Any) -> None:
             continue
         if not isinstance(content, list) or not all(isinstance(part, dict) for part in content):
             raise _bad(f"messages[{i}].content", f"'messages[{i}].content' must be a string or an array of content parts.")
+        for j, part in enumerate(content):
+            if not isinstance(part.get("type"), str) or (part["type"] == "text" and not isinstance(part.get("text"), str)):
+                raise _bad(f"messages[{i}].content[{j}]", f"'messages[{i}].content[{j}]' must have a 'type', and a text part its 'text' string.")
 
 
 def _check_tool_calls(i: int, calls: Any) -> None:
@@ -168,8 +173,11 @@ def _check_tool_calls(i: int, calls: Any) -> None:
     if not isinstance(calls, list):
         raise _bad(where, f"'{where}' must be an array of tool calls.")
     for j, call in enumerate(calls):
-        function = call.get("function") if isinstance(call, dict) else None
-        if not isinstance(function, dict) or not isinstance(function.get("name"), str) or not isinstance(function.get("arguments"), str):
+        if not isinstance(call, dict) or not isinstance(call.get("type"), str):
+            raise _bad(f"{where}[{j}]", f"'{where}[{j}]' must be an object with a 'type'.")
+        function = call.get("function")
+        if call["type"] == "function" and (not isinstance(function, dict) or not isinstance(function.get("name"), str)
+                                           or not isinstance(function.get("arguments"), str)):
             raise _bad(f"{where}[{j}].function", f"'{where}[{j}].function' must be an object with a 'name' and 'arguments' (a JSON string).")
 
 

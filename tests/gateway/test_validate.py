@@ -48,9 +48,15 @@ CHAT = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
         ({**CHAT, "logit_bias": {"the": 5}}, "logit_bias"),
         ({**CHAT, "logit_bias": {"5": 101}}, "logit_bias"),
         ({"model": "m", "messages": [{"role": "assistant", "tool_calls": [{"type": "function"}]}]}, "messages[0].tool_calls[0].function"),
-        ({"model": "m", "messages": [{"role": "assistant", "tool_calls": [{"function": {"name": "f", "arguments": {"a": 1}}}]}]},
+        ({"model": "m", "messages": [{"role": "assistant", "tool_calls": [{"type": "function", "function": {"name": "f", "arguments": {"a": 1}}}]}]},
          "messages[0].tool_calls[0].function"),
+        ({"model": "m", "messages": [{"role": "assistant", "tool_calls": [{"function": {"name": "f", "arguments": "{}"}}]}]}, "messages[0].tool_calls[0]"),
         ({"model": "m", "messages": [{"role": "assistant", "tool_calls": {}}]}, "messages[0].tool_calls"),
+        # llama.cpp answered these 500 ("Failed to parse messages: ...")
+        ({"model": "m", "messages": [{"role": "user", "content": [{"type": "text"}]}]}, "messages[0].content[0]"),
+        ({"model": "m", "messages": [{"role": "user", "content": [{"type": "text", "text": 7}]}]}, "messages[0].content[0]"),
+        ({"model": "m", "messages": [{"role": "user", "content": [{"text": "hi"}]}]}, "messages[0].content[0]"),
+        ({"model": "m", "messages": [{"role": "user", "content": "hi", "name": 5}]}, "messages[0].name"),
     ],
 )
 def test_chat_errors_name_the_field(body: object, param: str | None) -> None:
@@ -73,7 +79,8 @@ def test_valid_bodies_and_pass_through_of_unknown_fields() -> None:
 def test_the_typed_openai_fields_pass_in_every_shape_openai_gives_them() -> None:
     tool = {"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object", "properties": {}}}}
     call = {"id": "c1", "type": "function", "function": {"name": "get_weather", "arguments": "{}"}}
-    messages = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": None, "tool_calls": [call]},
+    messages = [{"role": "user", "content": [{"type": "text", "text": "hi"}, {"type": "image_url", "image_url": {"url": "data:,"}}], "name": "u"},
+                {"role": "assistant", "content": None, "tool_calls": [call]},
                 {"role": "tool", "tool_call_id": "c1", "content": "sunny"}]
     for fields in ({"tools": [tool, {"type": "custom", "custom": {"name": "x"}}], "tool_choice": "required", "parallel_tool_calls": False},
                    {"tools": [tool], "tool_choice": {"type": "function", "function": {"name": "get_weather"}}},
