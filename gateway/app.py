@@ -32,6 +32,7 @@ from gateway.dashboard import add_dashboard_routes, is_admin_request
 from gateway.endpoints import CHAT_METER, COMPLETIONS_METER, EMBEDDINGS, RERANK, RERANK_PATHS, RESPONSES, SCORE, SCORE_PATHS, Endpoint, Meter
 from gateway.engine_scrape import EngineScraper
 from gateway.errors import ApiError, error_response, unreadable_body
+from gateway.metrics import CONTENT_TYPE
 from gateway.openapi import DOCUMENT_BYTES
 from gateway.outcome import Outcome
 from gateway.probes import HealthProber
@@ -451,7 +452,7 @@ class Handlers:
         return error_response(ApiError(503, "No replica is healthy yet.", "not_ready", retry_after_s=1.0))
 
     async def metrics_endpoint(self, request: web.Request) -> web.Response:
-        return web.Response(body=self.state.metrics.render(), headers={"Content-Type": "text/plain; version=0.0.4; charset=utf-8"})
+        return web.Response(body=self.state.metrics.render(), headers={"Content-Type": CONTENT_TYPE})
 
     async def openapi(self, request: web.Request) -> web.Response:
         return web.Response(body=DOCUMENT_BYTES, content_type=_JSON)

@@ -58,6 +58,7 @@ import aiohttp
 import orjson
 from aiohttp import web
 from aiohttp.web_protocol import RequestPayloadError
+from prometheus_client import CollectorRegistry, generate_latest
 
 from fleet.actuators.local import LocalActuator, LocalReplica, answers_health, warm_up
 from fleet.capacity import PerfCapacity
@@ -72,10 +73,12 @@ from fleet.rollout import SlotState
 from fleet.telemetry_batch import Report, parse, replay
 from gateway.config import GatewayConfig
 from gateway.dashboard import is_admin_request
+from gateway.decision_metrics import DecisionMetrics
 from gateway.engine_scrape import EngineUnreadable, read_engine_load
 from gateway.errors import ApiError, error_response
 from gateway.live_fleet import controller_settings
 from gateway.malformed_http import EnvelopeAppRunner
+from gateway.metrics import CONTENT_TYPE
 from gateway.replicas import ReplicaControl, assign_devices, close, launcher, pool_engine, replica_control, start_timeout_s
 
 _JSON = "application/json"
@@ -168,6 +171,8 @@ class ControllerService:
         self.warmup_model: dict[str, str | None] = {}  # slot -> the model its engine's warm-up request names, until it answered
         self.telemetry = ModelTelemetry(self.models, settings.window_s)
         self.decisions = DecisionLog(settings.decision_log)
+        self.metrics = CollectorRegistry(auto_describe=True)
+        self.metrics.register(DecisionMetrics(self.decisions))
         self.controller: MultiController | None = None
         self.epoch = uuid.uuid4().hex[:12]
         self.version = 0
@@ -511,6 +516,9 @@ class ControllerService:
     async def healthz(self, request: web.Request) -> web.Response:
         return web.Response(body=orjson.dumps({"status": "ok", "role": "leader", "epoch": self.epoch, "plan_version": self.version}), content_type=_JSON)
 
+    async def get_metrics(self, request: web.Request) -> web.Response:
+        return web.Response(body=generate_latest(self.metrics), headers={"Content-Type": CONTENT_TYPE})
+
     async def admin_decisions(self, request: web.Request) -> web.Response:
         if not is_admin_request(request, self.config.server.admin_token_sha256):
             return error_response(ApiError(401, "The admin API needs 'Authorization: Bearer <admin token>'.", "invalid_admin_token"))
@@ -522,6 +530,7 @@ class ControllerService:
         app.router.add_post("/report", self.post_report)
         app.router.add_get("/healthz", self.healthz)
         app.router.add_get("/admin/decisions", self.admin_decisions)
+        app.router.add_get("/metrics", self.get_metrics)
         return app
 
 

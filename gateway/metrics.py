@@ -13,6 +13,8 @@ from prometheus_client.exposition import generate_latest
 # `polymorph serve --workers N` sets this before starting the workers: each worker then writes its
 # samples to shared files and any worker's /metrics reports the sum over all of them.
 MULTIPROC_ENV = "PROMETHEUS_MULTIPROC_DIR"
+# What generate_latest writes: the text exposition format 0.0.4, which every Prometheus reads
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
 _LATENCY_BUCKETS_S = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
 _TPOT_BUCKETS_S = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.03, 0.05, 0.075, 0.1, 0.15, 0.25, 0.5, 1.0)

@@ -15,6 +15,7 @@ from fleet.health import HealthState
 from fleet.replica_outcomes import ReplicaOutcomes
 from gateway.accesslog import AccessLog
 from gateway.config import GatewayConfig
+from gateway.decision_metrics import DecisionMetrics
 from gateway.metrics import GatewayMetrics
 from gateway.runtime import Runtime, build_runtime
 from gateway.series import Series
@@ -60,6 +61,7 @@ class GatewayState:
         self.access_log = AccessLog() if config.server.access_log else None
         self.series = Series()
         self.decisions = DecisionLog()
+        self.metrics.registry.register(DecisionMetrics(self.decisions))  # the embedded controller's (--workers 1)
         self.replica_outcomes = ReplicaOutcomes()  # per replica, on the fleet clock: what canary trials compare
         self.started_at = time.time()
         self.session: aiohttp.ClientSession | None = None  # probes and model discovery only

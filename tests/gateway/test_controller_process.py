@@ -61,7 +61,10 @@ def test_a_replica_that_dies_under_the_controller_leaves_the_budget_it_plans(tmp
         victim = slots()[0]
         os.kill(victim["pid"], signal.SIGKILL)
         wait_until("a capacity decision", lambda: bool(capacity()), 30)
+        with urllib.request.urlopen(deployment.url + "/metrics", timeout=5) as resp:
+            metrics = resp.read().decode()  # the controller's decisions as Prometheus counters, by kind
     assert capacity()[0]["lost"] == [victim["slot"]] and capacity()[0]["budget"] == {GPU: 1}
+    assert 'polymorph_fleet_decisions_total{kind="capacity"} 1.0' in metrics, metrics
 
 
 def test_a_report_body_its_content_encoding_does_not_decode_gets_a_400_and_one_log_line(tmp_path: Path) -> None:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import json
+import re
 import time
 import urllib.request
 from pathlib import Path
@@ -77,6 +78,8 @@ def test_controller_repartitions_under_load_without_failing_a_request(tmp_path: 
             statuses += asyncio.run(_traffic(gateway.url, duration_s=5.0, rate_rps=25.0, content=LONG_PROMPT))  # a busy machine plans late
         decisions = _admin(gateway.url, "/admin/decisions")["decisions"]
         state = _admin(gateway.url, "/admin/state")
+        with urllib.request.urlopen(gateway.url + "/metrics", timeout=5) as resp:
+            metrics = resp.read().decode()
     finally:
         gateway.stop()
     assert statuses and set(statuses) == {200}, f"{len(statuses)} requests: {sorted(set(statuses))}"
@@ -92,6 +95,10 @@ def test_controller_repartitions_under_load_without_failing_a_request(tmp_path: 
     assert planned["rate_per_replica_rps"] > 0 and planned["cost_per_hour"] > 0 and planned["max_running_per_replica"] >= 1
     logged = [json.loads(line) for line in (tmp_path / "decisions.jsonl").read_text().splitlines()]
     assert [entry["kind"] for entry in logged] == kinds
+    # the decisions as Prometheus counters, by kind (each counted at least as often as the log held it when read)
+    counted = {kind: float(value) for kind, value in re.findall(r'^polymorph_fleet_decisions_total\{kind="(\w+)"\} (\S+)$', metrics, re.M)}
+    assert all(counted.get(kind, 0.0) >= kinds.count(kind) for kind in set(kinds)) and counted, metrics
+    assert "polymorph_decision_log_unwritten 0.0" in metrics and "polymorph_decision_log_dropped_total 0.0" in metrics
 
 
 def test_a_replica_ejected_for_three_cooldowns_leaves_the_budget_and_comes_back_when_healthy() -> None:
