@@ -158,11 +158,13 @@ def test_base_renders_validates_and_holds_what_the_gateway_and_controller_need(k
     # Prometheus: pod discovery on our labels; Grafana: the repository's dashboard
     scrape = yaml.safe_load(configmaps["polymorph-prometheus-scrape"]["data"]["prometheus.yml"])
     jobs = {job["job_name"]: job for job in scrape["scrape_configs"]}
-    assert set(jobs) == {"polymorph-gateway", "polymorph-engine"}
+    assert set(jobs) == {"polymorph-gateway", "polymorph-engine", "polymorph-controller"}
     for name, job in jobs.items():
         assert job["kubernetes_sd_configs"][0]["role"] == "pod"
         keep = job["relabel_configs"][0]
         assert keep["action"] == "keep" and keep["regex"] == f"{name};http"
+    # the controller's standby serves nothing: only the ready (leading) pod is scraped
+    assert {"source_labels": ["__meta_kubernetes_pod_ready"], "regex": "true", "action": "keep"} in jobs["polymorph-controller"]["relabel_configs"]
     dashboard = configmaps["polymorph-grafana-dashboard"]
     assert dashboard["data"]["polymorph.json"] == (REPO / "deploy" / "grafana" / "polymorph.json").read_text()
     assert dashboard["metadata"]["labels"]["grafana_dashboard"] == "1"
