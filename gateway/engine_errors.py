@@ -13,9 +13,9 @@ OpenAI's 400 ``context_length_exceeded`` when none can hold it.
 llama-server also answers 500 for ``messages`` or ``tools`` it cannot parse (a tool without its
 ``function``, a tool call's ``arguments`` that are not JSON): its parser's 400 wrapped in a
 ``std::runtime_error`` (common/chat.cpp); and for an image or audio part sent to a model it serves
-without a multimodal projector. Counted as failures, three such requests eject the replica, so
-one client's malformed tools took a model's only replica out of service for everyone (503 for every
-tenant until its cool-down). ``request_refused`` recognises them: the client gets a 400 with the
+without a multimodal projector. Counted as failures, three such requests eject the replica, so one
+client's images (or, before gateway.validate checked their shape, its malformed tools) took a text-only
+model's only replica out of service for everyone (503 for every tenant until its cool-down). ``request_refused`` recognises them: the client gets a 400 with the
 engine's reason, the replica stays in, and no other replica is tried (each would refuse it alike).
 """
 

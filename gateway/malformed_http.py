@@ -79,7 +79,8 @@ class EnvelopeAppRunner(web.AppRunner):
 
     aiohttp offers no hook for the answers its protocol layer makes itself; its ``Server`` builds one
     ``RequestHandler`` per connection, so the server the runner makes is given a class whose handler
-    overrides ``handle_error`` (aiohttp is pinned, and tests/gateway/test_malformed_http.py checks it)."""
+    overrides ``handle_error`` (aiohttp is pinned; tests/gateway/test_gateway_e2e.py and
+    test_controller_process.py check both servers' answers)."""
 
     async def _make_server(self) -> web.Server:
         _log_parse_errors_in_one_line()
