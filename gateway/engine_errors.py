@@ -51,7 +51,7 @@ def context_exceeded(status: int, body: bytes) -> str | None:
 
 
 def request_refused(status: int, body: bytes) -> str | None:
-    """The engine's message when its 5xx ``status``/``body`` says it could not parse the request (None: any
+    """The engine's message when its 5xx ``status``/``body`` says it refuses the request (None: any
     other answer, a sick replica's included)."""
     if status < 500 or _REFUSALS.search(body) is None:
         return None

@@ -347,7 +347,7 @@ class Proxy:
                 if (refusal := request_refused(upstream.status, body)) is not None:  # so is this, and no replica would take it
                     self.mark_success(replica)
                     outcome.status = 400
-                    return error_response(ApiError(400, f"Replica {replica.name} could not parse the request: {refusal}", "invalid_request"), headers)
+                    return error_response(ApiError(400, f"Replica {replica.name} refused the request: {refusal}", "invalid_request"), headers)
                 if upstream.status >= 500:
                     self.mark_failure(replica)
                 outcome.status = upstream.status

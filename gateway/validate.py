@@ -56,8 +56,9 @@ def validate_body(body: Any, chat: bool) -> tuple[str, bool, int | None]:
         if isinstance(value, bool) or not isinstance(value, int if integer else (int, float)):
             kind = "an integer" if integer else "a number"
             raise _bad(name, f"'{name}' must be {kind}, not {type(value).__name__}.")
-        if not low <= value <= high:
-            raise _bad(name, f"'{name}' must be between {low:g} and {high:g}; got {value}.")
+        if not low <= value <= high:  # integer bounds written out: a seed's 2**64 - 1 is not 1.84467e+19
+            bounds = f"{int(low)} and {int(high)}" if integer else f"{low:g} and {high:g}"
+            raise _bad(name, f"'{name}' must be between {bounds}; got {value}.")
     if body.get("best_of") is not None and body["best_of"] < (body.get("n") or 1):
         raise _bad("best_of", "'best_of' must be greater than or equal to 'n'.")
     stop = body.get("stop")
